@@ -1,0 +1,170 @@
+"""The ``tune`` command: run, ls, cp, validate, download.
+
+Names resolve to our recipes and configs first; a name we do not ship falls back to torchtune
+0.6.1's stock recipe or config, so the baseline stays one command away. Installed as both
+``tune`` and ``tune-recipes`` (the latter never collides with torchtune's script).
+"""
+
+import argparse
+import os
+import runpy
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from tune_recipes._cli import registry
+from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
+
+
+class CliError(Exception):
+    """Printed as one line on stderr, exit status 2, no traceback."""
+
+
+def _recipe_or_fail(name: str) -> registry.Resolved:
+    r = registry.resolve_recipe(name)
+    if r is None:
+        if name.endswith(".py"):
+            raise CliError(f"recipe file not found: {name}")
+        raise CliError(f"unknown recipe '{name}' (not ours, not torchtune's); see `tune ls`")
+    return r
+
+
+def _config_or_fail(name: str) -> registry.Resolved:
+    c = registry.resolve_config(name)
+    if c is None:
+        if name.endswith((".yaml", ".yml")):
+            raise CliError(f"config file not found: {name}")
+        raise CliError(f"unknown config '{name}' (not ours, not torchtune's); see `tune ls`")
+    return c
+
+
+def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
+    recipe = _recipe_or_fail(args.recipe)
+    if args.config is None:
+        raise CliError("tune run needs --config NAME_OR_PATH")
+    config = _config_or_fail(args.config)
+    check_overrides(rest)
+    # Parse now so a broken file fails here in one line, before any process starts.
+    load_config(config.path, rest)
+    recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
+    if args.nproc_per_node is not None:
+        from torch.distributed.run import main as torchrun_main
+
+        torchrun_args = [
+            "--nproc_per_node", str(args.nproc_per_node),
+            "--nnodes", "1",
+            "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", "localhost:0",
+        ]
+        torchrun_main(torchrun_args + recipe_argv)
+        return 0
+    sys.argv = recipe_argv
+    # Recipes are scripts (not importable modules): run the file as __main__.
+    sys.path.insert(0, str(recipe.path.parent))
+    runpy.run_path(str(recipe.path), run_name="__main__")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace, rest: List[str]) -> int:
+    by_recipe = registry.configs_by_recipe()
+    width = max(len(r) for r in by_recipe) if by_recipe else 10
+    print(f"{'RECIPE':<{width}}  CONFIG")
+    for recipe in sorted(by_recipe):
+        configs = by_recipe[recipe] or ["-"]
+        for i, c in enumerate(configs):
+            print(f"{recipe if i == 0 else '':<{width}}  {c}")
+    if args.all:
+        print("\ntorchtune 0.6.1 stock recipes (fallback when a name is not ours):")
+        recipes, _ = registry._stock()
+        for r in recipes:
+            print(f"  {r.name}: {', '.join(c.name for c in r.configs) or '-'}")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
+    src = registry.resolve_recipe(args.name)
+    if src is None or not src.path.suffix == ".py":
+        src = registry.resolve_config(args.name)
+    if src is None:
+        raise CliError(f"unknown recipe or config '{args.name}'; see `tune ls`")
+    dest = Path(args.destination)
+    if dest.is_dir():
+        dest = dest / src.path.name
+    elif dest.suffix == "":
+        dest = dest.with_suffix(src.path.suffix)
+    if dest.exists() and not args.force:
+        raise CliError(f"{dest} already exists (pass --force to overwrite)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src.path, dest)
+    print(f"copied {src.path} -> {dest}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
+    config = _config_or_fail(args.config)
+    cfg = load_config(config.path, rest)
+    checked = validate_config(cfg)
+    print(f"config is valid: {config.path} ({len(checked)} components bind)")
+    return 0
+
+
+def cmd_download(args: argparse.Namespace, rest: List[str]) -> int:
+    # Delegates to torchtune's downloader (Hugging Face Hub / Kaggle), same flags.
+    from torchtune._cli.tune import main as torchtune_main
+
+    sys.argv = ["tune", "download", *rest]
+    torchtune_main()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tune",
+        description="tune-recipes: fine-tuning recipes (ours first, torchtune 0.6.1 as fallback)",
+    )
+    sub = p.add_subparsers(dest="command", metavar="{run,ls,cp,validate,download}")
+    run = sub.add_parser("run", help="run a recipe with a config and key=value overrides")
+    run.add_argument("--nproc_per_node", type=int, default=None,
+                     help="processes per node (distributed recipes; torchrun underneath)")
+    run.add_argument("recipe", help="recipe name (see `tune ls`) or path to a .py file")
+    run.add_argument("--config", help="config name (see `tune ls`) or path to a .yaml file")
+    run.set_defaults(fn=cmd_run)
+    ls = sub.add_parser("ls", help="list our recipes and their configs")
+    ls.add_argument("--all", action="store_true", help="also list torchtune's stock recipes")
+    ls.set_defaults(fn=cmd_ls)
+    cp = sub.add_parser("cp", help="copy a recipe or config out to edit")
+    cp.add_argument("name")
+    cp.add_argument("destination")
+    cp.add_argument("--force", action="store_true")
+    cp.set_defaults(fn=cmd_cp)
+    val = sub.add_parser("validate", help="check a config: components resolve and kwargs bind")
+    val.add_argument("config")
+    val.set_defaults(fn=cmd_validate)
+    dl = sub.add_parser("download", help="download a model (delegates to torchtune)",
+                        add_help=False)
+    dl.set_defaults(fn=cmd_download)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv and argv[0] == "download":
+        args, rest = parser.parse_args(argv[:1]), argv[1:]
+    else:
+        args, rest = parser.parse_known_args(argv)
+    if getattr(args, "fn", None) is None:
+        parser.print_help()
+        return 2
+    if args.command in ("ls", "cp") and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.fn(args, rest)
+    except (CliError, ConfigError) as e:
+        print(f"tune: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

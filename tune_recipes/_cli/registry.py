@@ -1,0 +1,113 @@
+"""Where our recipes and configs live, and how names resolve (ours first, then torchtune's)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import tune_recipes
+
+# A config named <size>_<suffix>.yaml runs with the recipe this table maps its suffix to.
+# Longest suffix wins (qat_lora_distributed before lora_distributed).
+CONFIG_SUFFIX_TO_RECIPE: Dict[str, str] = {
+    "full_single_device": "full_finetune_single_device",
+    "lora_single_device": "lora_finetune_single_device",
+    "qlora_single_device": "lora_finetune_single_device",
+    "dora_single_device": "lora_finetune_single_device",
+    "qat_single_device": "qat_single_device",
+    "quantize": "quantize",
+    "full_distributed": "full_finetune_distributed",
+    "lora_distributed": "lora_finetune_distributed",
+    "qat_distributed": "qat_distributed",
+    "qat_lora_distributed": "qat_lora_finetune_distributed",
+    "kd_distributed": "knowledge_distillation_distributed",
+    "kd_single_device": "knowledge_distillation_single_device",
+    "fused_ce_lora_single_device": "lora_finetune_single_device",
+    "fused_ce_full_single_device": "full_finetune_single_device",
+}
+
+
+def _root(kind: str) -> Path:
+    """Top-level ``recipes/`` or ``configs/`` of a source checkout (editable install), else the
+    copy shipped inside the installed package under ``tune_recipes/_shipped/``."""
+    pkg = Path(tune_recipes.__file__).resolve().parent
+    checkout = pkg.parent / kind
+    if (pkg.parent / "pyproject.toml").is_file() and checkout.is_dir():
+        return checkout
+    return pkg / "_shipped" / kind
+
+
+def recipes_dir() -> Path:
+    return _root("recipes")
+
+
+def configs_dir() -> Path:
+    return _root("configs")
+
+
+def list_recipes() -> List[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.py") if not p.name.startswith("_"))
+
+
+def list_configs() -> List[str]:
+    root = configs_dir()
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def recipe_for_config(config_name: str) -> Optional[str]:
+    stem = Path(config_name).name
+    for suffix in sorted(CONFIG_SUFFIX_TO_RECIPE, key=len, reverse=True):
+        if stem == suffix or stem.endswith("_" + suffix):
+            return CONFIG_SUFFIX_TO_RECIPE[suffix]
+    return None
+
+
+def configs_by_recipe() -> Dict[str, List[str]]:
+    out: Dict[str, List[str]] = {r: [] for r in list_recipes()}
+    for c in list_configs():
+        r = recipe_for_config(c)
+        if r is not None:
+            out.setdefault(r, []).append(c)
+    return out
+
+
+@dataclass
+class Resolved:
+    path: Path
+    origin: str  # "tune-recipes", "file" or "torchtune"
+
+
+def _stock():
+    """torchtune 0.6.1's registry and the root its recipes are installed under."""
+    import torchtune
+    from torchtune._recipe_registry import get_all_recipes
+
+    return get_all_recipes(), Path(torchtune.__file__).resolve().parent.parent / "recipes"
+
+
+def resolve_recipe(name: str) -> Optional[Resolved]:
+    ours = recipes_dir() / f"{name}.py"
+    if "/" not in name and ours.is_file():
+        return Resolved(ours, "tune-recipes")
+    if name.endswith(".py"):
+        p = Path(name)
+        return Resolved(p, "file") if p.is_file() else None
+    recipes, root = _stock()
+    for r in recipes:
+        if r.name == name:
+            return Resolved(root / r.file_path, "torchtune")
+    return None
+
+
+def resolve_config(name: str) -> Optional[Resolved]:
+    ours = configs_dir() / f"{name}.yaml"
+    if not name.endswith((".yaml", ".yml")) and ours.is_file():
+        return Resolved(ours, "tune-recipes")
+    p = Path(name)
+    if name.endswith((".yaml", ".yml")):
+        return Resolved(p, "file") if p.is_file() else None
+    recipes, root = _stock()
+    for r in recipes:
+        for c in r.configs:
+            if c.name == name:
+                return Resolved(root / "configs" / c.file_path, "torchtune")
+    return None

@@ -1,0 +1,200 @@
+"""YAML configs with ``key=value`` overrides, validated by binding constructor signatures.
+
+Config keys mirror constructor kwargs: a node with ``_component_: dotted.path`` is instantiated
+as ``dotted.path(**other_keys)`` (plus positional arguments the recipe passes, such as the
+tokenizer for a dataset). ``validate_config`` checks that every component resolves and that its
+keys bind to its signature, naming the key path of anything that does not.
+"""
+
+import functools
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, List, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+_OVERRIDE_KEY = re.compile(r"^~?[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*$")
+
+
+def _tiny_checkpoint_resolver(out_dir: Optional[str] = None) -> str:
+    """``${tiny_checkpoint:}`` builds (once) and returns the deterministic tiny checkpoint."""
+    from tune_recipes.models.tiny import build_tiny_llama3_checkpoint
+
+    return str(build_tiny_llama3_checkpoint(out_dir or None))
+
+
+# omegaconf 2.4 renamed the registration call; 2.3 only has the old name.
+_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+_register("tiny_checkpoint", _tiny_checkpoint_resolver, replace=True)
+
+
+class ConfigError(ValueError):
+    """A problem with a config file or override; the message names the file, key or value."""
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    for item in overrides:
+        if item.startswith("~"):
+            key = item
+        elif "=" not in item:
+            raise ConfigError(
+                f"bad override '{item}': expected key=value (e.g. batch_size=4) or ~key to delete"
+            )
+        else:
+            key = item.split("=", 1)[0]
+        if not _OVERRIDE_KEY.match(key):
+            raise ConfigError(f"bad override '{item}': '{key}' is not a valid dotted key")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """Load ``path`` and apply ``overrides`` (``a.b=value`` sets, ``~a.b`` deletes)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    check_overrides(overrides)
+    try:
+        cfg = OmegaConf.load(path)
+    except (OmegaConfBaseException, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot parse {path}: {first}") from None
+    except Exception as e:  # yaml.YAMLError and friends
+        raise ConfigError(f"cannot parse {path}: {' '.join(str(e).split())}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path} must hold a mapping of keys, not a {type(cfg).__name__}")
+    sets = [o for o in overrides if not o.startswith("~")]
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(sets)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot apply overrides {list(sets)}: {str(e).splitlines()[0]}") from None
+    for item in overrides:
+        if item.startswith("~"):
+            _delete_key(cfg, item[1:], path)
+    return cfg
+
+
+def _delete_key(cfg: DictConfig, dotted: str, path: Path) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for p in parents:
+        if not isinstance(node, DictConfig) or p not in node:
+            raise ConfigError(f"cannot delete '{dotted}': no such key in {path}")
+        node = node[p]
+    if not isinstance(node, DictConfig) or leaf not in node:
+        raise ConfigError(f"cannot delete '{dotted}': no such key in {path}")
+    del node[leaf]
+
+
+def resolve_component(dotted: str, key_path: str = "") -> Callable:
+    """Import ``dotted`` (``pkg.module.attr``), with an error naming the config key."""
+    where = f"{key_path}._component_" if key_path else "_component_"
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj: Any = __import__(module_name, fromlist=[parts[i]])
+        except ModuleNotFoundError as e:
+            if e.name and module_name.startswith(e.name):
+                continue
+            raise ConfigError(f"{where}: importing '{dotted}' failed: {e}") from None
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            break
+    raise ConfigError(f"{where}: '{dotted}' does not resolve to an importable object")
+
+
+def _iter_components(node: Any, key_path: str = ""):
+    if isinstance(node, DictConfig):
+        if "_component_" in node:
+            yield key_path, node
+        for k in node.keys():
+            if k == "_component_":
+                continue
+            child = node._get_node(k)
+            if child is not None and not OmegaConf.is_interpolation(node, k):
+                yield from _iter_components(node[k], f"{key_path}.{k}" if key_path else str(k))
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            yield from _iter_components(item, f"{key_path}[{i}]")
+
+
+def validate_config(cfg: DictConfig) -> List[str]:
+    """Every ``_component_`` resolves and its other keys bind to its signature.
+
+    Returns the list of key paths checked; raises ConfigError naming the first bad one.
+    Positional arguments that recipes pass at instantiation (the model's parameters for an
+    optimizer, the tokenizer for a dataset) may be absent: binding is partial.
+    """
+    try:
+        OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"interpolation failed: {str(e).splitlines()[0]}") from None
+    checked = []
+    for key_path, node in _iter_components(cfg):
+        target = node["_component_"]
+        fn = resolve_component(str(target), key_path)
+        kwargs = {k: None for k in node.keys() if k != "_component_"}
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            checked.append(key_path)
+            continue
+        params = sig.parameters
+        accepts_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for k in kwargs:
+            if k not in params and not accepts_var_kw:
+                raise ConfigError(
+                    f"{key_path}.{k}: {target} has no argument '{k}' "
+                    f"(it takes: {', '.join(n for n in params if n not in ('self', 'args', 'kwargs'))})"
+                )
+            if k in params and params[k].kind is params[k].POSITIONAL_ONLY:
+                raise ConfigError(f"{key_path}.{k}: {target} takes '{k}' only positionally")
+        checked.append(key_path or "<root>")
+    return checked
+
+
+def check_known_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:
+    """Reject top-level keys the recipe does not read, so a typo is never silently ignored."""
+    known = set(known)
+    unknown = [k for k in cfg.keys() if k not in known]
+    if unknown:
+        raise ConfigError(
+            f"{recipe} does not use config key(s) {', '.join(map(repr, unknown))}; "
+            f"its keys are: {', '.join(sorted(known))}"
+        )
+
+
+def parse_recipe_argv(argv: Sequence[str]) -> DictConfig:
+    """``--config PATH [key=value ...]`` as passed by ``tune run`` (or by hand)."""
+    argv = list(argv)
+    if "--config" not in argv:
+        raise ConfigError("missing --config PATH")
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise ConfigError("--config needs a path")
+    path = argv[i + 1]
+    overrides = argv[:i] + argv[i + 2 :]
+    return load_config(path, overrides)
+
+
+def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+    """Decorator for a recipe's entry point: parse sys.argv into a DictConfig and call it.
+
+    Config problems print one line naming the key or file and exit with status 2.
+    """
+
+    @functools.wraps(recipe_main)
+    def wrapper(argv: Optional[Sequence[str]] = None):
+        try:
+            cfg = parse_recipe_argv(sys.argv[1:] if argv is None else argv)
+            return recipe_main(cfg)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

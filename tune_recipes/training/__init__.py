@@ -1,0 +1,15 @@
+from tune_recipes.training.normalization import (
+    CROSS_ENTROPY_IGNORE_INDEX,
+    StepLossNormalizer,
+    count_valid_tokens,
+    grad_norm_and_clip_,
+    scale_grads_,
+)
+
+__all__ = [
+    "CROSS_ENTROPY_IGNORE_INDEX",
+    "StepLossNormalizer",
+    "count_valid_tokens",
+    "grad_norm_and_clip_",
+    "scale_grads_",
+]

@@ -1,0 +1,68 @@
+"""Dataset, dataloader and batch helpers shared by every recipe."""
+
+from functools import partial
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config as tt_config
+from torchtune.data import padded_collate_packed, padded_collate_sft
+from torchtune.datasets import ConcatDataset
+
+from tune_recipes.config import ConfigError, resolve_component
+from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
+
+
+def build_dataset(cfg_dataset, tokenizer) -> Dataset:
+    """One dataset, or a list of them concatenated."""
+    if isinstance(cfg_dataset, ListConfig):
+        parts = [tt_config.instantiate(c, tokenizer) for c in cfg_dataset]
+        return ConcatDataset(datasets=parts)
+    return tt_config.instantiate(cfg_dataset, tokenizer)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    pad_id: int,
+    collate_fn: str = "torchtune.data.padded_collate_sft",
+    ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
+    world_size: int = 1,
+    rank: int = 0,
+    drop_last: bool = True,
+) -> StatefulDataLoader:
+    """A stateful dataloader whose order depends only on (seed, epoch, rank), so a resumed run
+    sees exactly the batches an uninterrupted one would."""
+    packed = getattr(dataset, "packed", False)
+    if packed:
+        collate = padded_collate_packed
+    else:
+        if "left_pad_sequence" in collate_fn:
+            raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
+        fn = resolve_component(collate_fn, "collate_fn")
+        collate = partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
+    sampler = StatefulDistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+    )
+    return StatefulDataLoader(
+        dataset=dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
+        drop_last=drop_last,
+    )
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:
+    """labels[:, 1:] padded with ignore_index: position t is scored on token t+1, without
+    slicing the (large) logits."""
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()}
