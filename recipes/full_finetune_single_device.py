@@ -18,20 +18,23 @@ resuming), ``metrics.jsonl`` (loss, lr, grad_norm, tokens/s, memory per step), `
 """
 
 import sys
-import time
 from typing import Any, Dict
 
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 from torchtune.modules import TransformerSelfAttentionLayer
-from tqdm import tqdm
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
-from tune_recipes.training import StepLossNormalizer, count_valid_tokens, grad_norm_and_clip_
+from tune_recipes.training import (
+    StepLossNormalizer,
+    complete_optimizer_step,
+    count_valid_tokens,
+)
 from tune_recipes.training.data import build_dataloader, build_dataset, shift_labels, to_device
 from tune_recipes.training.optim import LRSchedule, build_optimizer
-from tune_recipes.training.state import RecipeState, memory_stats, tokens_per_second
+from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.state import RecipeState
 
 CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
@@ -48,8 +51,6 @@ class FullFinetuneRecipeSingleDevice:
         self._device = utils.get_device(cfg.get("device", "cuda"))
         self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
         self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
-        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
         self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
@@ -77,8 +78,12 @@ class FullFinetuneRecipeSingleDevice:
 
     # ------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
-        self._metric_logger = tt_config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
+        metric_logger = tt_config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._reporter = StepReporter(
+            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
+            cfg.get("log_peak_memory_stats", False),
+        )
 
         self._checkpointer = tt_config.instantiate(
             cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint
@@ -168,52 +173,36 @@ class FullFinetuneRecipeSingleDevice:
         self._optimizer.zero_grad(set_to_none=True)
         for epoch in range(self.epochs_run, self.total_epochs):
             self._dataloader.sampler.set_epoch(epoch)
-            pbar = tqdm(total=self._steps_per_epoch, desc=f"epoch {epoch + 1}/{self.total_epochs}",
-                        dynamic_ncols=True, file=sys.stdout)
-            step_in_epoch, step_tokens, t0 = 0, 0, time.perf_counter()
+            self._reporter.start_epoch(epoch, self.total_epochs, self._steps_per_epoch)
+            step_in_epoch = 0
             for idx, batch in enumerate(self._dataloader):
                 if step_in_epoch == self._steps_per_epoch:
                     break
+                # Counted on the CPU labels: a Python int, no device sync.
                 num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
                 batch = to_device(batch, self._device)
                 loss = self._loss_step(batch)
                 self._normalizer.loss_to_backward(
                     loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}"
                 ).backward()
-                step_tokens += num_tokens
+                self._reporter.add_tokens(num_tokens)
                 if (idx + 1) % ga != 0:
                     continue
-                # Step boundary: normalize (a no-op on the skip path), clip, step, schedule.
-                loss_to_log = self._normalizer.finish_step(self._model.parameters())
-                grad_norm = grad_norm_and_clip_(self._model.parameters(), self._clip_grad_norm)
-                self._optimizer.step()
-                self._optimizer.zero_grad(set_to_none=True)
-                self._lr_schedule.step()
+                # Step boundary, same order on every path: normalize (a no-op on the skip and
+                # in-backward paths), clip, step, zero_grad, schedule.
+                loss_to_log, grad_norm, lr = complete_optimizer_step(
+                    self._normalizer, self._model.parameters(), self._optimizer, self._lr_schedule,
+                    self._clip_grad_norm,
+                )
                 self.global_step += 1
                 step_in_epoch += 1
-                pbar.update(1)
-                if self.global_step % self._log_every_n_steps == 0:
-                    elapsed = time.perf_counter() - t0
-                    loss_value = loss_to_log.item()
-                    metrics = {
-                        "loss": loss_value,
-                        "lr": self._lr_schedule.lr,
-                        "tokens_per_second_per_gpu": tokens_per_second(step_tokens, elapsed),
-                        "valid_tokens": step_tokens,
-                    }
-                    if grad_norm is not None:
-                        metrics["grad_norm"] = grad_norm
-                    if self._log_peak_memory_stats:
-                        metrics.update(memory_stats(self._device))
-                    self._metric_logger.log_dict(metrics, step=self.global_step)
-                    pbar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}")
-                step_tokens, t0 = 0, time.perf_counter()
-            pbar.close()
+                self._reporter.step_done(self.global_step, loss_to_log, lr, grad_norm)
+            self._reporter.end_epoch()
             self.epochs_run += 1
             self.save_checkpoint(epoch=epoch)
 
     def cleanup(self) -> None:
-        self._metric_logger.close()
+        self._reporter.close()
 
 
 @parse

@@ -1,6 +1,7 @@
 from tune_recipes.training.normalization import (
     CROSS_ENTROPY_IGNORE_INDEX,
     StepLossNormalizer,
+    complete_optimizer_step,
     count_valid_tokens,
     grad_norm_and_clip_,
     scale_grads_,
@@ -9,6 +10,7 @@ from tune_recipes.training.normalization import (
 __all__ = [
     "CROSS_ENTROPY_IGNORE_INDEX",
     "StepLossNormalizer",
+    "complete_optimizer_step",
     "count_valid_tokens",
     "grad_norm_and_clip_",
     "scale_grads_",

@@ -209,3 +209,27 @@ class StepLossNormalizer:
             loss_to_log = running_loss / 1.0
         self._reset()
         return loss_to_log
+
+
+def complete_optimizer_step(
+    normalizer: StepLossNormalizer,
+    parameters: Iterable[torch.nn.Parameter],
+    optimizer,
+    lr_schedule,
+    clip_grad_norm: Optional[float],
+):
+    """The step boundary, in the one order every recipe uses:
+    normalize -> clip (or measure) -> optimizer.step -> zero_grad -> LR schedule.
+
+    Only the normalization depends on the path (skip / rescale / in-backward); clipping, the
+    optimizer step and zero_grad run on every path. Returns ``(loss_to_log, grad_norm, lr)``
+    where ``lr`` is the rate this step used.
+    """
+    params = list(parameters)
+    loss_to_log = normalizer.finish_step(params)
+    grad_norm = grad_norm_and_clip_(params, clip_grad_norm)
+    lr = lr_schedule.lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr_schedule.step()
+    return loss_to_log, grad_norm, lr

@@ -1,0 +1,265 @@
+"""LoRA, QLoRA and DoRA fine-tuning of a decoder LLM on one device.
+
+    tune run lora_finetune_single_device --config tiny/lora_single_device
+    tune run lora_finetune_single_device --config llama3_1/8B_lora_single_device batch_size=4
+
+Only the adapters train; the base weights stay frozen. Which variant runs is the model builder's
+choice: ``lora_*`` builders give LoRA, ``qlora_*`` builders (or ``quantize_base: True``) keep the
+frozen base in NF4, ``use_dora: True`` adds DoRA's magnitude vectors.
+
+Loss normalization is shared with every recipe (tune_recipes.training.StepLossNormalizer):
+with ``gradient_accumulation_steps: 1`` the mean loss is backpropagated as is; with more, each
+micro-batch's mean is weighted by its token count and the adapters' gradients are divided by the
+step's total once.
+
+Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
+``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
+format, loadable with ``peft.PeftModel.from_pretrained``), ``adapter_model.pt`` (torchtune
+format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``.
+"""
+
+import sys
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig
+from torchtune import config as tt_config, training, utils
+from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
+
+from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.training import (
+    StepLossNormalizer,
+    complete_optimizer_step,
+    count_valid_tokens,
+)
+from tune_recipes.training.data import build_dataloader, build_dataset, shift_labels, to_device
+from tune_recipes.training.optim import LRSchedule, build_optimizer
+from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.state import RecipeState
+
+CONFIG_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint",
+    "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
+    "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
+    "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
+}
+
+
+class LoRAFinetuneRecipeSingleDevice:
+    def __init__(self, cfg: DictConfig) -> None:
+        check_known_keys(cfg, CONFIG_KEYS, "lora_finetune_single_device")
+        self._device = utils.get_device(cfg.get("device", "cuda"))
+        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
+        if self._dtype == torch.float16:
+            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self._output_dir = cfg.output_dir
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
+        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        try:
+            self._normalizer = StepLossNormalizer(self._gradient_accumulation_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.seed = training.set_seed(seed=cfg.seed)
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.get("max_steps_per_epoch", None)
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, cfg: DictConfig) -> None:
+        metric_logger = tt_config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._reporter = StepReporter(
+            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
+            cfg.get("log_peak_memory_stats", False),
+        )
+        self._checkpointer = tt_config.instantiate(
+            cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+        )
+        ckpt = self._checkpointer.load_checkpoint()
+        state = None
+        if self._resume_from_checkpoint:
+            if training.ADAPTER_KEY not in ckpt:
+                raise ConfigError(
+                    f"resume_from_checkpoint=True but no adapter checkpoint was found under "
+                    f"{self._output_dir}; set checkpointer.adapter_checkpoint or start afresh"
+                )
+            state = RecipeState.from_checkpoint(ckpt)
+
+        self._model = self._setup_model(
+            cfg.model,
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            compile_model=cfg.get("compile", False),
+            base_model_state_dict=ckpt[training.MODEL_KEY],
+            lora_weights_state_dict=ckpt.get(training.ADAPTER_KEY),
+        )
+        self._tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self._optimizer = build_optimizer(
+            cfg.optimizer, self._model, state_dict=state.optimizer if state else None
+        )
+        self._loss_fn = tt_config.instantiate(cfg.loss)
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        if cfg.get("compile", False):
+            training.compile_loss(self._loss_fn)
+
+        ds = build_dataset(cfg.dataset, self._tokenizer)
+        self._dataloader = build_dataloader(
+            ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
+            pad_id=self._tokenizer.pad_id,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            ignore_index=self._loss_fn.ignore_index,
+        )
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        if self._steps_per_epoch < 1:
+            raise ConfigError(
+                f"dataset yields {len(self._dataloader)} batches of batch_size={cfg.batch_size}, "
+                f"fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}"
+            )
+        if state is not None:
+            state.apply_to(self)
+        self.global_step = self.epochs_run * self._steps_per_epoch
+        self._lr_schedule = LRSchedule(
+            cfg.get("lr_scheduler", None), self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+
+    def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
+                     compile_model: bool, base_model_state_dict: Dict[str, Any],
+                     lora_weights_state_dict: Optional[Dict[str, Any]]) -> torch.nn.Module:
+        with training.set_default_dtype(self._dtype), self._device:
+            model = tt_config.instantiate(cfg_model)
+        self._lora_rank = cfg_model.lora_rank
+        self._lora_alpha = cfg_model.lora_alpha
+        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
+        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
+        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
+        adapter_params = get_adapter_params(model)
+        if not adapter_params:
+            raise ConfigError(
+                f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*/qlora_* "
+                "builder or the full_finetune_single_device recipe"
+            )
+        set_trainable_params(model, adapter_params)
+        if compile_model:
+            training.compile_model(model)
+        if enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={TransformerSelfAttentionLayer}
+            )
+        base_missing, base_unexpected = model.load_state_dict(base_model_state_dict, strict=False)
+        # DoRA magnitudes are initialised from the loaded base weights.
+        for m in model.modules():
+            if hasattr(m, "initialize_dora_magnitude"):
+                m.initialize_dora_magnitude()
+        lora_missing = lora_unexpected = None
+        if lora_weights_state_dict:
+            lora_missing, lora_unexpected = model.load_state_dict(
+                lora_weights_state_dict, strict=False
+            )
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=self._lora_attn_modules,
+            apply_lora_to_mlp=self._apply_lora_to_mlp,
+            apply_lora_to_output=self._apply_lora_to_output,
+            base_missing=base_missing,
+            base_unexpected=base_unexpected,
+            lora_missing=lora_missing,
+            lora_unexpected=lora_unexpected,
+        )
+        training.validate_expected_param_dtype(adapter_params.items(), dtype=self._dtype)
+        return model
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, epoch: int) -> None:
+        intermediate = epoch + 1 < self.total_epochs
+        ckpt: Dict[str, Any] = {}
+        if intermediate:
+            ckpt.update(RecipeState.capture(self, optimizer_state=self._optimizer.state_dict()))
+        state_dict = self._model.state_dict()
+        ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state_dict)
+        if not self._save_adapter_weights_only:
+            # Merge on the CPU: no second copy of the model on the accelerator.
+            cpu_sd = {k: v.cpu() for k, v in state_dict.items()}
+            ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(
+                cpu_sd, rank=self._lora_rank, alpha=self._lora_alpha
+            )
+        ckpt[training.ADAPTER_CONFIG] = {
+            "r": self._lora_rank,
+            "lora_alpha": self._lora_alpha,
+            "target_modules": get_lora_module_names(
+                self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
+            ),
+            "peft_type": "LORA",
+        }
+        self._checkpointer.save_checkpoint(
+            ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
+            adapter_only=self._save_adapter_weights_only,
+        )
+
+    # ------------------------------------------------------------------ train
+    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = shift_labels(batch.pop("labels"), self._loss_fn.ignore_index)
+        logits = self._model(**batch)
+        if isinstance(logits, list):
+            return self._loss_fn(logits, labels)
+        return self._loss_fn(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+    def train(self) -> None:
+        ga = self._gradient_accumulation_steps
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        self._optimizer.zero_grad(set_to_none=True)
+        for epoch in range(self.epochs_run, self.total_epochs):
+            self._dataloader.sampler.set_epoch(epoch)
+            self._reporter.start_epoch(epoch, self.total_epochs, self._steps_per_epoch)
+            step_in_epoch = 0
+            for idx, batch in enumerate(self._dataloader):
+                if step_in_epoch == self._steps_per_epoch:
+                    break
+                num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
+                batch = to_device(batch, self._device)
+                loss = self._loss_step(batch)
+                self._normalizer.loss_to_backward(
+                    loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}"
+                ).backward()
+                self._reporter.add_tokens(num_tokens)
+                if (idx + 1) % ga != 0:
+                    continue
+                loss_to_log, grad_norm, lr = complete_optimizer_step(
+                    self._normalizer, trainable, self._optimizer, self._lr_schedule,
+                    self._clip_grad_norm,
+                )
+                self.global_step += 1
+                step_in_epoch += 1
+                self._reporter.step_done(self.global_step, loss_to_log, lr, grad_norm)
+            self._reporter.end_epoch()
+            self.epochs_run += 1
+            self.save_checkpoint(epoch=epoch)
+
+    def cleanup(self) -> None:
+        self._reporter.close()
+
+
+@parse
+def recipe_main(cfg: DictConfig) -> None:
+    recipe = LoRAFinetuneRecipeSingleDevice(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
