@@ -31,6 +31,7 @@ from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
+from tune_recipes.training.checkpoint import checkpointer_config_for_resume
 from tune_recipes.training.data import build_dataloader, build_dataset, shift_labels, to_device
 from tune_recipes.training.optim import LRSchedule, build_optimizer
 from tune_recipes.training.progress import StepReporter
@@ -85,8 +86,13 @@ class FullFinetuneRecipeSingleDevice:
             cfg.get("log_peak_memory_stats", False),
         )
 
+        cfg_checkpointer = cfg.checkpointer
+        if self._resume_from_checkpoint:
+            cfg_checkpointer = checkpointer_config_for_resume(
+                cfg.checkpointer, self._output_dir, full_weights=True
+            )
         self._checkpointer = tt_config.instantiate(
-            cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
         )
         ckpt = self._checkpointer.load_checkpoint()
         state = RecipeState.from_checkpoint(ckpt) if self._resume_from_checkpoint else None

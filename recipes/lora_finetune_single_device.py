@@ -40,6 +40,7 @@ from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
+from tune_recipes.training.checkpoint import checkpointer_config_for_resume
 from tune_recipes.training.data import build_dataloader, build_dataset, shift_labels, to_device
 from tune_recipes.training.optim import LRSchedule, build_optimizer
 from tune_recipes.training.progress import StepReporter
@@ -84,8 +85,14 @@ class LoRAFinetuneRecipeSingleDevice:
             metric_logger, cfg.get("log_every_n_steps", 1), self._device,
             cfg.get("log_peak_memory_stats", False),
         )
+        cfg_checkpointer = cfg.checkpointer
+        if self._resume_from_checkpoint:
+            # Base weights come from checkpoint_dir; the adapter from the newest epoch.
+            cfg_checkpointer = checkpointer_config_for_resume(
+                cfg.checkpointer, self._output_dir, full_weights=False
+            )
         self._checkpointer = tt_config.instantiate(
-            cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
         )
         ckpt = self._checkpointer.load_checkpoint()
         state = None
@@ -193,7 +200,10 @@ class LoRAFinetuneRecipeSingleDevice:
         ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state_dict)
         if not self._save_adapter_weights_only:
             # Merge on the CPU: no second copy of the model on the accelerator.
-            cpu_sd = {k: v.cpu() for k, v in state_dict.items()}
+            # NOTE: copy=True matters. get_merged_lora_ckpt adds the LoRA delta in place, and on
+            # a CPU run .cpu() returns the live parameter, so without a copy every save would
+            # fold the adapter into the frozen base the model keeps training on.
+            cpu_sd = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
             ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(
                 cpu_sd, rank=self._lora_rank, alpha=self._lora_alpha
             )

@@ -1,0 +1,142 @@
+"""End-to-end runs of the single-device recipes on the tiny model (CPU, fp32).
+
+Invariance: the same effective batch (micro_batch_size x gradient_accumulation_steps) gives the
+same per-step losses and the same final weights whether it is one batch of 8, four
+micro-batches of 2, or one batch stepped inside backward. Tolerances (fp32): losses rtol 1e-5,
+weights rtol 1e-4 / atol 1e-6 after 6 AdamW steps (summation order differs between the paths).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import assert_same_weights, losses, run_recipe, tune, weights
+
+pytestmark = pytest.mark.integration
+STEPS = ["max_steps_per_epoch=6", "lr_scheduler.num_warmup_steps=1"]
+# Adam turns last-bit differences of near-zero gradients into lr-sized weight differences;
+# a smaller lr for the LoRA invariance runs keeps the weight tolerance tight.
+LORA_LR = ["optimizer.lr=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def full_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full_ref")
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", out,
+               [*STEPS, "batch_size=8", "gradient_accumulation_steps=1"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_ref")
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+               [*STEPS, *LORA_LR, "batch_size=8", "gradient_accumulation_steps=1"])
+    return out
+
+
+@pytest.mark.parametrize(
+    "micro_batch_size, gradient_accumulation_steps, optimizer_in_bwd",
+    [(8, 1, False), (2, 4, False), (8, 1, True)],
+)
+def test_full_same_effective_batch_same_training(
+    tmp_path, full_reference, micro_batch_size, gradient_accumulation_steps, optimizer_in_bwd
+):
+    overrides = [*STEPS, f"batch_size={micro_batch_size}",
+                 f"gradient_accumulation_steps={gradient_accumulation_steps}",
+                 f"optimizer_in_bwd={optimizer_in_bwd}"]
+    if optimizer_in_bwd:
+        overrides.append("clip_grad_norm=null")
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, overrides)
+    ref, got = losses(full_reference), losses(tmp_path)
+    assert len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert_same_weights(weights(tmp_path), weights(full_reference), rtol=1e-4, atol=1e-6)
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("micro_batch_size, gradient_accumulation_steps", [(8, 1), (2, 4)])
+def test_lora_same_effective_batch_same_training(
+    tmp_path, lora_reference, micro_batch_size, gradient_accumulation_steps
+):
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path,
+               [*STEPS, *LORA_LR, f"batch_size={micro_batch_size}",
+                f"gradient_accumulation_steps={gradient_accumulation_steps}"])
+    ref, got = losses(lora_reference), losses(tmp_path)
+    assert len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert_same_weights(weights(tmp_path, name="adapter_model.safetensors"),
+                        weights(lora_reference, name="adapter_model.safetensors"),
+                        rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_accumulation_is_not_a_mean_of_means(tmp_path, full_reference):
+    """Guards the token weighting itself: if micro-batch means were averaged, GA 4 x 2 would
+    drift from batch 8 (micro-batches hold different token counts)."""
+    from tune_recipes.data import tiny_alpaca_dataset, tiny_tokenizer
+
+    ds = tiny_alpaca_dataset(tiny_tokenizer())
+    counts = {sum(l != -100 for l in ds[i]["labels"]) for i in range(16)}
+    assert len(counts) > 1, "the tiny data must be ragged for the invariance tests to mean much"
+
+
+def test_default_lora_run_leaves_checkpoint_adapter_and_metrics(lora_reference):
+    epoch = lora_reference / "epoch_0"
+    for name in ["model-00001-of-00001.safetensors", "adapter_model.safetensors",
+                 "adapter_config.json", "adapter_model.pt", "config.json"]:
+        assert (epoch / name).is_file(), name
+    cfg = json.loads((epoch / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 8
+    rows = [json.loads(l) for l in (lora_reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert {"loss", "lr", "grad_norm", "tokens_per_second_per_gpu"} <= rows[0].keys()
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.parametrize("recipe, config", [
+    ("full_finetune_single_device", "tiny/full_single_device"),
+    ("lora_finetune_single_device", "tiny/lora_single_device"),
+])
+def test_resume_equals_uninterrupted(tmp_path, recipe, config):
+    steps = ["max_steps_per_epoch=3", "epochs=2", "lr_scheduler.num_warmup_steps=1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe(recipe, config, straight, steps)
+    # Simulate a crash after epoch 0: only epoch_0 and its recipe state remain.
+    run_recipe(recipe, config, resumed, steps)
+    shutil.rmtree(resumed / "epoch_1")
+    run_recipe(recipe, config, resumed, [*steps, "resume_from_checkpoint=True"])
+    name = ("adapter_model.safetensors" if "lora" in recipe
+            else "model-00001-of-00001.safetensors")
+    assert_same_weights(weights(resumed, 1, name), weights(straight, 1, name), rtol=0, atol=0)
+    # The resumed run logged steps 4..6 with the uninterrupted run's losses.
+    assert losses(resumed)[-3:] == losses(straight)[-3:]
+
+
+def test_all_masked_batch_fails_clearly(tmp_path):
+    # max_seq_len=8 truncates every example before its response: no label survives.
+    proc = tune(
+        "run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+        f"output_dir={tmp_path}", "tokenizer.max_seq_len=8", check=False,
+    )
+    assert proc.returncode != 0
+    assert "no unmasked label token" in proc.stderr
+    assert "epoch 0, step 0" in proc.stderr
+    assert "max_seq_len" in proc.stderr
+
+
+def test_unknown_config_key_named(tmp_path):
+    proc = tune("run", "lora_finetune_single_device", "--config", "tiny/lora_single_device",
+                f"output_dir={tmp_path}", "gradient_acumulation_steps=4", check=False)
+    assert proc.returncode == 2
+    assert "gradient_acumulation_steps" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_optimizer_in_bwd_rejects_clipping_and_accumulation(tmp_path):
+    for bad in (["clip_grad_norm=1.0"], ["clip_grad_norm=null", "gradient_accumulation_steps=2"]):
+        proc = tune("run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+                    f"output_dir={tmp_path}", "optimizer_in_bwd=True", *bad, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert "optimizer_in_bwd" in proc.stderr and "Traceback" not in proc.stderr

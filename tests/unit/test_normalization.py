@@ -1,0 +1,224 @@
+"""The math of token-exact loss normalization (tune_recipes.training.normalization).
+
+Tolerances: fp32 comparisons use rtol=1e-6 (a multiply by n then by 1/n may round the last bit);
+references are computed in float64.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tune_recipes.training import (
+    StepLossNormalizer,
+    complete_optimizer_step,
+    count_valid_tokens,
+    grad_norm_and_clip_,
+    scale_grads_,
+)
+
+pytestmark = pytest.mark.unit
+IGNORE = -100
+V, D = 11, 6
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(D, V)
+
+
+def _batch(n_rows, n_valid, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_rows, D, generator=g)
+    y = torch.randint(0, V, (n_rows,), generator=g)
+    y[n_valid:] = IGNORE
+    return x, y
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _run(normalizer, model, micro_batches):
+    for p in model.parameters():
+        p.grad = None
+    for x, y in micro_batches:
+        n = int((y != IGNORE).sum())
+        loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+        normalizer.loss_to_backward(loss, n, where="test").backward()
+    logged = normalizer.finish_step(model.parameters())
+    return _grads(model), logged
+
+
+def _reference_grads(micro_batches, seed=0):
+    """float64: gradient of (sum of per-token CE over all micro-batches) / total tokens."""
+    model = _model(seed).double()
+    total = sum(int((y != IGNORE).sum()) for _, y in micro_batches)
+    loss = sum(F.cross_entropy(model(x.double()), y, ignore_index=IGNORE, reduction="sum")
+               for x, y in micro_batches) / total
+    loss.backward()
+    return _grads(model), loss.item()
+
+
+def _forced_rescale(ga=1):
+    """The non-skip path at GA=1: what the recipe did before the skip existed."""
+    n = StepLossNormalizer(ga)
+    n.path = "rescale"
+    return n
+
+
+def test_paths_are_chosen_by_configuration():
+    assert StepLossNormalizer(1).path == "skip"
+    assert StepLossNormalizer(4).path == "rescale"
+    assert StepLossNormalizer(1, optimizer_in_bwd=True).path == "in_backward"
+    assert StepLossNormalizer(1, distributed=True, world_size=2).path == "rescale"
+
+
+@pytest.mark.parametrize("n_valid", [1, 3, 5, 8])
+def test_skip_equals_non_skip_gradients(n_valid):
+    batch = [_batch(8, n_valid, seed=n_valid)]
+    skip_grads, skip_loss = _run(StepLossNormalizer(1), _model(), batch)
+    full_grads, full_loss = _run(_forced_rescale(), _model(), batch)
+    ref_grads, ref_loss = _reference_grads(batch)
+    for a, b, r in zip(skip_grads, full_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-7)
+    # Logged loss: denominator 1.0 on the skip path equals running/num_tokens on the other.
+    assert skip_loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    assert skip_loss.item() == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_skip_path_does_not_touch_gradients(monkeypatch):
+    calls = []
+    import tune_recipes.training.normalization as norm
+
+    monkeypatch.setattr(norm, "scale_grads_", lambda *a, **k: calls.append(a))
+    _run(StepLossNormalizer(1), _model(), [_batch(8, 5, 1)])
+    assert calls == []
+    _run(StepLossNormalizer(2), _model(), [_batch(4, 3, 1), _batch(4, 2, 2)])
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("normalizer", [StepLossNormalizer(1), _forced_rescale()],
+                         ids=["skip", "rescale"])
+def test_all_masked_batch_raises_same_error_on_both_paths(normalizer):
+    x, y = _batch(8, 0, seed=3)
+    model = _model()
+    loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+    with pytest.raises(RuntimeError) as err:
+        normalizer.loss_to_backward(loss, int((y != IGNORE).sum()), where="epoch 2, step 7")
+    msg = str(err.value)
+    assert "epoch 2, step 7" in msg and "max_seq_len" in msg and "no unmasked" in msg
+
+
+def test_all_masked_error_text_is_identical_across_paths():
+    msgs = []
+    for norm in (StepLossNormalizer(1), StepLossNormalizer(3), _forced_rescale()):
+        with pytest.raises(RuntimeError) as err:
+            norm.loss_to_backward(torch.tensor(float("nan")), 0, where="epoch 0, step 1")
+        msgs.append(str(err.value))
+    assert len(set(msgs)) == 1
+
+
+def test_gradient_accumulation_two_passes_equal_one_combined_pass():
+    # Ragged: 5 and 2 valid tokens; the exact step loss weights them 5:2, not 1:1.
+    mb1, mb2 = _batch(4, 4, seed=10), _batch(4, 2, seed=11)
+    mb1[1][4:] = IGNORE
+    ga_grads, ga_loss = _run(StepLossNormalizer(2), _model(), [mb1, mb2])
+    combined = (torch.cat([mb1[0], mb2[0]]), torch.cat([mb1[1], mb2[1]]))
+    one_grads, one_loss = _run(StepLossNormalizer(1), _model(), [combined])
+    ref_grads, ref_loss = _reference_grads([mb1, mb2])
+    for a, b, r in zip(ga_grads, one_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-7)
+    assert ga_loss.item() == pytest.approx(one_loss.item(), rel=1e-6)
+    assert ga_loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    # And the naive mean of micro-batch means is measurably different here.
+    naive = 0.5 * sum(F.cross_entropy(_model()(x), y, ignore_index=IGNORE) for x, y in [mb1, mb2])
+    assert abs(naive.item() - ref_loss) > 1e-3
+
+
+@pytest.mark.parametrize("max_norm", [0.05, float("inf")])
+def test_clip_grad_norm_identical_on_both_paths(max_norm):
+    batch = [_batch(8, 5, seed=4)]
+    norms, grads, unclipped = [], [], []
+    for norm in (StepLossNormalizer(1), _forced_rescale()):
+        model = _model()
+        g, _ = _run(norm, model, batch)
+        unclipped.append(g)
+        norms.append(grad_norm_and_clip_(model.parameters(), max_norm))
+        grads.append(_grads(model))
+    torch.testing.assert_close(norms[0], norms[1], rtol=1e-6, atol=0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    if max_norm == float("inf"):
+        # Measuring only: the gradients are untouched.
+        for path in range(2):
+            for a, b in zip(grads[path], unclipped[path]):
+                assert torch.equal(a, b)
+    else:
+        total = math.sqrt(sum(float((x ** 2).sum()) for x in grads[0]))
+        assert total == pytest.approx(max_norm, rel=1e-4)
+
+
+def test_grad_norm_none_means_no_clip_and_no_norm():
+    model = _model()
+    _run(StepLossNormalizer(1), model, [_batch(8, 5, 1)])
+    before = _grads(model)
+    assert grad_norm_and_clip_(model.parameters(), None) is None
+    for a, b in zip(before, _grads(model)):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_steps_on_every_path():
+    """The skip gate must never skip optimizer.step()/zero_grad() (a past regression)."""
+
+    class Sched:
+        lr = 0.1
+
+        def step(self):
+            pass
+
+    for norm in (StepLossNormalizer(1), StepLossNormalizer(2)):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        w0 = model.weight.detach().clone()
+        mbs = [_batch(4, 3, s) for s in range(norm.gradient_accumulation_steps)]
+        for x, y in mbs:
+            loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+            norm.loss_to_backward(loss, int((y != IGNORE).sum())).backward()
+        complete_optimizer_step(norm, model.parameters(), opt, Sched(), clip_grad_norm=1.0)
+        assert not torch.equal(w0, model.weight), norm.path
+        assert all(p.grad is None for p in model.parameters()), norm.path
+
+
+def test_finish_step_checks_micro_batch_count():
+    norm = StepLossNormalizer(2)
+    x, y = _batch(4, 3, 0)
+    norm.loss_to_backward(F.cross_entropy(_model()(x), y, ignore_index=IGNORE), 3)
+    with pytest.raises(RuntimeError, match="expected gradient_accumulation_steps=2"):
+        norm.finish_step([])
+
+
+def test_incompatible_flags_rejected():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+        StepLossNormalizer(2, optimizer_in_bwd=True)
+    with pytest.raises(ValueError, match=">= 1"):
+        StepLossNormalizer(0)
+
+
+def test_count_valid_tokens_uses_shifted_labels():
+    labels = torch.tensor([[5, 6, -100, 7], [-100, -100, 1, 2]])
+    # position 0 never counts (it is nobody's target after the shift)
+    assert count_valid_tokens(labels) == 2 + 2
+    assert isinstance(count_valid_tokens(labels), int)
+
+
+def test_scale_grads_uses_python_float_and_scales_all():
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    scale_grads_(model.parameters(), torch.tensor(0.25).item())
+    for p in model.parameters():
+        assert torch.all(p.grad == 0.25)

@@ -1,0 +1,63 @@
+"""Checkpoint I/O glue around torchtune's checkpointers."""
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from tune_recipes.config import ConfigError
+
+_EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
+RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
+
+
+def latest_epoch_dir(output_dir: Path) -> Optional[Path]:
+    dirs = [(int(m.group(1)), p) for p in Path(output_dir).glob("epoch_*")
+            if p.is_dir() and (m := _EPOCH_DIR.match(p.name))]
+    return max(dirs)[1] if dirs else None
+
+
+def _model_files(epoch_dir: Path):
+    index = epoch_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = sorted(p.name for p in epoch_dir.glob("*.safetensors") if not p.name.startswith("adapter"))
+    return files or sorted(p.name for p in epoch_dir.glob("*.bin"))
+
+
+def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str,
+                                   full_weights: bool) -> DictConfig:
+    """Point the checkpointer at the newest epoch checkpoint in ``output_dir``.
+
+    torchtune 0.6.1's HF checkpointer, when resuming a full fine-tune, looks for the *original*
+    file names directly in ``output_dir``, while it saved them under ``output_dir/epoch_<n>/``;
+    a resume then fails with "No file with name ...". Here the files of the newest epoch are
+    named explicitly, and the recipe state is checked to belong to that epoch.
+    """
+    out = Path(output_dir)
+    epoch_dir = latest_epoch_dir(out)
+    state_path = out / RECIPE_STATE_FILE
+    if epoch_dir is None or not state_path.is_file():
+        raise ConfigError(
+            f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ checkpoint with a "
+            f"{RECIPE_STATE_FILE} beside it; run without resume_from_checkpoint first"
+        )
+    state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+    epochs_run = state.get("epochs_run")
+    epoch = int(_EPOCH_DIR.match(epoch_dir.name).group(1))
+    if epochs_run != epoch + 1:
+        raise ConfigError(
+            f"{state_path} was written after epoch {epochs_run - 1 if epochs_run else '?'} but the "
+            f"newest checkpoint is {epoch_dir}; remove the newer epoch folder or the stale state"
+        )
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    if full_weights:
+        files = _model_files(epoch_dir)
+        if not files:
+            raise ConfigError(f"no model weights found in {epoch_dir} to resume from")
+        # Relative to output_dir, where torchtune looks when it loads recipe state.
+        cfg.checkpoint_files = [f"{epoch_dir.name}/{f}" for f in files]
+    return cfg
