@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from tune_recipes._cli import registry
-from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
+from tune_recipes.config import (
+    ConfigError,
+    check_known_keys,
+    check_overrides,
+    load_config,
+    validate_config,
+)
 
 
 class CliError(Exception):
@@ -105,7 +111,15 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     config = _config_or_fail(args.config)
     cfg = load_config(config.path, rest)
     checked = validate_config(cfg)
-    print(f"config is valid: {config.path} ({len(checked)} components bind)")
+    recipe_name = args.recipe or registry.recipe_for_config(args.config)
+    keys_note = ""
+    if recipe_name:
+        recipe = _recipe_or_fail(recipe_name)
+        known = registry.recipe_config_keys(recipe.path)
+        if known is not None:
+            check_known_keys(cfg, known, recipe_name)
+            keys_note = f", every top-level key is read by {recipe_name}"
+    print(f"config is valid: {config.path} ({len(checked)} components bind{keys_note})")
     return 0
 
 
@@ -140,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(fn=cmd_cp)
     val = sub.add_parser("validate", help="check a config: components resolve and kwargs bind")
     val.add_argument("config")
+    val.add_argument("--recipe", default=None,
+                     help="also check top-level keys against this recipe (default: by config name)")
     val.set_defaults(fn=cmd_validate)
     dl = sub.add_parser("download", help="download a model (delegates to torchtune)",
                         add_help=False)

@@ -111,3 +111,22 @@ def resolve_config(name: str) -> Optional[Resolved]:
             if c.name == name:
                 return Resolved(root / "configs" / c.file_path, "torchtune")
     return None
+
+
+def recipe_config_keys(recipe_path: Path) -> Optional[set]:
+    """The ``CONFIG_KEYS`` set a recipe declares, read without importing the script."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(recipe_path).read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "CONFIG_KEYS" for t in node.targets
+        ):
+            try:
+                return set(ast.literal_eval(node.value))
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install tune-recipes with the pinned CPU stack (idempotent).
+#   bash scripts/install_cpu.sh
+# torch is pinned to 2.13.0 here *before* anything else: an unpinned torch lets pip resolve
+# a multi-GB CUDA build. On a GPU machine, install your CUDA torch (2.11-2.13) instead and
+# then `pip install -e ".[dev]"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/python -c "import torch, torchtune, torchao, tune_recipes; print(f'ready: torch {torch.__version__}, torchtune {torchtune.__version__}, torchao {torchao.__version__}')" 2>&1 | grep -v "Skipping import of cpp"

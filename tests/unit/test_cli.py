@@ -1,0 +1,135 @@
+"""The `tune` command: name resolution, ls/cp/validate, and one-line errors."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tune_recipes._cli import registry
+from tune_recipes._cli.main import main
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_our_names_resolve_first():
+    r = registry.resolve_recipe("lora_finetune_single_device")
+    assert r.origin == "tune-recipes" and r.path.parent == registry.recipes_dir()
+    c = registry.resolve_config("tiny/lora_single_device")
+    assert c.origin == "tune-recipes"
+
+
+def test_unknown_names_fall_back_to_torchtune_stock():
+    # We ship no DPO recipe: the name resolves to torchtune 0.6.1's.
+    r = registry.resolve_recipe("lora_dpo_single_device")
+    assert r is not None and r.origin == "torchtune" and r.path.is_file()
+    c = registry.resolve_config("llama2/7B_lora_dpo_single_device")
+    assert c is not None and c.origin == "torchtune" and c.path.is_file()
+
+
+def test_every_recipe_has_configs_and_every_config_a_recipe():
+    by_recipe = registry.configs_by_recipe()
+    assert set(by_recipe) == set(registry.list_recipes())
+    for recipe, configs in by_recipe.items():
+        assert configs, f"{recipe} has no config"
+    for c in registry.list_configs():
+        assert registry.recipe_for_config(c) in registry.list_recipes(), c
+
+
+def test_ls_lists_recipes_with_configs(capsys):
+    rc, out, _ = _run(capsys, "ls")
+    assert rc == 0
+    assert "lora_finetune_single_device" in out and "tiny/lora_single_device" in out
+    assert "full_finetune_single_device" in out and "llama3_2/1B_full_single_device" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "no_such_recipe", "--config", "tiny/lora_single_device"], "unknown recipe 'no_such_recipe'"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/nope"], "unknown config 'tiny/nope'"),
+    (["run", "lora_finetune_single_device", "--config", "missing.yaml"], "config file not found: missing.yaml"),
+    (["run", "missing_recipe.py", "--config", "tiny/lora_single_device"], "recipe file not found"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/lora_single_device", "batch_size"],
+     "bad override 'batch_size'"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/lora_single_device", "a..b=1"],
+     "not a valid dotted key"),
+    (["validate", "tiny/lora_single_device", "optimizer.lrr=1"], "optimizer.lrr: torch.optim.AdamW has no argument 'lrr'"),
+    (["validate", "tiny/lora_single_device", "model._component_=torch.nn.Linearr"],
+     "model._component_: 'torch.nn.Linearr' does not resolve"),
+    (["validate", "tiny/lora_single_device", "gradient_acumulation_steps=2"],
+     "does not use config key(s) 'gradient_acumulation_steps'"),
+])
+def test_errors_are_one_clear_line(capsys, argv, fragment):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2
+    lines = [l for l in err.splitlines() if l.startswith("tune: error")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_broken_yaml_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: 1\nb: [1, 2\nc: 3\n")
+    rc, _, err = _run(capsys, "validate", str(bad))
+    assert rc == 2 and str(bad) in err and "line" in err
+
+
+def test_cp_copies_and_refuses_to_overwrite(tmp_path, capsys):
+    dest = tmp_path / "mine.yaml"
+    assert _run(capsys, "cp", "tiny/lora_single_device", str(dest))[0] == 0
+    assert dest.read_text() == (registry.configs_dir() / "tiny/lora_single_device.yaml").read_text()
+    rc, _, err = _run(capsys, "cp", "tiny/lora_single_device", str(dest))
+    assert rc == 2 and "already exists" in err
+    assert _run(capsys, "cp", "full_finetune_single_device", str(tmp_path))[0] == 0
+    assert (tmp_path / "full_finetune_single_device.py").is_file()
+
+
+def test_every_shipped_config_parses_and_validates(capsys):
+    configs = registry.list_configs()
+    # 6 models x (full, lora) + 8B QLoRA + 2 tiny, so a config folder cannot silently vanish.
+    assert len(configs) == 15, configs
+    for name in configs:
+        rc, out, err = _run(capsys, "validate", name)
+        assert rc == 0, f"{name}: {err}"
+        assert "every top-level key is read by" in out
+
+
+def test_installed_tune_script_is_ours():
+    exe = Path(sys.executable).parent / "tune"
+    if not exe.exists():
+        pytest.skip("no tune script next to this interpreter")
+    assert "tune_recipes" in exe.read_text()
+    alias = Path(sys.executable).parent / "tune-recipes"
+    assert alias.exists() and "tune_recipes" in alias.read_text()
+
+
+def test_recipes_are_not_an_importable_top_level_package():
+    # torchtune owns the top-level `recipes` package; ours must never shadow it.
+    assert not (REPO / "recipes" / "__init__.py").exists()
+    proc = subprocess.run([sys.executable, "-c", "import recipes, os; print(os.path.dirname(recipes.__file__))"],
+                          capture_output=True, text=True, cwd="/")
+    if proc.returncode == 0:
+        assert Path(proc.stdout.strip()).resolve() != (REPO / "recipes").resolve()
+
+
+def test_wheel_ships_recipes_and_configs(tmp_path):
+    """A normal (non-editable) install must find recipes and configs inside the package."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    wheel = next(tmp_path.glob("tune_recipes-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for recipe in registry.list_recipes():
+        assert f"tune_recipes/_shipped/recipes/{recipe}.py" in names
+    for config in registry.list_configs():
+        assert f"tune_recipes/_shipped/configs/{config}.yaml" in names
+    assert "tune_recipes/data/assets/tiny_tokenizer.model" in names
+    assert not any(n.startswith("recipes/") for n in names)
