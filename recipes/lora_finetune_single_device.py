@@ -19,6 +19,7 @@ format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``.
 """
 
 import sys
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
@@ -40,7 +41,10 @@ from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
-from tune_recipes.training.checkpoint import checkpointer_config_for_resume
+from tune_recipes.training.checkpoint import (
+    checkpointer_config_for_resume,
+    complete_peft_adapter_config,
+)
 from tune_recipes.training.data import build_dataloader, build_dataset, shift_labels, to_device
 from tune_recipes.training.optim import LRSchedule, build_optimizer
 from tune_recipes.training.progress import StepReporter
@@ -94,6 +98,7 @@ class LoRAFinetuneRecipeSingleDevice:
         self._checkpointer = tt_config.instantiate(
             cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
         )
+        self._base_checkpoint_dir = str(Path(cfg.checkpointer.checkpoint_dir).resolve())
         ckpt = self._checkpointer.load_checkpoint()
         state = None
         if self._resume_from_checkpoint:
@@ -218,6 +223,9 @@ class LoRAFinetuneRecipeSingleDevice:
         self._checkpointer.save_checkpoint(
             ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
             adapter_only=self._save_adapter_weights_only,
+        )
+        complete_peft_adapter_config(
+            Path(self._output_dir) / f"epoch_{epoch}", self._base_checkpoint_dir
         )
 
     # ------------------------------------------------------------------ train

@@ -61,3 +61,19 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
         # Relative to output_dir, where torchtune looks when it loads recipe state.
         cfg.checkpoint_files = [f"{epoch_dir.name}/{f}" for f in files]
     return cfg
+
+
+def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) -> None:
+    """Record where the base model lives in ``adapter_config.json``.
+
+    torchtune leaves ``base_model_name_or_path`` out unless the checkpoint folder names a hub
+    repo; transformers' ``from_pretrained(epoch_dir)`` and PEFT's auto classes then fail with a
+    KeyError. Pointing it at the base checkpoint folder makes the adapter folder loadable as is.
+    """
+    path = Path(epoch_dir) / "adapter_config.json"
+    if not path.is_file():
+        return
+    cfg = json.loads(path.read_text())
+    if not cfg.get("base_model_name_or_path"):
+        cfg["base_model_name_or_path"] = str(base_model_name_or_path)
+        path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,1 @@
+"""Model-side building blocks: losses and model-output adapters."""
