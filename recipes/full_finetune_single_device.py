@@ -32,7 +32,8 @@ from tune_recipes.training import (
     count_valid_tokens,
 )
 from tune_recipes.training.checkpoint import checkpointer_config_for_resume
-from tune_recipes.training.data import build_dataloader, build_dataset, shift_labels, to_device
+from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule, build_optimizer
 from tune_recipes.training.progress import StepReporter
 from tune_recipes.training.state import RecipeState
@@ -109,11 +110,7 @@ class FullFinetuneRecipeSingleDevice:
             state_dict=state.optimizer if state else None,
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
-        if hasattr(self._loss_fn, "num_output_chunks"):
-            # Chunked CE: the model returns its logits in chunks and never concatenates them.
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
-        if cfg.get("compile", False):
-            training.compile_loss(self._loss_fn)
+        self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
 
         self._dataloader = self._setup_data(
             cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
@@ -167,12 +164,10 @@ class FullFinetuneRecipeSingleDevice:
         self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
 
     # ------------------------------------------------------------------ train
-    def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        labels = shift_labels(batch.pop("labels"), self._loss_fn.ignore_index)
-        logits = self._model(**batch)
-        if isinstance(logits, list):
-            return self._loss_fn(logits, labels)
-        return self._loss_fn(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+    def _loss_step(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
+        # Mean over the batch's unmasked tokens; a fused loss also gets the factor the
+        # normalizer will apply, so its pre-computed gradients need no rescale in backward.
+        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens))
 
     def train(self) -> None:
         ga = self._gradient_accumulation_steps
@@ -187,7 +182,7 @@ class FullFinetuneRecipeSingleDevice:
                 # Counted on the CPU labels: a Python int, no device sync.
                 num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
                 batch = to_device(batch, self._device)
-                loss = self._loss_step(batch)
+                loss = self._loss_step(batch, num_tokens)
                 self._normalizer.loss_to_backward(
                     loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}"
                 ).backward()

@@ -142,6 +142,11 @@ class StepLossNormalizer:
         self._num_tokens = 0
         self._micro_batches = 0
 
+    def backward_multiplier(self, num_tokens: int) -> float:
+        """The factor ``loss_to_backward`` will multiply this micro-batch's mean loss by (a loss
+        that pre-scales its gradients in forward takes it as ``scaling``)."""
+        return float(num_tokens) if self.path == "rescale" and num_tokens > 0 else 1.0
+
     def loss_to_backward(
         self, mean_loss: torch.Tensor, num_tokens: int, where: str = ""
     ) -> torch.Tensor:

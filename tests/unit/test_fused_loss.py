@@ -1,0 +1,204 @@
+"""Fused linear + cross-entropy (tune_recipes.modules.loss) against a float64 reference.
+
+Tolerances: fp32 inputs rtol 1e-5 / relative-L2 1e-6 class; bf16 inputs relative L2 <= 2.5e-3
+(gradients are rounded to bf16 once per chunk).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tune_recipes.modules.loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+
+pytestmark = pytest.mark.unit
+IGNORE = -100
+
+
+def _inputs(n, d, v, ignored_frac, dtype, seed, bias=True, shape3d=False):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) / d**0.5
+    b = torch.randn(v, generator=g) if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    n_ignored = int(round(ignored_frac * n))
+    y[torch.randperm(n, generator=g)[:n_ignored]] = IGNORE
+    if shape3d:
+        h, y = h.reshape(2, n // 2, d), y.reshape(2, n // 2)
+    cast = lambda t: None if t is None else t.to(dtype).requires_grad_()
+    return cast(h), cast(w), cast(b), y
+
+
+def _reference(h, w, b, y, reduction):
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    logits = h64.reshape(-1, h64.shape[-1]) @ w64.t()
+    if b64 is not None:
+        logits = logits + b64
+    loss = F.cross_entropy(logits, y.reshape(-1), ignore_index=IGNORE, reduction=reduction)
+    if torch.isfinite(loss):
+        loss.backward()
+    grads = [None if t is None else (t.grad if t.grad is not None else torch.zeros_like(t))
+             for t in (h64, w64, b64)]
+    return loss.detach(), grads
+
+
+def _rel_l2(a, ref):
+    ref = ref.double()
+    denom = ref.norm()
+    return float((a.double() - ref).norm() / (denom if denom > 0 else 1.0))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2.5e-3)])
+@pytest.mark.parametrize("ignored_frac", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("shape3d", [False, True])
+def test_matches_float64_reference(dtype, tol, ignored_frac, reduction, shape3d):
+    # Big enough that a relative-L2 over bf16 roundings is not dominated by a few elements;
+    # chunk_size forces several chunks so the accumulation across chunks is exercised.
+    seed = int(ignored_frac * 10) + (reduction == "sum") * 3 + shape3d * 7
+    h, w, b, y = _inputs(256, 64, 500, ignored_frac, dtype, seed, shape3d=shape3d)
+    loss = fused_linear_cross_entropy(h, w, y, b, reduction=reduction, chunk_size=48)
+    ref_loss, ref_grads = _reference(h, w, b, y, reduction)
+    if ignored_frac == 1.0 and reduction == "mean":
+        assert torch.isnan(loss)  # same as F.cross_entropy: 0 tokens / 0
+    else:
+        assert abs(loss.double().item() - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item()))
+    # Backward a finite multiple of the loss, like the recipes do.
+    (torch.nan_to_num(loss) if ignored_frac == 1.0 else loss).backward()
+    for t, r, name in zip((h, w, b), ref_grads, ("hidden", "weight", "bias")):
+        assert t.grad is not None, name
+        if ignored_frac == 1.0:
+            assert torch.count_nonzero(t.grad) == 0, name
+        else:
+            assert _rel_l2(t.grad, r) <= tol, (name, _rel_l2(t.grad, r))
+
+
+def test_bf16_weight_grad_accumulation_modes():
+    """fp32 accumulation (default) stays within the bf16 tolerance over many chunks; bf16
+    accumulation trades accuracy for memory and is measurably worse."""
+    errs = {}
+    for fp32_acc in (True, False):
+        h, w, b, y = _inputs(512, 64, 1000, 0.3, torch.bfloat16, 11)
+        fused_linear_cross_entropy(h, w, y, b, chunk_size=16, weight_grad_fp32=fp32_acc).backward()
+        _, ref = _reference(h, w, b, y, "mean")
+        errs[fp32_acc] = _rel_l2(w.grad, ref[1])
+    assert errs[True] <= 2.5e-3
+    assert errs[False] > errs[True]
+
+
+def test_ignored_rows_get_exactly_zero_hidden_gradient():
+    h, w, b, y = _inputs(40, 16, 31, 0.3, torch.float32, 1)
+    fused_linear_cross_entropy(h, w, y, b, chunk_size=7).backward()
+    assert torch.count_nonzero(h.grad[y == IGNORE]) == 0
+    assert torch.count_nonzero(h.grad[y != IGNORE].abs().sum(-1)) == int((y != IGNORE).sum())
+
+
+def test_frozen_weight_gets_no_gradient_computed():
+    h, w, b, y = _inputs(20, 8, 13, 0.3, torch.float32, 2, bias=False)
+    w.requires_grad_(False)
+    loss = fused_linear_cross_entropy(h, w, y)
+    saved = loss.grad_fn.saved_tensors
+    assert saved[1] is None  # no weight gradient was computed or stored
+    loss.backward()
+    assert w.grad is None and h.grad is not None
+
+
+def test_tied_weight_gradient_arrives_once():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(23, 8)
+    ids = torch.randint(0, 23, (3, 5))
+    y = torch.randint(0, 23, (3, 5))
+    h = emb(ids)
+    fused_linear_cross_entropy(h, emb.weight, y).backward()
+    fused_grad = emb.weight.grad.clone()
+    emb.weight.grad = None
+    F.cross_entropy((emb(ids) @ emb.weight.t()).reshape(-1, 23), y.reshape(-1)).backward()
+    torch.testing.assert_close(fused_grad, emb.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- the five backward rules
+def _loss(scaling, seed=3):
+    h, w, b, y = _inputs(24, 8, 17, 0.3, torch.float32, seed)
+    return h, w, b, y, fused_linear_cross_entropy(h, w, y, b, scaling=scaling, chunk_size=5)
+
+
+def test_scaling_zero_with_nonzero_grad_output_raises():
+    *_, loss = _loss(0.0)
+    with pytest.raises(RuntimeError, match="scaling=0"):
+        (loss * 2.0).backward()
+
+
+def test_zero_grad_output_gives_zero_grads_whatever_scaling():
+    for scaling in (0.0, 3.0):
+        h, w, b, y, loss = _loss(scaling)
+        (loss * 0.0).backward()
+        for t in (h, w, b):
+            assert t.grad is not None and torch.count_nonzero(t.grad) == 0
+            assert torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize("scaling, multiplier", [(1.0, 1.0), (4.0, 4.0), (4.0, 2.5), (1.0, 7.0)])
+def test_scaled_backward_equals_plain_gradients_times_multiplier(scaling, multiplier):
+    h, w, b, y, loss = _loss(scaling)
+    (loss * multiplier).backward()
+    ref_loss, ref_grads = _reference(h, w, b, y, "mean")
+    for t, r in zip((h, w, b), ref_grads):
+        torch.testing.assert_close(t.grad.double(), r * multiplier, rtol=1e-5, atol=1e-7)
+
+
+def test_tensor_scaling_becomes_a_python_float():
+    h, w, b, y = _inputs(24, 8, 17, 0.3, torch.float32, 3)
+    loss = fused_linear_cross_entropy(h, w, y, b, scaling=torch.tensor(5.0))
+    assert type(loss.grad_fn.scaling) is float and loss.grad_fn.scaling == 5.0
+
+
+def test_retain_graph_twice_gives_twice_the_gradients():
+    for multiplier in (1.0, 3.0):  # factor 1.0 (no-copy path) and a real multiply
+        h, w, b, y, loss = _loss(1.0)
+        out = loss * multiplier
+        out.backward(retain_graph=True)
+        first = [t.grad.clone() for t in (h, w, b)]
+        out.backward()
+        for t, g in zip((h, w, b), first):
+            torch.testing.assert_close(t.grad, 2 * g, rtol=0, atol=0)
+
+
+def test_saved_gradients_are_never_modified_and_autograd_grad_works():
+    h, w, b, y, loss = _loss(2.0)
+    saved = [s.clone() for s in loss.grad_fn.saved_tensors]
+    g1 = torch.autograd.grad(loss * 6.0, (h, w, b), retain_graph=True)
+    g2 = torch.autograd.grad(loss * 6.0, (h, w, b), retain_graph=True)
+    for a, c in zip(g1, g2):
+        assert torch.equal(a, c)
+    for s, orig in zip(loss.grad_fn.saved_tensors, saved):
+        assert torch.equal(s, orig)
+
+
+def test_factor_one_returns_saved_tensors_without_copy():
+    h, w, b, y, loss = _loss(2.0)
+    saved_ptrs = [s.data_ptr() for s in loss.grad_fn.saved_tensors]
+    grads = torch.autograd.grad(loss * 2.0, (h, w, b))
+    assert [g.data_ptr() for g in grads] == saved_ptrs
+    # A real factor allocates new tensors instead (out of place).
+    h, w, b, y, loss = _loss(2.0)
+    saved_ptrs = [s.data_ptr() for s in loss.grad_fn.saved_tensors]
+    grads = torch.autograd.grad(loss * 3.0, (h, w, b))
+    assert all(g.data_ptr() != p for g, p in zip(grads, saved_ptrs))
+
+
+def test_create_graph_raises_clearly():
+    h, w, b, y, loss = _loss(1.0)
+    with pytest.raises(RuntimeError, match="create_graph=True is not supported"):
+        torch.autograd.grad(loss, (h,), create_graph=True)
+
+
+def test_module_and_input_validation():
+    mod = FusedLinearCrossEntropyLoss()
+    h, w, b, y = _inputs(8, 4, 5, 0.0, torch.float32, 0)
+    assert torch.isfinite(mod(h, w, y, b))
+    with pytest.raises(ValueError, match="reduction"):
+        FusedLinearCrossEntropyLoss(reduction="none")(h, w, y)
+    with pytest.raises(ValueError, match="disagree"):
+        mod(h, w, y[:3])
+    with pytest.raises(TypeError, match="bfloat16"):
+        mod(h, w.detach().bfloat16(), y)

@@ -1,0 +1,228 @@
+"""Fused output projection + cross-entropy that never materializes the full logits.
+
+For hidden states H [N, D], the output weight W [V, D] (optional bias b [V]) and labels y [N],
+the loss is CE(H W^T + b, y) over the rows whose label is not ``ignore_index``. The rows are
+processed in chunks; each chunk computes its logits, the fp32 log-sum-exp, its loss and — in
+the same forward — its gradients w.r.t. H, W and b. Only the gradients survive the forward,
+pre-multiplied by ``scaling`` (the factor the caller will multiply the loss by before
+backward). Backward then multiplies them by ``grad_output / scaling``, which is exactly 1.0 in
+the common case and then costs nothing.
+
+Backward rules (tests/unit/test_fused_loss.py covers each):
+- ``scaling == 0`` with a non-zero grad_output raises: the saved gradients were zeroed in
+  forward and cannot be recovered (no NaN is produced);
+- ``grad_output == 0`` returns zero gradients, whatever ``scaling`` is;
+- the multiply is out of place, so the saved gradients are never modified: ``backward`` with
+  ``retain_graph=True`` twice accumulates exactly twice the gradients, and
+  ``torch.autograd.grad`` works;
+- a factor of exactly 1.0 returns the saved tensors themselves (no copy);
+- second derivatives (``create_graph=True``) raise instead of returning wrong numbers.
+"""
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
+
+# Bytes of one chunk's logits in the compute dtype. Smaller: less memory, more chunks (each
+# chunk re-reads and re-writes the full weight gradient when W trains).
+DEFAULT_CHUNK_BYTES = 256 * 1024**2
+
+
+def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
+    """A 0-dim tensor scale becomes one Python float, once, here at the boundary."""
+    if isinstance(scaling, torch.Tensor):
+        if scaling.numel() != 1:
+            raise ValueError(f"scaling must be a scalar, got a tensor of shape {tuple(scaling.shape)}")
+        return float(scaling.item())
+    return float(scaling)
+
+
+def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: float
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference path (CPU, or CUDA without Triton): per-row loss, and the logits' gradient
+    ``(softmax - onehot) * grad_scale`` in the logits' dtype."""
+    # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(lf, dim=-1)
+    loss_rows = lse - lf.gather(1, target[:, None]).squeeze(1)
+    probs = torch.exp(lf.sub_(lse[:, None]))
+    probs[torch.arange(target.numel(), device=target.device), target] -= 1.0
+    probs.mul_(grad_scale)
+    return loss_rows, probs.to(logits.dtype)
+
+
+def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float):
+    if logits.is_cuda:
+        from tune_recipes.modules import _triton_ce
+
+        if _triton_ce.available():
+            return _triton_ce.softmax_grad_inplace(logits, target, grad_scale)
+    return _softmax_grad_torch(logits, target, grad_scale)
+
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """acc += grad_logits^T @ h, accumulating in acc's dtype without a [V, D] temporary when the
+    backend can (cuBLAS: bf16 inputs, fp32 output, beta=1)."""
+    if acc.dtype == grad_logits.dtype:
+        acc.addmm_(grad_logits.t(), h)
+    elif acc.is_cuda:
+        torch.addmm(acc, grad_logits.t(), h, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (grad_logits.t().to(acc.dtype) @ h.to(acc.dtype))
+
+
+def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reduction, scaling,
+                            need_hidden, need_weight, need_bias, chunk_size, weight_grad_fp32=True):
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0]
+    compute_dtype = hidden.dtype
+    if weight.dtype != compute_dtype:
+        raise TypeError(f"hidden is {hidden.dtype} but the output weight is {weight.dtype}")
+    # Rows with ignored labels cost nothing: gather the valid ones (one host sync for the count).
+    valid_idx = (labels != ignore_index).nonzero().squeeze(1)
+    n_valid = valid_idx.numel()
+    all_valid = n_valid == n_rows
+    denom = float(n_valid) if reduction == "mean" else 1.0
+    grad_scale = scaling / denom if n_valid > 0 else 0.0
+
+    grad_hidden = (torch.zeros_like(hidden) if need_hidden else None)
+    # The weight gradient sums over every chunk. In fp32 it is rounded to the weight's dtype
+    # once (accurate; a [V, D] fp32 buffer). With weight_grad_fp32=False it accumulates in the
+    # weight's dtype: half the memory, but one bf16 rounding per chunk.
+    acc_dtype = torch.promote_types(weight.dtype, torch.float32) if weight_grad_fp32 else weight.dtype
+    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    if n_valid == 0:
+        loss = loss_sum / denom if reduction == "mean" else loss_sum
+        return loss, grad_hidden, grad_weight, (grad_bias.to(weight.dtype) if need_bias else None)
+
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_BYTES // (vocab * hidden.element_size()))
+    h_valid = hidden if all_valid else hidden.index_select(0, valid_idx)
+    y_valid = labels if all_valid else labels.index_select(0, valid_idx)
+    for start in range(0, n_valid, chunk_size):
+        h = h_valid[start:start + chunk_size]
+        y = y_valid[start:start + chunk_size]
+        logits = h @ weight.t()
+        if bias is not None:
+            logits += bias
+        loss_rows, grad_logits = _softmax_grad(logits, y, grad_scale)
+        loss_sum += loss_rows.sum()
+        if need_hidden:
+            g_h = grad_logits @ weight
+            if all_valid:
+                grad_hidden[start:start + chunk_size] = g_h
+            else:
+                grad_hidden.index_copy_(0, valid_idx[start:start + chunk_size], g_h)
+        if need_weight:
+            _accumulate_weight_grad(grad_weight, grad_logits, h)
+        if need_bias:
+            grad_bias += grad_logits.float().sum(0)
+        del logits, grad_logits
+    loss = loss_sum / denom
+    if need_weight and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    return loss, grad_hidden, grad_weight, (grad_bias.to(weight.dtype) if need_bias else None)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, scaling, chunk_size,
+                weight_grad_fp32):
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        loss, g_h, g_w, g_b = _chunked_loss_and_grads(
+            hidden, weight, bias, labels, ignore_index, reduction, scaling,
+            need_hidden, need_weight, need_bias and bias is not None, chunk_size,
+            weight_grad_fp32,
+        )
+        ctx.scaling = scaling
+        ctx.save_for_backward(g_h, g_w, g_b)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "FusedLinearCrossEntropy computes its gradients in forward and has no second "
+                "derivative: backward with create_graph=True is not supported"
+            )
+        g_h, g_w, g_b = ctx.saved_tensors
+        go = float(grad_output.item())
+        if go == 0.0:
+            # Chain rule: a zero upstream gradient gives zero gradients, whatever the scaling.
+            zeros = [None if g is None else torch.zeros_like(g) for g in (g_h, g_w, g_b)]
+            return (*zeros, None, None, None, None, None, None)
+        if ctx.scaling == 0.0:
+            raise RuntimeError(
+                f"FusedLinearCrossEntropy was called with scaling=0, so its saved gradients are "
+                f"zero, but backward received grad_output={go}: the unscaled gradients cannot be "
+                "recovered. Pass the factor the loss is multiplied by before backward as scaling."
+            )
+        factor = go / ctx.scaling
+        if factor == 1.0:
+            # The common case (grad_output == scaling): hand out the saved tensors, no copy.
+            return g_h, g_w, g_b, None, None, None, None, None, None
+        # Out of place: the saved tensors stay intact for a retain_graph second backward.
+        scaled = [None if g is None else g * factor for g in (g_h, g_w, g_b)]
+        return (*scaled, None, None, None, None, None, None)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
+    reduction: str = "mean",
+    scaling: Union[float, torch.Tensor] = 1.0,
+    chunk_size: Optional[int] = None,
+    weight_grad_fp32: bool = True,
+) -> torch.Tensor:
+    """CE(hidden @ weight.T + bias, labels) without materializing the [N, V] logits.
+
+    ``hidden`` is [B, T, D] or [N, D] (bf16 or fp32, same dtype as ``weight``); ``labels``
+    [B, T] or [N]. ``scaling`` is the factor the caller multiplies the loss by before backward.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden dim {hidden.shape[-1]} != weight in_features {weight.shape[1]}")
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    return _FusedLinearCrossEntropy.apply(
+        h2, weight, bias, y, ignore_index, reduction, _as_float(scaling), chunk_size,
+        weight_grad_fp32,
+    )
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Config component: ``loss: {_component_: tune_recipes.modules.loss.FusedLinearCrossEntropyLoss}``.
+
+    Recipes detect it (``is_fused_linear_loss``), make the model return hidden states instead of
+    logits (tune_recipes.modules.output.return_hidden_states) and call it with the output
+    projection's weight.
+    """
+
+    is_fused_linear_loss = True
+
+    def __init__(self, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, reduction: str = "mean",
+                 chunk_size: Optional[int] = None, weight_grad_fp32: bool = True) -> None:
+        super().__init__()
+        self.weight_grad_fp32 = weight_grad_fp32
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.chunk_size = chunk_size
+
+    def forward(self, hidden, weight, labels, bias=None, scaling=1.0):
+        return fused_linear_cross_entropy(
+            hidden, weight, labels, bias, ignore_index=self.ignore_index,
+            reduction=self.reduction, scaling=scaling, chunk_size=self.chunk_size,
+            weight_grad_fp32=self.weight_grad_fp32,
+        )
