@@ -1,0 +1,211 @@
+"""Benchmark fused linear + cross-entropy implementations side by side (one CUDA GPU).
+
+    python3 scripts/bench_fused_ce.py --out results/fused_ce.json
+
+For each shape (bf16, V=128256, 30% ignored labels, grads for hidden and weight): median
+forward+backward time after warm-up, peak memory above the inputs, relative-L2 error of the
+hidden/weight gradients and of the loss against an fp32 reference, and whether a second
+``backward(retain_graph=True)`` doubles the gradients as it should. Methods that are not
+installed are reported as skipped. Not a test: numbers go to docs/benchmarks.md.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tune_recipes.modules.loss import fused_linear_cross_entropy  # noqa: E402
+
+V = 128256
+IGNORE = -100
+
+
+def ours(h, w, y):
+    return fused_linear_cross_entropy(h, w, y)
+
+
+def ours_lean(h, w, y):
+    return fused_linear_cross_entropy(h, w, y, weight_grad_fp32=False)
+
+
+def plain_eager(h, w, y):
+    return F.cross_entropy((h @ w.t()).float(), y, ignore_index=IGNORE)
+
+
+_compiled = {}
+
+
+def plain_compiled(h, w, y):
+    if "fn" not in _compiled:
+        _compiled["fn"] = torch.compile(plain_eager)
+    return _compiled["fn"](h, w, y)
+
+
+def torchtune_chunked(h, w, y):
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    loss_fn = CEWithChunkedOutputLoss(num_output_chunks=8)
+    # As torchtune's decoder does: the projection is applied per chunk of the sequence.
+    chunks = [c @ w.t() for c in h[None].chunk(8, dim=1)]
+    return loss_fn(chunks, y[None])
+
+
+def liger(h, w, y):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    out = liger_fused_linear_cross_entropy(h, w, y, ignore_index=IGNORE)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def cce(h, w, y):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(h, w, y, ignore_index=IGNORE, shift=False)
+
+
+METHODS = {
+    "ours (fp32 weight-grad accumulation)": ours,
+    "ours, lean (bf16 accumulation)": ours_lean,
+    "plain PyTorch eager": plain_eager,
+    "plain PyTorch torch.compile": plain_compiled,
+    "torchtune 0.6.1 CEWithChunkedOutputLoss": torchtune_chunked,
+    "Liger Kernel fused linear CE": liger,
+    "Apple Cut Cross-Entropy": cce,
+}
+
+
+def make_inputs(n, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16()
+    w = (torch.randn(V, d, device="cuda", generator=g) / d**0.5).bfloat16()
+    y = torch.randint(0, V, (n,), device="cuda", generator=g)
+    y[torch.rand(n, device="cuda", generator=g) < 0.3] = IGNORE
+    return h, w, y
+
+
+def reference(h, w, y, chunk=4096):
+    """fp32 loss and gradients, computed in row chunks (exact; nothing fused)."""
+    hf, wf = h.float(), w.float()
+    n_valid = int((y != IGNORE).sum())
+    gh, gw = torch.zeros_like(hf), torch.zeros_like(wf)
+    loss = 0.0
+    for s in range(0, h.shape[0], chunk):
+        hc = hf[s:s + chunk].clone().requires_grad_()
+        wc = wf.detach().requires_grad_()
+        lc = F.cross_entropy(hc @ wc.t(), y[s:s + chunk], ignore_index=IGNORE, reduction="sum")
+        lc.backward()
+        gh[s:s + chunk] = hc.grad
+        gw += wc.grad
+        loss += lc.item()
+    return loss / n_valid, gh / n_valid, gw / n_valid
+
+
+def rel_l2(a, b):
+    return float((a.float() - b).norm() / b.norm())
+
+
+def bench_one(fn, h0, w0, y, iters, warmup):
+    h = h0.clone().requires_grad_()
+    w = w0.clone().requires_grad_()
+    for _ in range(warmup):
+        fn(h, w, y).backward()
+        h.grad = w.grad = None
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        h.grad = w.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(h, w, y).backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    # Peak memory above the inputs, for one fwd+bwd, gradients included.
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fn(h, w, y)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = (h.grad.clone(), w.grad.clone(), float(loss.float().item()))
+    # Second backward through a retained graph must give exactly twice the gradients.
+    h.grad = w.grad = None
+    loss = fn(h, w, y)
+    loss.backward(retain_graph=True)
+    g1h, g1w = h.grad.clone(), w.grad.clone()
+    try:
+        loss.backward()
+        retain_err = max(rel_l2(h.grad, 2 * g1h.float()), rel_l2(w.grad, 2 * g1w.float()))
+        retain_ok = retain_err < 1e-2
+    except RuntimeError as e:
+        retain_ok, retain_err = f"raises ({str(e).splitlines()[0][:60]})", None
+    del loss
+    return statistics.median(times), peak, grads, retain_ok, retain_err
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="fused_ce.json")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--shapes", default="8192x4096,32768x4096,16384x2048")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        n, d = map(int, shape.split("x"))
+        h, w, y = make_inputs(n, d)
+        ref_loss, ref_gh, ref_gw = reference(h, w, y)
+        for name in args.methods.split(","):
+            fn = METHODS[name]
+            row = {"N": n, "D": d, "V": V, "method": name}
+            try:
+                ms, peak, (gh, gw, loss), retain_ok, retain_err = bench_one(fn, h, w, y, args.iters, args.warmup)
+                row.update(ms=round(ms, 2), peak_extra_gib=round(peak / 1024**3, 3),
+                           err_grad_hidden=rel_l2(gh, ref_gh), err_grad_weight=rel_l2(gw, ref_gw),
+                           err_loss=abs(loss - ref_loss) / abs(ref_loss),
+                           retain_graph_second_backward_ok=retain_ok, retain_err=retain_err)
+            except ImportError as e:
+                row.update(skipped=f"not installed: {e.name}")
+            except torch.OutOfMemoryError:
+                row.update(skipped="out of memory")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+        del h, w, y, ref_gh, ref_gw
+        torch.cuda.empty_cache()
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+    }
+    for mod in ("triton", "torchtune", "liger_kernel", "cut_cross_entropy"):
+        try:
+            m = __import__(mod)
+            meta[mod] = getattr(m, "__version__", "installed")
+        except ImportError:
+            meta[mod] = "not installed"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("\n| N x D | method | ms | extra GiB | err gh | err gw | retain x2 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['N']}x{r['D']} | {r['method']} | {r['skipped']} | | | | |")
+        else:
+            print(f"| {r['N']}x{r['D']} | {r['method']} | {r['ms']} | {r['peak_extra_gib']} | "
+                  f"{r['err_grad_hidden']:.1e} | {r['err_grad_weight']:.1e} | {r['retain_graph_second_backward_ok']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
+# Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
+# Then run with .whl carried:  bash scripts/gpu_session.sh STEP...   (steps: tests smoke scale fused recipes)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, torchtune, torchao; print('torch', torch.__version__, 'triton', triton.__version__, 'torchtune', torchtune.__version__, 'torchao', torchao.__version__)" 2>&1 | grep -v Skipping | tee -a "$OUT/gpu.txt"
+for step in "$@"; do
+  echo "=== $step"
+  case $step in
+    tests)  python3 -m pytest -q -p no:cacheprovider tests/unit/test_fused_loss_gpu.py tests/unit/test_fused_loss.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
+    smoke)  for r in full lora; do
+              timeout 300 python3 -m tune_recipes run ${r}_finetune_single_device --config tiny/${r}_single_device \
+                device=cuda dtype=bf16 max_steps_per_epoch=5 output_dir=/tmp/smoke_$r log_peak_memory_stats=True 2>&1 | tail -3
+              tail -1 /tmp/smoke_$r/metrics.jsonl
+            done 2>&1 | tee "$OUT/smoke.txt" ;;
+    scale)  python3 scripts/bench_scale_grads.py "$OUT/scale_grads.json" 2>&1 | tail -12 ;;
+    fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "^{" | tail -30 ;;
+    recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
+  esac
+done
