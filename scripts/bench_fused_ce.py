@@ -70,13 +70,13 @@ def cce(h, w, y):
 
 
 METHODS = {
-    "ours (fp32 weight-grad accumulation)": ours,
-    "ours, lean (bf16 accumulation)": ours_lean,
-    "plain PyTorch eager": plain_eager,
-    "plain PyTorch torch.compile": plain_compiled,
-    "torchtune 0.6.1 CEWithChunkedOutputLoss": torchtune_chunked,
-    "Liger Kernel fused linear CE": liger,
-    "Apple Cut Cross-Entropy": cce,
+    "ours": ("tune-recipes fused (fp32 weight-grad accumulation)", ours),
+    "ours_lean": ("tune-recipes fused lean (bf16 accumulation)", ours_lean),
+    "eager": ("plain PyTorch eager", plain_eager),
+    "compiled": ("plain PyTorch torch.compile", plain_compiled),
+    "torchtune": ("torchtune 0.6.1 CEWithChunkedOutputLoss", torchtune_chunked),
+    "liger": ("Liger Kernel fused linear CE", liger),
+    "cce": ("Apple Cut Cross-Entropy", cce),
 }
 
 
@@ -166,8 +166,8 @@ def main():
         h, w, y = make_inputs(n, d)
         ref_loss, ref_gh, ref_gw = reference(h, w, y)
         for name in args.methods.split(","):
-            fn = METHODS[name]
-            row = {"N": n, "D": d, "V": V, "method": name}
+            label, fn = METHODS[name]
+            row = {"N": n, "D": d, "V": V, "method": label}
             try:
                 ms, peak, (gh, gw, loss), retain_ok, retain_err = bench_one(fn, h, w, y, args.iters, args.warmup)
                 row.update(ms=round(ms, 2), peak_extra_gib=round(peak / 1024**3, 3),
