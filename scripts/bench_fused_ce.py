@@ -139,16 +139,16 @@ def bench_one(fn, h0, w0, y, iters, warmup):
     grads = (h.grad.clone(), w.grad.clone(), float(loss.float().item()))
     # Second backward through a retained graph must give exactly twice the gradients.
     h.grad = w.grad = None
-    loss = fn(h, w, y)
-    loss.backward(retain_graph=True)
-    g1h, g1w = h.grad.clone(), w.grad.clone()
     try:
+        loss = fn(h, w, y)
+        loss.backward(retain_graph=True)
+        g1h, g1w = h.grad.clone(), w.grad.clone()
         loss.backward()
         retain_err = max(rel_l2(h.grad, 2 * g1h.float()), rel_l2(w.grad, 2 * g1w.float()))
         retain_ok = retain_err < 1e-2
     except RuntimeError as e:
         retain_ok, retain_err = f"raises ({str(e).splitlines()[0][:60]})", None
-    del loss
+    loss = None
     return statistics.median(times), peak, grads, retain_ok, retain_err
 
 

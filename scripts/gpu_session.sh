@@ -20,7 +20,7 @@ for step in "$@"; do
               tail -1 /tmp/smoke_$r/metrics.jsonl
             done 2>&1 | tee "$OUT/smoke.txt" ;;
     scale)  python3 scripts/bench_scale_grads.py "$OUT/scale_grads.json" 2>&1 | tail -12 ;;
-    fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "^{" | tail -30 ;;
+    fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "Warning\|quant_api\|Skipping" | tail -45 ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
   esac
 done
