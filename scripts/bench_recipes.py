@@ -132,8 +132,12 @@ def main():
             cfg_path = work / f"{tag}.yaml"
             write_config(cfg_path, case, ckpt, out_dir, loss, stock)
             if stock:
-                cmd = [py, "-c", "import sys; from torchtune._cli.tune import main; sys.argv[0]='tune'; main()",
-                       "run", case["recipe"], "--config", str(cfg_path)]
+                # The stock recipe file itself (torchtune's CLI imports its downloaders, whose
+                # dependencies the benchmark machine may lack).
+                import torchtune
+
+                stock_file = Path(torchtune.__file__).resolve().parent.parent / "recipes" / f"{case['recipe']}.py"
+                cmd = [py, str(stock_file), "--config", str(cfg_path)]
             else:
                 cmd = [py, "-m", "tune_recipes", "run", case["recipe"], "--config", str(cfg_path)]
             try:

@@ -32,6 +32,11 @@ def main():
     torch.manual_seed(0)
     with training.set_default_dtype(dtype), torch.device(device):
         model = resolve_component(args.builder)()
+        # Small normal init (as the tiny model): a sane initial loss (~log V) instead of the
+        # huge logits of the default init at these widths.
+        for p in model.parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=0.02)
     layer = model.layers[0]
     attn = layer.attn
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
