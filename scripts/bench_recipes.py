@@ -40,6 +40,15 @@ CASES = {
         extra={"optimizer_in_bwd": False, "enable_activation_checkpointing": False},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
     ),
+    # torchtune's shipped 1B config steps inside backward; same here, for both recipes.
+    "full_1b_inbwd": dict(
+        recipe="full_finetune_single_device",
+        builder="torchtune.models.llama3_2.llama3_2_1b",
+        model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+        batch_size=4, seq_len=2048, steps=25, ckpt="full_1b",
+        extra={"optimizer_in_bwd": True, "enable_activation_checkpointing": False},
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+    ),
     "lora_8b": dict(
         recipe="lora_finetune_single_device",
         builder="torchtune.models.llama3_1.llama3_1_8b",
@@ -114,7 +123,7 @@ def main():
     results = []
     for name in args.cases.split(","):
         case = CASES[name]
-        ckpt = work / f"ckpt_{name}"
+        ckpt = work / f"ckpt_{case.get('ckpt', name)}"
         if not (ckpt / "model.safetensors").exists():
             run([py, "scripts/make_random_checkpoint.py", "--builder", case["builder"],
                  "--out", str(ckpt), "--dtype", case.get("dtype", "bf16")], work / f"ckpt_{name}.log")
