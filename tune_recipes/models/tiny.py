@@ -21,21 +21,23 @@ from tune_recipes.data.tiny import TINY_VOCAB_SIZE
 TINY_LLAMA3_ARGS = dict(
     vocab_size=TINY_VOCAB_SIZE,
     num_layers=2,
-    num_heads=4,
+    # dim 256 with 8 query / 2 KV heads: small, GQA, and every projection's size is a multiple
+    # of 64 x 256, which NF4 (QLoRA) quantization requires.
+    num_heads=8,
     num_kv_heads=2,
-    embed_dim=64,
-    intermediate_dim=128,
+    embed_dim=256,
+    intermediate_dim=512,
     max_seq_len=512,
     norm_eps=1e-5,
     rope_base=500_000,
 )
 TINY_CHECKPOINT_SEED = 0
 # Bump when the builder's output would change, so stale caches are rebuilt.
-TINY_CHECKPOINT_VERSION = 1
+TINY_CHECKPOINT_VERSION = 2
 
 
 def tiny_llama3() -> TransformerDecoder:
-    """2 layers, dim 64, GQA 4/2 heads, untied output layer, vocabulary 272."""
+    """2 layers, dim 256, GQA 8/2 heads, untied output layer, vocabulary 272."""
     return llama3(**TINY_LLAMA3_ARGS)
 
 
