@@ -6,6 +6,7 @@ from typing import Dict
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torchtune import training
 
 from tune_recipes.modules.output import return_hidden_states
@@ -34,6 +35,10 @@ class CausalLMLoss:
         labels = shift_labels(batch.pop("labels"), self.ignore_index)
         out = self.model(**batch)
         if self.fused:
+            if isinstance(self.model, FSDPModule):
+                # The output weight lives in the root FSDP unit, which reshards after forward;
+                # gather it again (FSDP reduce-scatters its gradient in the usual post-backward).
+                self.model.unshard()
             return self.loss_fn(out, self.projection.weight, labels, self.projection.bias,
                                 scaling=scaling)
         if isinstance(out, list):

@@ -68,8 +68,11 @@ def grad_norm_and_clip_(
         return None
     max_norm = float(max_norm)
     if max_norm == float("inf"):
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # FSDP2 gradients are DTensors; their norm is one too. Materialize the replicated value.
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class StepLossNormalizer:

@@ -1,0 +1,112 @@
+"""Process-group, FSDP2 sharding and checkpoint gathering for the distributed recipes.
+
+Runs on GPUs with NCCL and on CPUs with gloo (so CI can test 2 processes); nothing here calls a
+CUDA-only API unless the device is CUDA.
+"""
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torchtune import config as tt_config, training
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tune_recipes.config import ConfigError
+
+
+def init_distributed(device_name: str) -> Tuple[torch.device, int, int]:
+    """Start the process group for ``device_name`` ("cuda" or "cpu"): NCCL for CUDA, gloo for
+    CPU. Returns (device, world_size, rank). Must run under torchrun (``tune run
+    --nproc_per_node N``)."""
+    if "RANK" not in os.environ:
+        raise ConfigError(
+            "distributed recipes run under torchrun: use `tune run --nproc_per_node N <recipe> "
+            "--config ...` (N=1 is fine)"
+        )
+    want_cuda = device_name.startswith("cuda")
+    if want_cuda and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available; set device=cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if want_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return device, dist.get_world_size(), dist.get_rank()
+
+
+def shard_and_load(
+    cfg_model,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    world_size: int,
+    full_state_dict: Dict[str, Any],
+    enable_activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    custom_sharded_layers: Optional[List[str]] = None,
+    before_shard=None,
+    strict: bool = True,
+) -> nn.Module:
+    """Build the model on the meta device, shard it with FSDP2 (each transformer layer, any
+    ``custom_sharded_layers``, then the root) and load the full state dict shard by shard.
+
+    ``before_shard(model)`` runs on the meta model before sharding (e.g. marking LoRA params
+    trainable or swapping in fake-quantized linears).
+    """
+    with training.set_default_dtype(dtype), torch.device("meta"):
+        model = tt_config.instantiate(cfg_model)
+    if before_shard is not None:
+        before_shard(model)
+    if enable_activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    mesh = init_device_mesh(device.type, (world_size,))
+    conditions = [
+        lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
+    ]
+    training.shard_model(model, conditions, cpu_offload=False,
+                         reshard_after_forward=reshard_after_forward, dp_mesh=mesh)
+    with training.set_default_dtype(dtype), device:
+        for m in model.modules():
+            # RoPE caches are buffers built at init; meta init left them empty.
+            if hasattr(m, "rope_init"):
+                m.rope_init()
+    training.load_from_full_model_state_dict(model, full_state_dict, device, strict=strict)
+    training.validate_no_params_on_meta_device(model)
+    return model
+
+
+def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, adapter_only: bool = False
+                           ) -> Dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict on rank 0; empty on other ranks. Collective: every rank
+    must call it."""
+    return training.gather_cpu_state_dict(model, is_rank_zero, device=None,
+                                          adapter_weights_only=adapter_only)
+
+
+def full_optimizer_state(model: nn.Module, optimizer, is_rank_zero: bool) -> Dict[str, Any]:
+    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero, device=None)
+
+
+def load_optimizer_state(model: nn.Module, optimizer, full_state: Dict[str, Any],
+                         device: torch.device) -> None:
+    training.load_from_full_optimizer_state_dict(model, optimizer, full_state, device)
+
+
+def broadcast_object(obj, src: int = 0):
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
