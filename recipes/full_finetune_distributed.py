@@ -96,7 +96,7 @@ class FullFinetuneRecipeDistributed:
                 "custom_sharded_layers: the fused loss uses the output weight after the model's "
                 "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
             )
-        self._model = tr_dist.shard_and_load(
+        self._model, _ = tr_dist.shard_and_load(
             cfg.model, dtype=self._dtype, device=self._device, world_size=self.world_size,
             full_state_dict=ckpt[training.MODEL_KEY],
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),

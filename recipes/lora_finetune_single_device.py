@@ -41,6 +41,7 @@ from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
+from tune_recipes.training.adapters import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpoint import (
     checkpointer_config_for_resume,
     complete_peft_adapter_config,
@@ -151,6 +152,7 @@ class LoRAFinetuneRecipeSingleDevice:
     def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
                      compile_model: bool, base_model_state_dict: Dict[str, Any],
                      lora_weights_state_dict: Optional[Dict[str, Any]]) -> torch.nn.Module:
+        resuming = bool(lora_weights_state_dict)
         with training.set_default_dtype(self._dtype), self._device:
             model = tt_config.instantiate(cfg_model)
         self._lora_rank = cfg_model.lora_rank
@@ -172,15 +174,15 @@ class LoRAFinetuneRecipeSingleDevice:
                 model, auto_wrap_policy={TransformerSelfAttentionLayer}
             )
         base_missing, base_unexpected = model.load_state_dict(base_model_state_dict, strict=False)
-        # DoRA magnitudes are initialised from the loaded base weights.
-        for m in model.modules():
-            if hasattr(m, "initialize_dora_magnitude"):
-                m.initialize_dora_magnitude()
-        lora_missing = lora_unexpected = None
-        if lora_weights_state_dict:
-            lora_missing, lora_unexpected = model.load_state_dict(
-                lora_weights_state_dict, strict=False
-            )
+        if not lora_weights_state_dict:
+            # Seeded, build-independent adapter init: the same as the distributed recipe's.
+            lora_weights_state_dict = adapter_init_state_dict(model, self.seed)
+        lora_missing, lora_unexpected = model.load_state_dict(lora_weights_state_dict, strict=False)
+        if not resuming:
+            # DoRA magnitudes start from the loaded base weights (a resumed run loads them);
+            # the init dict holds only lora_a/lora_b, so its "missing" keys are expected.
+            initialize_dora_magnitudes(model)
+            lora_missing = None
         validate_missing_and_unexpected_for_lora(
             lora_attn_modules=self._lora_attn_modules,
             apply_lora_to_mlp=self._apply_lora_to_mlp,

@@ -65,3 +65,22 @@ def test_distributed_recipe_outside_torchrun_says_how(tmp_path):
     proc = tune("run", "full_finetune_distributed", "--config", "tiny/full_distributed",
                 f"output_dir={tmp_path}", check=False)
     assert proc.returncode == 2 and "--nproc_per_node" in proc.stderr
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_lora_two_ranks_equal_one_rank_and_single_device(tmp_path, ga):
+    common = [*STEPS, f"gradient_accumulation_steps={ga}", "optimizer.lr=3e-3"]
+    run_dist(2, "lora_finetune_distributed", "tiny/lora_distributed", tmp_path / "r2",
+             [*common, "batch_size=4"])
+    run_dist(1, "lora_finetune_distributed", "tiny/lora_distributed", tmp_path / "r1",
+             [*common, "batch_size=8"])
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "sd",
+               [*common, "batch_size=8"])
+    r2, r1, sd = (losses(tmp_path / n) for n in ("r2", "r1", "sd"))
+    torch.testing.assert_close(torch.tensor(r2), torch.tensor(r1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(r2), torch.tensor(sd), rtol=1e-5, atol=0)
+    name = "adapter_model.safetensors"
+    assert_same_weights(weights(tmp_path / "r2", name=name), weights(tmp_path / "r1", name=name),
+                        rtol=1e-4, atol=1e-5)
+    assert_same_weights(weights(tmp_path / "r2", name=name), weights(tmp_path / "sd", name=name),
+                        rtol=1e-4, atol=1e-5)

@@ -49,22 +49,31 @@ def shard_and_load(
     device: torch.device,
     world_size: int,
     full_state_dict: Dict[str, Any],
+    adapter_state_dict: Optional[Dict[str, Any]] = None,
+    adapter_init_seed: Optional[int] = None,
     enable_activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
     custom_sharded_layers: Optional[List[str]] = None,
     before_shard=None,
-    strict: bool = True,
-) -> nn.Module:
+):
     """Build the model on the meta device, shard it with FSDP2 (each transformer layer, any
-    ``custom_sharded_layers``, then the root) and load the full state dict shard by shard.
+    ``custom_sharded_layers``, then the root) and load full state dicts shard by shard.
 
     ``before_shard(model)`` runs on the meta model before sharding (e.g. marking LoRA params
-    trainable or swapping in fake-quantized linears).
+    trainable or swapping in fake-quantized linears). For LoRA pass ``adapter_state_dict`` (a
+    resumed adapter) or ``adapter_init_seed`` (fresh adapters from the seeded, build-independent
+    init of tune_recipes.training.adapters): the base weights then load non-strictly and the
+    result is ``(model, (base_missing, base_unexpected, adapter_missing, adapter_unexpected))``.
+    Otherwise loading is strict and the second element is None.
     """
     with training.set_default_dtype(dtype), torch.device("meta"):
         model = tt_config.instantiate(cfg_model)
     if before_shard is not None:
         before_shard(model)
+    if adapter_state_dict is None and adapter_init_seed is not None:
+        from tune_recipes.training.adapters import adapter_init_state_dict
+
+        adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     mesh = init_device_mesh(device.type, (world_size,))
@@ -78,9 +87,17 @@ def shard_and_load(
             # RoPE caches are buffers built at init; meta init left them empty.
             if hasattr(m, "rope_init"):
                 m.rope_init()
-    training.load_from_full_model_state_dict(model, full_state_dict, device, strict=strict)
+    keys = None
+    if adapter_state_dict is None:
+        training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True)
+    else:
+        a_missing, a_unexpected = training.load_from_full_model_state_dict(
+            model, adapter_state_dict, device, strict=False)
+        b_missing, b_unexpected = training.load_from_full_model_state_dict(
+            model, full_state_dict, device, strict=False)
+        keys = (b_missing, b_unexpected, a_missing, a_unexpected)
     training.validate_no_params_on_meta_device(model)
-    return model
+    return model, keys
 
 
 def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, adapter_only: bool = False
