@@ -49,6 +49,26 @@ CASES = {
         extra={"optimizer_in_bwd": True, "enable_activation_checkpointing": False},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
     ),
+    # Two GPUs, FSDP2 (run on the nvidia-h200-x2 kind): per-rank batch 4 x 2048.
+    "full_1b_2gpu": dict(
+        recipe="full_finetune_distributed", nproc=2,
+        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b",
+        model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+        batch_size=4, seq_len=2048, steps=20,
+        extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True},
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+    ),
+    "lora_1b_2gpu": dict(
+        recipe="lora_finetune_distributed", nproc=2,
+        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b",
+        model={"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b",
+               "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+               "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16},
+        batch_size=4, seq_len=2048, steps=20,
+        extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True,
+               "save_adapter_weights_only": True},
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True},
+    ),
     "lora_8b": dict(
         recipe="lora_finetune_single_device",
         builder="torchtune.models.llama3_1.llama3_1_8b",
@@ -87,6 +107,8 @@ def write_config(path: Path, case: dict, ckpt: Path, out_dir: Path, loss: dict, 
         cfg["enable_activation_offloading"] = False
     if stock and case["recipe"] == "full_finetune_single_device":
         cfg["enable_activation_offloading"] = False
+    if stock and "distributed" in case["recipe"]:
+        cfg["profiler"] = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
@@ -147,8 +169,13 @@ def main():
 
                 stock_file = Path(torchtune.__file__).resolve().parent.parent / "recipes" / f"{case['recipe']}.py"
                 cmd = [py, str(stock_file), "--config", str(cfg_path)]
+                if case.get("nproc"):
+                    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(case["nproc"]), str(stock_file), "--config", str(cfg_path)]
             else:
                 cmd = [py, "-m", "tune_recipes", "run", case["recipe"], "--config", str(cfg_path)]
+                if case.get("nproc"):
+                    cmd[4:4] = ["--nproc_per_node", str(case["nproc"])]
             try:
                 wall = run(cmd, work / f"{tag}.log")
                 row = {"case": name, "variant": label, "wall_s": round(wall, 1), **summarize(out_dir)}

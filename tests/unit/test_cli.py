@@ -93,8 +93,9 @@ def test_cp_copies_and_refuses_to_overwrite(tmp_path, capsys):
 
 def test_every_shipped_config_parses_and_validates(capsys):
     configs = registry.list_configs()
-    # 6 models x (full, lora) + 8B QLoRA + 2 tiny, so a config folder cannot silently vanish.
-    assert len(configs) == 15, configs
+    # Single device: 6 models x (full, lora) + 8B QLoRA; distributed: 4 models x (full, lora);
+    # tiny: 4. Counted, so a config folder cannot silently vanish.
+    assert len(configs) == 13 + 8 + 4, configs
     for name in configs:
         rc, out, err = _run(capsys, "validate", name)
         assert rc == 0, f"{name}: {err}"
