@@ -118,7 +118,10 @@ def run(cmd, log: Path) -> float:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
-        tail = log.read_text()[-3000:]
+        text = log.read_text()
+        # The ranks' own error lines say why; torchrun's summary after them does not.
+        rank_lines = [l for l in text.splitlines() if l.startswith("[rank0]") or "Error" in l]
+        tail = "\n".join(rank_lines[-25:]) or text[-3000:]
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{tail}")
     return time.time() - t0
 
