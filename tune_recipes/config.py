@@ -192,6 +192,9 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     def wrapper(argv: Optional[Sequence[str]] = None):
         try:
             cfg = parse_recipe_argv(sys.argv[1:] if argv is None else argv)
+            # Bad component paths and kwargs fail here, in one line naming the key, before
+            # any model is built.
+            validate_config(cfg)
             return recipe_main(cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,242 @@
+"""Quantization-aware full fine-tuning (QAT) of a decoder LLM on one device.
+
+    tune run qat_single_device --config tiny/qat_single_device
+    tune run qat_single_device --config llama3_2/1B_qat_single_device
+
+Every parameter trains while the linear layers fake-quantize their weights (and, for 8da4w, their
+input activations) as the target scheme will, so the model learns to tolerate it. Afterwards
+``tune run quantize --config ...`` converts the checkpoint into a real quantized model.
+
+QAT keys:
+- ``quantizer``: a torchtune/torchao QAT quantizer, e.g.
+  ``torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer`` with ``groupsize``
+  (int8 dynamic activations + int4 grouped weights); its group size must divide every linear's
+  input dim (checked at start, naming the layer).
+- ``fake_quant_after_n_steps``: train the first N steps without fake quantization, then turn it
+  on (often converges better); null = on from the start.
+
+Everything else is the full single-device recipe's:
+- ``gradient_accumulation_steps``: micro-batches per optimizer step; the step's loss is the exact
+  mean over all their unmasked tokens (tune_recipes.training.StepLossNormalizer).
+- ``optimizer_in_bwd``: step each parameter's optimizer during backward and free its gradient
+  at once (lowest memory; needs gradient_accumulation_steps=1 and clip_grad_norm=null).
+- ``clip_grad_norm``: clip to this norm; ``inf`` only measures and logs it; null disables.
+- ``enable_activation_checkpointing``, ``compile``, ``dtype`` (bf16 or fp32).
+- ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir``.
+
+Outputs in ``output_dir``: ``epoch_<n>/`` (HF-format weights), ``recipe_state/`` (for
+resuming), ``metrics.jsonl`` (loss, lr, grad_norm, tokens/s, memory per step), ``config.yaml``.
+"""
+
+import sys
+from typing import Any, Dict
+
+import torch
+from omegaconf import DictConfig
+from torchtune import config as tt_config, training, utils
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.training import (
+    StepLossNormalizer,
+    complete_optimizer_step,
+    count_valid_tokens,
+)
+from tune_recipes.training.checkpoint import checkpointer_config_for_resume
+from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.lm_loss import CausalLMLoss
+from tune_recipes.training.optim import LRSchedule, build_optimizer
+from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.qat import FakeQuantSchedule, build_quantizer, check_group_size
+from tune_recipes.training.state import RecipeState
+
+CONFIG_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
+    "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
+    "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
+    "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
+    "quantizer", "fake_quant_after_n_steps",
+}
+
+
+class QATRecipeSingleDevice:
+    def __init__(self, cfg: DictConfig) -> None:
+        check_known_keys(cfg, CONFIG_KEYS, "qat_single_device")
+        self._device = utils.get_device(cfg.get("device", "cuda"))
+        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
+        self._output_dir = cfg.output_dir
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
+        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._quantizer, self._quantizer_mode = build_quantizer(cfg.get("quantizer"), self._dtype)
+        self._fake_quant_after_n_steps = cfg.get("fake_quant_after_n_steps", None)
+        # Reject incompatible flags before any work is done.
+        if self._optimizer_in_bwd and self._clip_grad_norm is not None:
+            raise ConfigError(
+                "clip_grad_norm needs every gradient at once, but optimizer_in_bwd=True frees "
+                "each one inside backward: set clip_grad_norm=null or optimizer_in_bwd=False"
+            )
+        # Raises a ConfigError-style ValueError for optimizer_in_bwd with GA > 1.
+        try:
+            self._normalizer = StepLossNormalizer(
+                self._gradient_accumulation_steps, optimizer_in_bwd=self._optimizer_in_bwd
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self._dtype == torch.float16:
+            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self.seed = training.set_seed(seed=cfg.seed)
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.get("max_steps_per_epoch", None)
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, cfg: DictConfig) -> None:
+        metric_logger = tt_config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._reporter = StepReporter(
+            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
+            cfg.get("log_peak_memory_stats", False),
+        )
+
+        cfg_checkpointer = cfg.checkpointer
+        if self._resume_from_checkpoint:
+            cfg_checkpointer = checkpointer_config_for_resume(
+                cfg.checkpointer, self._output_dir, full_weights=True
+            )
+        self._checkpointer = tt_config.instantiate(
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+        )
+        ckpt = self._checkpointer.load_checkpoint()
+        state = RecipeState.from_checkpoint(ckpt) if self._resume_from_checkpoint else None
+
+        self._model = self._setup_model(
+            cfg.model,
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            compile_model=cfg.get("compile", False),
+            model_state_dict=ckpt[training.MODEL_KEY],
+        )
+        self._tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self._optimizer = build_optimizer(
+            cfg.optimizer, self._model, self._optimizer_in_bwd,
+            state_dict=state.optimizer if state else None,
+        )
+        self._loss_fn = tt_config.instantiate(cfg.loss)
+        self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
+
+        self._dataloader = self._setup_data(
+            cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        )
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        if self._steps_per_epoch < 1:
+            raise ConfigError(
+                f"dataset yields {len(self._dataloader)} batches of batch_size={cfg.batch_size}, "
+                f"fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}"
+            )
+        if state is not None:
+            state.apply_to(self)
+        self.global_step = self.epochs_run * self._steps_per_epoch
+        self._fake_quant = FakeQuantSchedule(
+            self._model, self._quantizer_mode, self._fake_quant_after_n_steps
+        )
+        self._lr_schedule = LRSchedule(
+            cfg.get("lr_scheduler", None), self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+
+    def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
+                     compile_model: bool, model_state_dict: Dict[str, Any]) -> torch.nn.Module:
+        with training.set_default_dtype(self._dtype), self._device:
+            model = tt_config.instantiate(cfg_model)
+        # Swap linears for fake-quantized ones before loading: same parameter names.
+        check_group_size(model, self._quantizer)
+        model = self._quantizer.prepare(model)
+        if compile_model:
+            training.compile_model(model)
+        if enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={TransformerSelfAttentionLayer}
+            )
+        model.load_state_dict(model_state_dict)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        return model
+
+    def _setup_data(self, cfg_dataset, shuffle: bool, batch_size: int, collate_fn: str):
+        ds = build_dataset(cfg_dataset, self._tokenizer)
+        return build_dataloader(
+            ds, batch_size=batch_size, shuffle=shuffle, seed=self.seed,
+            pad_id=self._tokenizer.pad_id, collate_fn=collate_fn,
+            ignore_index=self._loss_fn.ignore_index,
+        )
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, epoch: int) -> None:
+        ckpt = {training.MODEL_KEY: self._model.state_dict()}
+        intermediate = epoch + 1 < self.total_epochs
+        if intermediate:
+            ckpt.update(RecipeState.capture(self, optimizer_state=self._optimizer.state_dict()))
+        self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+
+    # ------------------------------------------------------------------ train
+    def _loss_step(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
+        # Mean over the batch's unmasked tokens; a fused loss also gets the factor the
+        # normalizer will apply, so its pre-computed gradients need no rescale in backward.
+        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens))
+
+    def train(self) -> None:
+        ga = self._gradient_accumulation_steps
+        self._optimizer.zero_grad(set_to_none=True)
+        for epoch in range(self.epochs_run, self.total_epochs):
+            self._dataloader.sampler.set_epoch(epoch)
+            self._reporter.start_epoch(epoch, self.total_epochs, self._steps_per_epoch)
+            step_in_epoch = 0
+            for idx, batch in enumerate(self._dataloader):
+                if step_in_epoch == self._steps_per_epoch:
+                    break
+                if (idx % ga) == 0:
+                    self._fake_quant.update(self.global_step)
+                # Counted on the CPU labels: a Python int, no device sync.
+                num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
+                batch = to_device(batch, self._device)
+                loss = self._loss_step(batch, num_tokens)
+                self._normalizer.loss_to_backward(
+                    loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}"
+                ).backward()
+                self._reporter.add_tokens(num_tokens)
+                if (idx + 1) % ga != 0:
+                    continue
+                # Step boundary, same order on every path: normalize (a no-op on the skip and
+                # in-backward paths), clip, step, zero_grad, schedule.
+                loss_to_log, grad_norm, lr = complete_optimizer_step(
+                    self._normalizer, self._model.parameters(), self._optimizer, self._lr_schedule,
+                    self._clip_grad_norm,
+                )
+                self.global_step += 1
+                step_in_epoch += 1
+                self._reporter.step_done(self.global_step, loss_to_log, lr, grad_norm,
+                                         fake_quant=int(self._fake_quant.enabled))
+            self._reporter.end_epoch()
+            self.epochs_run += 1
+            self.save_checkpoint(epoch=epoch)
+
+    def cleanup(self) -> None:
+        self._reporter.close()
+
+
+@parse
+def recipe_main(cfg: DictConfig) -> None:
+    recipe = QATRecipeSingleDevice(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

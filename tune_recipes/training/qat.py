@@ -1,0 +1,73 @@
+"""Quantization-aware training helpers shared by the QAT recipes and the quantize recipe."""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from torchtune import config as tt_config
+from torchtune.training import quantization as tt_quant
+
+from tune_recipes.config import ConfigError
+
+
+def build_quantizer(cfg_quantizer, dtype: Optional[torch.dtype] = None, require_qat: bool = True
+                    ) -> Tuple[object, str]:
+    """Instantiate ``quantizer`` and return it with its mode (e.g. "8da4w-qat")."""
+    if cfg_quantizer is None:
+        raise ConfigError("quantizer: missing; e.g. _component_: "
+                          "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer")
+    quantizer = tt_config.instantiate(cfg_quantizer)
+    mode = tt_quant.get_quantizer_mode(quantizer)
+    name = cfg_quantizer.get("_component_", type(quantizer).__name__)
+    if mode is None:
+        raise ConfigError(
+            f"quantizer._component_: {name} is not a quantizer torchtune knows; use one of "
+            "torchtune.training.quantization.{Int8DynActInt4WeightQATQuantizer, "
+            "Int4WeightOnlyQATQuantizer, Int8DynActInt4WeightQuantizer, Int4WeightOnlyQuantizer}"
+        )
+    if require_qat and "qat" not in mode:
+        raise ConfigError(f"quantizer._component_: {name} (mode {mode}) is not a QAT quantizer")
+    if dtype is not None and hasattr(quantizer, "precision"):
+        quantizer.precision = dtype
+    return quantizer, mode
+
+
+def check_group_size(model: nn.Module, quantizer, skip: Tuple[str, ...] = ()) -> None:
+    """Every linear layer the quantizer will touch must split into whole groups.
+
+    torchao silently leaves a linear whose in_features is not a multiple of the group size
+    unquantized; here that is an error naming the layer and its dims.
+    """
+    group = getattr(quantizer, "groupsize", None) or getattr(quantizer, "group_size", None)
+    if not group:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not any(name.startswith(s) for s in skip):
+            if module.in_features % group != 0:
+                raise ConfigError(
+                    f"quantizer.groupsize={group} does not divide layer '{name}' "
+                    f"(in_features={module.in_features}, out_features={module.out_features}); "
+                    f"pick a groupsize that divides {module.in_features}"
+                )
+
+
+class FakeQuantSchedule:
+    """Fake quantization off for the first ``after_n_steps`` optimizer steps, then on."""
+
+    def __init__(self, model: nn.Module, mode: str, after_n_steps: Optional[int]) -> None:
+        self.model = model
+        self.after_n_steps = after_n_steps
+        self._disable = tt_quant._get_disable_fake_quant(mode)
+        self._enable = tt_quant._get_enable_fake_quant(mode)
+        self.enabled = True
+        if after_n_steps is not None and (self._disable is None or self._enable is None):
+            raise ConfigError(f"fake_quant_after_n_steps is not supported for quantizer mode {mode}")
+
+    def update(self, global_step: int) -> None:
+        """Call before the step numbered ``global_step`` (0-based) runs."""
+        if self.after_n_steps is None:
+            return
+        want = global_step >= self.after_n_steps
+        if want != self.enabled:
+            self.model.apply(self._enable if want else self._disable)
+            self.enabled = want
