@@ -86,23 +86,30 @@ def _hf_config() -> dict:
     }
 
 
-def default_tiny_checkpoint_dir() -> Path:
+def default_tiny_checkpoint_dir(variant: str = "base") -> Path:
     root = os.environ.get("TUNE_RECIPES_CACHE") or Path.home() / ".cache" / "tune_recipes"
-    return Path(root) / f"tiny_llama3_v{TINY_CHECKPOINT_VERSION}"
+    suffix = "" if variant == "base" else f"_{variant}"
+    return Path(root) / f"tiny_llama3_v{TINY_CHECKPOINT_VERSION}{suffix}"
 
 
-def build_tiny_llama3_checkpoint(out_dir: Optional[Union[str, Path]] = None) -> Path:
+TINY_VARIANT_SEEDS = {"base": TINY_CHECKPOINT_SEED, "teacher": 1}
+
+
+def build_tiny_llama3_checkpoint(out_dir: Optional[Union[str, Path]] = None,
+                                 variant: str = "base") -> Path:
     """Write the deterministic tiny checkpoint (HF layout) to ``out_dir`` and return it.
 
     Idempotent and safe for concurrent callers: files are written to a temporary folder that is
     renamed into place, so a reader never sees a half-written checkpoint.
     """
-    out = Path(out_dir) if out_dir is not None else default_tiny_checkpoint_dir()
+    if variant not in TINY_VARIANT_SEEDS:
+        raise ValueError(f"unknown tiny checkpoint variant {variant!r}; use one of {list(TINY_VARIANT_SEEDS)}")
+    out = Path(out_dir) if out_dir is not None else default_tiny_checkpoint_dir(variant)
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_CHECKPOINT_SEED)
+        torch.manual_seed(TINY_VARIANT_SEEDS[variant])
         model = tiny_llama3()
         # Small init keeps the initial loss near log(vocab) and training stable in fp32.
         for name, p in model.named_parameters():

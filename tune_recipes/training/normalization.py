@@ -144,6 +144,8 @@ class StepLossNormalizer:
         self._running_loss: Optional[torch.Tensor] = None
         self._num_tokens = 0
         self._micro_batches = 0
+        self._extra_sums = {}
+        self.extras = {}
 
     def backward_multiplier(self, num_tokens: int) -> float:
         """The factor ``loss_to_backward`` will multiply this micro-batch's mean loss by (a loss
@@ -151,13 +153,15 @@ class StepLossNormalizer:
         return float(num_tokens) if self.path == "rescale" and num_tokens > 0 else 1.0
 
     def loss_to_backward(
-        self, mean_loss: torch.Tensor, num_tokens: int, where: str = ""
+        self, mean_loss: torch.Tensor, num_tokens: int, where: str = "", extras=None
     ) -> torch.Tensor:
         """Record one micro-batch and return the tensor to call ``backward()`` on.
 
         ``mean_loss`` is the loss function's mean over this micro-batch's ``num_tokens``
         unmasked tokens (a Python int, see ``count_valid_tokens``). ``where`` names the
-        position (e.g. "epoch 0, step 12") for the error message.
+        position (e.g. "epoch 0, step 12") for the error message. ``extras`` maps names to
+        other per-token means to log (e.g. the two parts of a distillation loss); after
+        ``finish_step`` they are in ``self.extras``, token-weighted like the loss.
         """
         num_tokens = int(num_tokens)
         if num_tokens <= 0 and not self.distributed:
@@ -177,6 +181,10 @@ class StepLossNormalizer:
             loss = mean_loss
         detached = loss.detach()
         self._running_loss = detached if self._running_loss is None else self._running_loss + detached
+        weight = float(num_tokens) if self.path == "rescale" else 1.0
+        for name, value in (extras or {}).items():
+            v = value.detach().float() * weight if num_tokens > 0 else torch.zeros((), device=value.device)
+            self._extra_sums[name] = v if name not in self._extra_sums else self._extra_sums[name] + v
         return loss
 
     def finish_step(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -192,16 +200,22 @@ class StepLossNormalizer:
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
             )
         running_loss = self._running_loss
+        names = sorted(self._extra_sums)
+        extras = [self._extra_sums[n] for n in names]
         if self.path == "rescale":
             total_tokens = self._num_tokens
             if self.distributed:
-                # One all-reduce for both: [loss sum, token count], in fp64 so counts stay exact.
+                # One all-reduce for all: [loss sum, token count, extras...], in fp64 so counts
+                # stay exact.
+                dev = running_loss.device
                 packed = torch.stack(
                     [running_loss.double(), torch.tensor(float(total_tokens), dtype=torch.float64,
-                                                         device=running_loss.device)]
+                                                         device=dev)]
+                    + [e.double().to(dev) for e in extras]
                 )
                 dist.all_reduce(packed, group=self.process_group)
                 running_loss = packed[0]
+                extras = list(packed[2:])
                 # The only host sync of the step: the count becomes a Python float so the
                 # gradient pass multiplies by a scalar, not a device tensor.
                 total_tokens = int(packed[1].item())
@@ -211,11 +225,14 @@ class StepLossNormalizer:
                     "tokenizer.max_seq_len, set train_on_input=True, or filter the data."
                 )
             scale_grads_(parameters, self.world_size / total_tokens)
-            loss_to_log = running_loss / total_tokens
+            denominator = float(total_tokens)
         else:
             # Skip/in-backward: running_loss already holds a mean; denominator 1.0.
-            loss_to_log = running_loss / 1.0
+            denominator = 1.0
+        loss_to_log = running_loss / denominator
+        extras_to_log = {n: e / denominator for n, e in zip(names, extras)}
         self._reset()
+        self.extras = extras_to_log
         return loss_to_log
 
 

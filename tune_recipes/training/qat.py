@@ -60,8 +60,7 @@ class FakeQuantSchedule:
         self._disable = tt_quant._get_disable_fake_quant(mode)
         self._enable = tt_quant._get_enable_fake_quant(mode)
         self.enabled = True
-        if after_n_steps is not None and (self._disable is None or self._enable is None):
-            raise ConfigError(f"fake_quant_after_n_steps is not supported for quantizer mode {mode}")
+
 
     def update(self, global_step: int) -> None:
         """Call before the step numbered ``global_step`` (0-based) runs."""
@@ -69,5 +68,18 @@ class FakeQuantSchedule:
             return
         want = global_step >= self.after_n_steps
         if want != self.enabled:
-            self.model.apply(self._enable if want else self._disable)
+            if self._enable is not None and self._disable is not None:
+                self.model.apply(self._enable if want else self._disable)
+            # Also any fake quantizer outside torchao's QAT linears (our QAT + LoRA linears).
+            for m in self.model.modules():
+                if _is_fake_quantizer(m):
+                    m.enabled = want
             self.enabled = want
+
+
+def _is_fake_quantizer(module: nn.Module) -> bool:
+    try:
+        from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
+    except ImportError:
+        return False
+    return isinstance(module, FakeQuantizerBase)

@@ -1,0 +1,288 @@
+"""Knowledge distillation into a LoRA student on several GPUs (or CPU processes) with FSDP2.
+
+    tune run --nproc_per_node 2 knowledge_distillation_distributed --config tiny/kd_distributed
+    tune run --nproc_per_node 8 knowledge_distillation_distributed --config llama3_2/8B_to_1B_kd_distributed
+
+Student (LoRA) and frozen teacher are both sharded with FSDP2. The student minimizes
+``(1 - kd_ratio) * loss(student, labels) + kd_ratio * kd_loss(teacher, student)`` (forward KL
+per token over the same unmasked tokens), normalized by the global token count like the other
+distributed recipes. ``class_loss`` and ``kd_loss`` are logged as global token means.
+
+Loss normalization: the step's loss is the mean over the unmasked tokens of every micro-batch
+on every rank, whatever each rank's share of them (see the NOTE in ``train``). The logged loss
+is that global mean, so 1-rank and N-rank runs log the same numbers.
+
+Outputs (rank 0) in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
+``save_adapter_weights_only``), the adapter in PEFT and torchtune formats; plus
+``recipe_state/``, ``metrics.jsonl``, ``config.yaml``.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from omegaconf import DictConfig
+from torchtune import config as tt_config, training
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
+
+from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.training import StepLossNormalizer, complete_optimizer_step, count_valid_tokens
+from tune_recipes.training import distributed as tr_dist
+from tune_recipes.training.adapters import initialize_dora_magnitudes
+from tune_recipes.training.checkpoint import (
+    checkpointer_config_for_resume,
+    complete_peft_adapter_config,
+)
+from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.kd import DistillationLoss
+from tune_recipes.training.optim import LRSchedule
+from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.state import RecipeState
+
+CONFIG_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
+    "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
+    "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss", "clip_grad_norm",
+    "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
+    "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
+    "collate_fn", "save_adapter_weights_only",
+    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",
+}
+
+
+class KDRecipeDistributed:
+    def __init__(self, cfg: DictConfig) -> None:
+        check_known_keys(cfg, CONFIG_KEYS, "knowledge_distillation_distributed")
+        self._device, self.world_size, self.rank = tr_dist.init_distributed(cfg.get("device", "cuda"))
+        self._is_rank_zero = self.rank == 0
+        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
+        if self._dtype == torch.float16:
+            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self._output_dir = cfg.output_dir
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
+        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        # NOTE: distributed=True keeps the multiply-by-tokens + rescale path even at GA == 1.
+        # See the NOTE in train(); do not "simplify" it to the single-device skip.
+        try:
+            self._normalizer = StepLossNormalizer(
+                self._gradient_accumulation_steps, distributed=True, world_size=self.world_size
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.seed = training.set_seed(seed=cfg.seed)
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.get("max_steps_per_epoch", None)
+        self.global_step = 0
+
+    def setup(self, cfg: DictConfig) -> None:
+        metric_logger = None
+        if self._is_rank_zero:
+            metric_logger = tt_config.instantiate(cfg.metric_logger)
+            metric_logger.log_config(cfg)
+        self._reporter = StepReporter(
+            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
+            cfg.get("log_peak_memory_stats", False), is_main=self._is_rank_zero,
+        )
+        cfg_checkpointer = cfg.checkpointer
+        if self._resume_from_checkpoint:
+            # Base weights come from checkpoint_dir; the adapter from the newest epoch.
+            cfg_checkpointer = checkpointer_config_for_resume(
+                cfg.checkpointer, self._output_dir, full_weights=False
+            )
+        self._checkpointer = tt_config.instantiate(
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+        )
+        self._base_checkpoint_dir = str(Path(cfg.checkpointer.checkpoint_dir).resolve())
+        ckpt = self._checkpointer.load_checkpoint()
+        state = None
+        if self._resume_from_checkpoint:
+            if training.ADAPTER_KEY not in ckpt:
+                raise ConfigError(
+                    f"resume_from_checkpoint=True but no adapter checkpoint was found under "
+                    f"{self._output_dir}; set checkpointer.adapter_checkpoint or start afresh"
+                )
+            state = RecipeState.from_checkpoint(ckpt)
+
+        self._loss_fn = tt_config.instantiate(cfg.loss)
+        custom = cfg.get("custom_sharded_layers", None)
+        if getattr(self._loss_fn, "is_fused_linear_loss", False) and custom and (
+            "output" in custom or "tok_embeddings" in custom
+        ):
+            raise ConfigError(
+                "custom_sharded_layers: the fused loss uses the output weight after the model's "
+                "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
+            )
+        cfg_model = cfg.model
+        self._lora_rank = cfg_model.lora_rank
+        self._lora_alpha = cfg_model.lora_alpha
+        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
+        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
+        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
+        adapter_sd = ckpt.get(training.ADAPTER_KEY)
+
+        def mark_trainable(meta_model):
+            params = get_adapter_params(meta_model)
+            if not params:
+                raise ConfigError(f"model: {cfg_model._component_} has no LoRA adapters")
+            set_trainable_params(meta_model, params)
+
+        self._model, (b_miss, b_unexp, a_miss, a_unexp) = tr_dist.shard_and_load(
+            cfg_model, dtype=self._dtype, device=self._device, world_size=self.world_size,
+            full_state_dict=ckpt[training.MODEL_KEY],
+            adapter_state_dict=adapter_sd, adapter_init_seed=self.seed,
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            custom_sharded_layers=list(custom) if custom else None,
+            before_shard=mark_trainable,
+        )
+        if adapter_sd is None:
+            initialize_dora_magnitudes(self._model)
+            a_miss = None  # the init dict holds only lora_a/lora_b
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=self._lora_attn_modules, apply_lora_to_mlp=self._apply_lora_to_mlp,
+            apply_lora_to_output=self._apply_lora_to_output, base_missing=b_miss,
+            base_unexpected=b_unexp, lora_missing=a_miss, lora_unexpected=a_unexp,
+        )
+        teacher_sd = tt_config.instantiate(cfg.teacher_checkpointer).load_checkpoint()[training.MODEL_KEY]
+        self._teacher, _ = tr_dist.shard_and_load(
+            cfg.teacher_model, dtype=self._dtype, device=self._device,
+            world_size=self.world_size, full_state_dict=teacher_sd,
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+        )
+        if cfg.get("compile", False):
+            training.compile_model(self._model, verbose=self._is_rank_zero)
+        self._kd = DistillationLoss(
+            self._model, self._teacher, self._loss_fn, tt_config.instantiate(cfg.kd_loss),
+            cfg.get("kd_ratio", 0.5),
+        )
+        self._tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self._trainable = [p for p in self._model.parameters() if p.requires_grad]
+        self._optimizer = tt_config.instantiate(cfg.optimizer, self._trainable)
+        if state is not None and state.optimizer is not None:
+            tr_dist.load_optimizer_state(self._model, self._optimizer, state.optimizer, self._device)
+
+        ds = build_dataset(cfg.dataset, self._tokenizer)
+        self._dataloader = build_dataloader(
+            ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
+            pad_id=self._tokenizer.pad_id,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            ignore_index=self._loss_fn.ignore_index, world_size=self.world_size, rank=self.rank,
+        )
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        if self._steps_per_epoch < 1:
+            raise ConfigError(
+                f"each rank gets {len(self._dataloader)} batches of batch_size={cfg.batch_size}, "
+                f"fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}"
+            )
+        if state is not None:
+            state.apply_to(self)
+        self.global_step = self.epochs_run * self._steps_per_epoch
+        self._lr_schedule = LRSchedule(
+            cfg.get("lr_scheduler", None), self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+
+    def save_checkpoint(self, epoch: int) -> None:
+        intermediate = epoch + 1 < self.total_epochs
+        # Collectives: every rank gathers, rank 0 writes.
+        full_sd = tr_dist.gather_full_state_dict(self._model, self._is_rank_zero)
+        opt_sd = (tr_dist.full_optimizer_state(self._model, self._optimizer, self._is_rank_zero)
+                  if intermediate else None)
+        if self._is_rank_zero:
+            ckpt: Dict[str, Any] = {training.ADAPTER_KEY: get_adapter_state_dict(full_sd)}
+            if intermediate:
+                ckpt.update(RecipeState.capture(self, optimizer_state=opt_sd))
+            if not self._save_adapter_weights_only:
+                # full_sd holds fresh CPU copies, so merging in place touches no live weight.
+                ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(
+                    full_sd, rank=self._lora_rank, alpha=self._lora_alpha
+                )
+            ckpt[training.ADAPTER_CONFIG] = {
+                "r": self._lora_rank,
+                "lora_alpha": self._lora_alpha,
+                "target_modules": get_lora_module_names(
+                    self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
+                ),
+                "peft_type": "LORA",
+            }
+            self._checkpointer.save_checkpoint(
+                ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
+                adapter_only=self._save_adapter_weights_only,
+            )
+            complete_peft_adapter_config(
+                Path(self._output_dir) / f"epoch_{epoch}", self._base_checkpoint_dir
+            )
+        torch.distributed.barrier()
+
+    def _loss_step(self, batch: Dict[str, torch.Tensor]):
+        # (mixed mean loss, {"class_loss": ..., "kd_loss": ...}) over this rank's tokens.
+        return self._kd(batch)
+
+    def train(self) -> None:
+        ga = self._gradient_accumulation_steps
+        self._optimizer.zero_grad(set_to_none=True)
+        for epoch in range(self.epochs_run, self.total_epochs):
+            self._dataloader.sampler.set_epoch(epoch)
+            self._reporter.start_epoch(epoch, self.total_epochs, self._steps_per_epoch)
+            step_in_epoch = 0
+            for idx, batch in enumerate(self._dataloader):
+                if step_in_epoch == self._steps_per_epoch:
+                    break
+                # NOTE: num_tokens is this rank's count only. Ranks see different numbers of
+                # unmasked tokens (variable-length data), so the loss is multiplied by the local
+                # count here and the gradients are divided by the all-reduced global count in
+                # finish_step (times world_size, undoing FSDP's averaging). The single-device
+                # skip (backward the mean, no rescale) would instead divide each rank by its
+                # own count and up-weight ranks with fewer tokens: [5, 3] tokens already move
+                # the gradient ~25% (tests/unit/test_distributed_normalization.py).
+                num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
+                batch = to_device(batch, self._device)
+                loss, parts = self._loss_step(batch)
+                self._normalizer.loss_to_backward(
+                    loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}",
+                    extras=parts,
+                ).backward()
+                self._reporter.add_tokens(num_tokens)
+                if (idx + 1) % ga != 0:
+                    continue
+                loss_to_log, grad_norm, lr = complete_optimizer_step(
+                    self._normalizer, self._trainable, self._optimizer,
+                    self._lr_schedule, self._clip_grad_norm,
+                )
+                self.global_step += 1
+                step_in_epoch += 1
+                self._reporter.step_done(self.global_step, loss_to_log, lr, grad_norm,
+                                         **self._normalizer.extras)
+            self._reporter.end_epoch()
+            self.epochs_run += 1
+            self.save_checkpoint(epoch=epoch)
+
+    def cleanup(self) -> None:
+        self._reporter.close()
+        tr_dist.destroy()
+
+
+@parse
+def recipe_main(cfg: DictConfig) -> None:
+    recipe = KDRecipeDistributed(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,298 @@
+"""Knowledge distillation into a LoRA student on one device.
+
+    tune run knowledge_distillation_single_device --config tiny/kd_single_device
+    tune run knowledge_distillation_single_device --config llama3_2/8B_to_1B_kd_single_device
+
+A frozen teacher (``teacher_model`` + ``teacher_checkpointer``) and a LoRA student (``model``)
+see the same batch. The student minimizes
+``(1 - kd_ratio) * loss(student, labels) + kd_ratio * kd_loss(teacher, student)``, where
+``kd_loss`` is the forward KL divergence of the student's next-token distribution from the
+teacher's, over the same unmasked tokens (so the mix is a per-token mean and is normalized
+exactly like every other recipe's loss). ``class_loss`` and ``kd_loss`` are logged per step.
+Teacher and student must share the tokenizer (vocabulary).
+
+Loss normalization is shared with every recipe (tune_recipes.training.StepLossNormalizer):
+with ``gradient_accumulation_steps: 1`` the mean loss is backpropagated as is; with more, each
+micro-batch's mean is weighted by its token count and the adapters' gradients are divided by the
+step's total once.
+
+Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
+``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
+format, loadable with ``peft.PeftModel.from_pretrained``), ``adapter_model.pt`` (torchtune
+format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig
+from torchtune import config as tt_config, training, utils
+from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
+
+from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.training import (
+    StepLossNormalizer,
+    complete_optimizer_step,
+    count_valid_tokens,
+)
+from tune_recipes.training.adapters import adapter_init_state_dict, initialize_dora_magnitudes
+from tune_recipes.training.checkpoint import (
+    checkpointer_config_for_resume,
+    complete_peft_adapter_config,
+)
+from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.kd import DistillationLoss
+from tune_recipes.training.optim import LRSchedule, build_optimizer
+from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.state import RecipeState
+
+CONFIG_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint",
+    "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
+    "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
+    "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
+    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",
+}
+
+
+class KDRecipeSingleDevice:
+    def __init__(self, cfg: DictConfig) -> None:
+        check_known_keys(cfg, CONFIG_KEYS, "knowledge_distillation_single_device")
+        self._device = utils.get_device(cfg.get("device", "cuda"))
+        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
+        if self._dtype == torch.float16:
+            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self._output_dir = cfg.output_dir
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
+        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
+        try:
+            self._normalizer = StepLossNormalizer(self._gradient_accumulation_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.seed = training.set_seed(seed=cfg.seed)
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.get("max_steps_per_epoch", None)
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, cfg: DictConfig) -> None:
+        metric_logger = tt_config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._reporter = StepReporter(
+            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
+            cfg.get("log_peak_memory_stats", False),
+        )
+        cfg_checkpointer = cfg.checkpointer
+        if self._resume_from_checkpoint:
+            # Base weights come from checkpoint_dir; the adapter from the newest epoch.
+            cfg_checkpointer = checkpointer_config_for_resume(
+                cfg.checkpointer, self._output_dir, full_weights=False
+            )
+        self._checkpointer = tt_config.instantiate(
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+        )
+        self._base_checkpoint_dir = str(Path(cfg.checkpointer.checkpoint_dir).resolve())
+        ckpt = self._checkpointer.load_checkpoint()
+        state = None
+        if self._resume_from_checkpoint:
+            if training.ADAPTER_KEY not in ckpt:
+                raise ConfigError(
+                    f"resume_from_checkpoint=True but no adapter checkpoint was found under "
+                    f"{self._output_dir}; set checkpointer.adapter_checkpoint or start afresh"
+                )
+            state = RecipeState.from_checkpoint(ckpt)
+
+        self._model = self._setup_model(
+            cfg.model,
+            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            compile_model=cfg.get("compile", False),
+            base_model_state_dict=ckpt[training.MODEL_KEY],
+            lora_weights_state_dict=ckpt.get(training.ADAPTER_KEY),
+        )
+        self._tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self._optimizer = build_optimizer(
+            cfg.optimizer, self._model, state_dict=state.optimizer if state else None
+        )
+        self._teacher = self._setup_teacher(cfg.teacher_model, cfg.teacher_checkpointer)
+        self._loss_fn = tt_config.instantiate(cfg.loss)
+        self._kd = DistillationLoss(
+            self._model, self._teacher, self._loss_fn, tt_config.instantiate(cfg.kd_loss),
+            cfg.get("kd_ratio", 0.5),
+        )
+
+        ds = build_dataset(cfg.dataset, self._tokenizer)
+        self._dataloader = build_dataloader(
+            ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
+            pad_id=self._tokenizer.pad_id,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+            ignore_index=self._loss_fn.ignore_index,
+        )
+        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        if self._steps_per_epoch < 1:
+            raise ConfigError(
+                f"dataset yields {len(self._dataloader)} batches of batch_size={cfg.batch_size}, "
+                f"fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}"
+            )
+        if state is not None:
+            state.apply_to(self)
+        self.global_step = self.epochs_run * self._steps_per_epoch
+        self._lr_schedule = LRSchedule(
+            cfg.get("lr_scheduler", None), self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+
+    def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
+                     compile_model: bool, base_model_state_dict: Dict[str, Any],
+                     lora_weights_state_dict: Optional[Dict[str, Any]]) -> torch.nn.Module:
+        resuming = bool(lora_weights_state_dict)
+        with training.set_default_dtype(self._dtype), self._device:
+            model = tt_config.instantiate(cfg_model)
+        self._lora_rank = cfg_model.lora_rank
+        self._lora_alpha = cfg_model.lora_alpha
+        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
+        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
+        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
+        adapter_params = get_adapter_params(model)
+        if not adapter_params:
+            raise ConfigError(
+                f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*/qlora_* "
+                "builder or the full_finetune_single_device recipe"
+            )
+        set_trainable_params(model, adapter_params)
+        if compile_model:
+            training.compile_model(model)
+        if enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={TransformerSelfAttentionLayer}
+            )
+        base_missing, base_unexpected = model.load_state_dict(base_model_state_dict, strict=False)
+        if not lora_weights_state_dict:
+            # Seeded, build-independent adapter init: the same as the distributed recipe's.
+            lora_weights_state_dict = adapter_init_state_dict(model, self.seed)
+        lora_missing, lora_unexpected = model.load_state_dict(lora_weights_state_dict, strict=False)
+        if not resuming:
+            # DoRA magnitudes start from the loaded base weights (a resumed run loads them);
+            # the init dict holds only lora_a/lora_b, so its "missing" keys are expected.
+            initialize_dora_magnitudes(model)
+            lora_missing = None
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=self._lora_attn_modules,
+            apply_lora_to_mlp=self._apply_lora_to_mlp,
+            apply_lora_to_output=self._apply_lora_to_output,
+            base_missing=base_missing,
+            base_unexpected=base_unexpected,
+            lora_missing=lora_missing,
+            lora_unexpected=lora_unexpected,
+        )
+        training.validate_expected_param_dtype(adapter_params.items(), dtype=self._dtype)
+        return model
+
+    def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:
+        teacher_sd = tt_config.instantiate(cfg_checkpointer).load_checkpoint()[training.MODEL_KEY]
+        with training.set_default_dtype(self._dtype), self._device:
+            teacher = tt_config.instantiate(cfg_model)
+        teacher.load_state_dict(teacher_sd)
+        return teacher
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, epoch: int) -> None:
+        intermediate = epoch + 1 < self.total_epochs
+        ckpt: Dict[str, Any] = {}
+        if intermediate:
+            ckpt.update(RecipeState.capture(self, optimizer_state=self._optimizer.state_dict()))
+        state_dict = self._model.state_dict()
+        ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state_dict)
+        if not self._save_adapter_weights_only:
+            # Merge on the CPU: no second copy of the model on the accelerator.
+            # NOTE: copy=True matters. get_merged_lora_ckpt adds the LoRA delta in place, and on
+            # a CPU run .cpu() returns the live parameter, so without a copy every save would
+            # fold the adapter into the frozen base the model keeps training on.
+            cpu_sd = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+            ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(
+                cpu_sd, rank=self._lora_rank, alpha=self._lora_alpha
+            )
+        ckpt[training.ADAPTER_CONFIG] = {
+            "r": self._lora_rank,
+            "lora_alpha": self._lora_alpha,
+            "target_modules": get_lora_module_names(
+                self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
+            ),
+            "peft_type": "LORA",
+        }
+        self._checkpointer.save_checkpoint(
+            ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
+            adapter_only=self._save_adapter_weights_only,
+        )
+        complete_peft_adapter_config(
+            Path(self._output_dir) / f"epoch_{epoch}", self._base_checkpoint_dir
+        )
+
+    # ------------------------------------------------------------------ train
+    def _loss_step(self, batch: Dict[str, torch.Tensor]):
+        # (mixed mean loss, {"class_loss": ..., "kd_loss": ...}) over the batch's tokens.
+        return self._kd(batch)
+
+    def train(self) -> None:
+        ga = self._gradient_accumulation_steps
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        self._optimizer.zero_grad(set_to_none=True)
+        for epoch in range(self.epochs_run, self.total_epochs):
+            self._dataloader.sampler.set_epoch(epoch)
+            self._reporter.start_epoch(epoch, self.total_epochs, self._steps_per_epoch)
+            step_in_epoch = 0
+            for idx, batch in enumerate(self._dataloader):
+                if step_in_epoch == self._steps_per_epoch:
+                    break
+                num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
+                batch = to_device(batch, self._device)
+                loss, parts = self._loss_step(batch)
+                self._normalizer.loss_to_backward(
+                    loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}",
+                    extras=parts,
+                ).backward()
+                self._reporter.add_tokens(num_tokens)
+                if (idx + 1) % ga != 0:
+                    continue
+                loss_to_log, grad_norm, lr = complete_optimizer_step(
+                    self._normalizer, trainable, self._optimizer, self._lr_schedule,
+                    self._clip_grad_norm,
+                )
+                self.global_step += 1
+                step_in_epoch += 1
+                self._reporter.step_done(self.global_step, loss_to_log, lr, grad_norm,
+                                         **self._normalizer.extras)
+            self._reporter.end_epoch()
+            self.epochs_run += 1
+            self.save_checkpoint(epoch=epoch)
+
+    def cleanup(self) -> None:
+        self._reporter.close()
+
+
+@parse
+def recipe_main(cfg: DictConfig) -> None:
+    recipe = KDRecipeSingleDevice(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,56 @@
+"""Knowledge distillation loss: (1 - kd_ratio) * CE(student) + kd_ratio * KL(teacher || student).
+
+Both terms are means over the same unmasked tokens, so their mix is one too and the exact token
+normalization (StepLossNormalizer) applies to it unchanged.
+"""
+
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+from tune_recipes.config import ConfigError
+from tune_recipes.training.data import shift_labels
+
+
+class DistillationLoss:
+    def __init__(self, student: nn.Module, teacher: nn.Module, ce_loss: nn.Module,
+                 kd_loss: nn.Module, kd_ratio: float) -> None:
+        if not 0.0 <= float(kd_ratio) <= 1.0:
+            raise ConfigError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
+        ce_chunks = getattr(ce_loss, "num_output_chunks", None)
+        kd_chunks = getattr(kd_loss, "num_output_chunks", None)
+        if (ce_chunks is None) != (kd_chunks is None) or ce_chunks != kd_chunks:
+            raise ConfigError(
+                f"loss and kd_loss must chunk the logits alike (loss.num_output_chunks={ce_chunks}, "
+                f"kd_loss.num_output_chunks={kd_chunks})"
+            )
+        if getattr(ce_loss, "is_fused_linear_loss", False):
+            raise ConfigError("loss: distillation needs the student's logits; use a logits loss")
+        self.student, self.teacher = student, teacher
+        self.ce_loss, self.kd_loss = ce_loss, kd_loss
+        self.kd_ratio = float(kd_ratio)
+        self.ignore_index = ce_loss.ignore_index
+        if ce_chunks:
+            student.set_num_output_chunks(ce_chunks)
+            teacher.set_num_output_chunks(ce_chunks)
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+
+    def __call__(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Returns the mixed mean loss and its two parts (for logging)."""
+        labels = shift_labels(batch.pop("labels"), self.ignore_index)
+        with torch.no_grad():
+            teacher_logits = self.teacher(**batch)
+        logits = self.student(**batch)
+        if isinstance(logits, list):
+            ce = self.ce_loss(logits, labels)
+            kd = self.kd_loss(logits, teacher_logits, labels)
+        else:
+            flat = labels.reshape(-1)
+            s = logits.reshape(-1, logits.size(-1))
+            ce = self.ce_loss(s, flat)
+            kd = self.kd_loss(s, teacher_logits.reshape(-1, teacher_logits.size(-1)), flat)
+        loss = (1.0 - self.kd_ratio) * ce + self.kd_ratio * kd
+        return loss, {"class_loss": ce, "kd_loss": kd}
