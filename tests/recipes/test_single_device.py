@@ -162,3 +162,17 @@ def test_qlora_and_dora_variants_train(tmp_path):
     # The merged QLoRA checkpoint is a plain bf16/fp32 HF checkpoint.
     merged = weights(tmp_path / "qlora")
     assert all(v.dtype in (torch.float32, torch.bfloat16) for v in merged.values())
+
+
+def test_kd_single_device_logs_both_parts_and_mixes_them(tmp_path):
+    from tune_recipes.training.metrics import read_metrics
+
+    run_recipe("knowledge_distillation_single_device", "tiny/kd_single_device", tmp_path,
+               ["max_steps_per_epoch=3", "kd_ratio=0.25"])
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["loss"] == pytest.approx(0.75 * r["class_loss"] + 0.25 * r["kd_loss"], rel=1e-5)
+    proc = tune("run", "knowledge_distillation_single_device", "--config", "tiny/kd_single_device",
+                f"output_dir={tmp_path / 'bad'}", "kd_ratio=1.5", check=False)
+    assert proc.returncode == 2 and "kd_ratio must be in [0, 1]" in proc.stderr

@@ -93,9 +93,10 @@ def test_cp_copies_and_refuses_to_overwrite(tmp_path, capsys):
 
 def test_every_shipped_config_parses_and_validates(capsys):
     configs = registry.list_configs()
-    # Single device: 6 models x (full, lora) + 8B QLoRA; distributed: 4 models x (full, lora);
-    # QAT + quantize: 3 models x 2; tiny: 6. Counted, so a config cannot silently vanish.
-    assert len(configs) == 13 + 8 + 6 + 6, configs
+    # Single device: 6 models x (full, lora) + 8B QLoRA; distributed: 4 models x (full, lora,
+    # qat, qat_lora); QAT single device + quantize: 3 models x 2; KD 8B->1B: 2; tiny: 10.
+    # Counted, so a config cannot silently vanish.
+    assert len(configs) == 13 + 16 + 6 + 2 + 10, configs
     for name in configs:
         rc, out, err = _run(capsys, "validate", name)
         assert rc == 0, f"{name}: {err}"
