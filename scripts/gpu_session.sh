@@ -19,6 +19,19 @@ for step in "$@"; do
                 device=cuda dtype=bf16 max_steps_per_epoch=5 output_dir=/tmp/smoke_$r log_peak_memory_stats=True 2>&1 | tail -3
               tail -1 /tmp/smoke_$r/metrics.jsonl
             done 2>&1 | tee "$OUT/smoke.txt" ;;
+    dsmoke) { for r in full_finetune_distributed:full lora_finetune_distributed:lora qat_distributed:qat \
+                 qat_lora_finetune_distributed:qat_lora knowledge_distillation_distributed:kd; do
+              timeout 240 python3 -m tune_recipes run --nproc_per_node ${NPROC:-2} ${r%%:*} --config tiny/${r##*:}_distributed \
+                device=cuda dtype=bf16 max_steps_per_epoch=3 output_dir=/tmp/ds_${r##*:} log_peak_memory_stats=True > /tmp/ds_${r##*:}.log 2>&1
+              echo "${r%%:*} rc=$? $(tail -c 300 /tmp/ds_${r##*:}/metrics.jsonl 2>/dev/null | tail -1 | cut -c1-160)"
+              grep -m3 "Error" /tmp/ds_${r##*:}.log
+            done
+            for r in qat_single_device:qat_single_device knowledge_distillation_single_device:kd_single_device; do
+              timeout 240 python3 -m tune_recipes run ${r%%:*} --config tiny/${r##*:} device=cuda dtype=bf16 \
+                max_steps_per_epoch=3 output_dir=/tmp/ss_${r##*:} > /tmp/ss_${r##*:}.log 2>&1
+              echo "${r%%:*} rc=$? $(tail -1 /tmp/ss_${r##*:}/metrics.jsonl 2>/dev/null | cut -c1-160)"
+              grep -m3 "Error" /tmp/ss_${r##*:}.log
+            done; } 2>&1 | tee "$OUT/dsmoke.txt" ;;
     scale)  python3 scripts/bench_scale_grads.py "$OUT/scale_grads.json" 2>&1 | tail -12 ;;
     fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "Warning\|quant_api\|Skipping" | tail -45 ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
