@@ -37,14 +37,11 @@ from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training import StepLossNormalizer, complete_optimizer_step, count_valid_tokens
 from tune_recipes.training import distributed as tr_dist
 from tune_recipes.training.adapters import initialize_dora_magnitudes
-from tune_recipes.training.checkpoint import (
-    checkpointer_config_for_resume,
-    complete_peft_adapter_config,
-)
+from tune_recipes.training.checkpoint import complete_peft_adapter_config
 from tune_recipes.training.data import build_dataloader, build_dataset, to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule
-from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.setup import build_reporter, load_checkpoint, steps_per_epoch
 from tune_recipes.training.state import RecipeState
 
 CONFIG_KEYS = {
@@ -85,33 +82,12 @@ class LoRAFinetuneRecipeDistributed:
         self.global_step = 0
 
     def setup(self, cfg: DictConfig) -> None:
-        metric_logger = None
-        if self._is_rank_zero:
-            metric_logger = tt_config.instantiate(cfg.metric_logger)
-            metric_logger.log_config(cfg)
-        self._reporter = StepReporter(
-            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
-            cfg.get("log_peak_memory_stats", False), is_main=self._is_rank_zero,
-        )
-        cfg_checkpointer = cfg.checkpointer
-        if self._resume_from_checkpoint:
-            # Base weights come from checkpoint_dir; the adapter from the newest epoch.
-            cfg_checkpointer = checkpointer_config_for_resume(
-                cfg.checkpointer, self._output_dir, full_weights=False
-            )
-        self._checkpointer = tt_config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
-        )
+        self._reporter = build_reporter(cfg, self._device, is_main=self._is_rank_zero)
+        # Base weights come from checkpoint_dir; when resuming, the adapter from the newest epoch.
         self._base_checkpoint_dir = str(Path(cfg.checkpointer.checkpoint_dir).resolve())
-        ckpt = self._checkpointer.load_checkpoint()
-        state = None
-        if self._resume_from_checkpoint:
-            if training.ADAPTER_KEY not in ckpt:
-                raise ConfigError(
-                    f"resume_from_checkpoint=True but no adapter checkpoint was found under "
-                    f"{self._output_dir}; set checkpointer.adapter_checkpoint or start afresh"
-                )
-            state = RecipeState.from_checkpoint(ckpt)
+        self._checkpointer, ckpt, state = load_checkpoint(
+            cfg, self._resume_from_checkpoint, adapter=True
+        )
 
         self._loss_fn = tt_config.instantiate(cfg.loss)
         custom = cfg.get("custom_sharded_layers", None)
@@ -169,14 +145,10 @@ class LoRAFinetuneRecipeDistributed:
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
             ignore_index=self._loss_fn.ignore_index, world_size=self.world_size, rank=self.rank,
         )
-        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if self._steps_per_epoch < 1:
-            raise ConfigError(
-                f"each rank gets {len(self._dataloader)} batches of batch_size={cfg.batch_size}, "
-                f"fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}"
-            )
+        self._steps_per_epoch = steps_per_epoch(
+            len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
+            cfg.batch_size,
+        )
         if state is not None:
             state.apply_to(self)
         self.global_step = self.epochs_run * self._steps_per_epoch

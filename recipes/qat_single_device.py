@@ -42,12 +42,11 @@ from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
-from tune_recipes.training.checkpoint import checkpointer_config_for_resume
 from tune_recipes.training.data import build_dataloader, build_dataset, to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule, build_optimizer
-from tune_recipes.training.progress import StepReporter
 from tune_recipes.training.qat import FakeQuantSchedule, build_quantizer, check_group_size
+from tune_recipes.training.setup import build_reporter, load_checkpoint, steps_per_epoch
 from tune_recipes.training.state import RecipeState
 
 CONFIG_KEYS = {
@@ -95,23 +94,11 @@ class QATRecipeSingleDevice:
 
     # ------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
-        metric_logger = tt_config.instantiate(cfg.metric_logger)
-        metric_logger.log_config(cfg)
-        self._reporter = StepReporter(
-            metric_logger, cfg.get("log_every_n_steps", 1), self._device,
-            cfg.get("log_peak_memory_stats", False),
-        )
+        self._reporter = build_reporter(cfg, self._device)
 
-        cfg_checkpointer = cfg.checkpointer
-        if self._resume_from_checkpoint:
-            cfg_checkpointer = checkpointer_config_for_resume(
-                cfg.checkpointer, self._output_dir, full_weights=True
-            )
-        self._checkpointer = tt_config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+        self._checkpointer, ckpt, state = load_checkpoint(
+            cfg, self._resume_from_checkpoint, adapter=False
         )
-        ckpt = self._checkpointer.load_checkpoint()
-        state = RecipeState.from_checkpoint(ckpt) if self._resume_from_checkpoint else None
 
         self._model = self._setup_model(
             cfg.model,
@@ -131,14 +118,10 @@ class QATRecipeSingleDevice:
             cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        self._steps_per_epoch = len(self._dataloader) // self._gradient_accumulation_steps
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        if self._steps_per_epoch < 1:
-            raise ConfigError(
-                f"dataset yields {len(self._dataloader)} batches of batch_size={cfg.batch_size}, "
-                f"fewer than gradient_accumulation_steps={self._gradient_accumulation_steps}"
-            )
+        self._steps_per_epoch = steps_per_epoch(
+            len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
+            cfg.batch_size,
+        )
         if state is not None:
             state.apply_to(self)
         self.global_step = self.epochs_run * self._steps_per_epoch

@@ -1,7 +1,6 @@
 """Run recipes the way users do (`tune run ...` in a subprocess) and read their outputs."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path

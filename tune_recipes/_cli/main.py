@@ -6,7 +6,6 @@ Names resolve to our recipes and configs first; a name we do not ship falls back
 """
 
 import argparse
-import os
 import runpy
 import shutil
 import sys

@@ -11,7 +11,7 @@ import torch
 def available() -> bool:
     try:
         import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        import triton.language  # noqa: F401  (the kernel needs it)
     except Exception:
         return False
     return torch.cuda.is_available()

@@ -6,7 +6,6 @@ configs are instances of torchao's old ``FakeQuantizeConfig``; torchao 0.15's qu
 torchao's current API (``FakeQuantizerBase.from_config``), without touching site-packages.
 """
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

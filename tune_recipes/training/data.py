@@ -1,15 +1,15 @@
 """Dataset, dataloader and batch helpers shared by every recipe."""
 
 from functools import partial
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import ListConfig
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config as tt_config
-from torchtune.data import padded_collate_packed, padded_collate_sft
+from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
