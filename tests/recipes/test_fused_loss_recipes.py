@@ -37,3 +37,12 @@ def test_lora_adapted_head_is_named_in_the_error(tmp_path):
                 f"output_dir={tmp_path}", FUSED, "model.apply_lora_to_output=True", check=False)
     assert proc.returncode == 2
     assert "model.output is LoRALinear" in proc.stderr and "apply_lora_to_output=False" in proc.stderr
+
+
+def test_fused_loss_under_torch_compile_matches_eager_plain(tmp_path):
+    common = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1"]
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "plain", common)
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "compiled",
+               [*common, FUSED, "compile=True"])
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")),
+                               torch.tensor(losses(tmp_path / "plain")), rtol=1e-5, atol=0)
