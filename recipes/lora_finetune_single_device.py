@@ -28,9 +28,6 @@ from torchtune import config as tt_config, training, utils
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.peft import (
     get_adapter_params,
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
@@ -42,7 +39,11 @@ from tune_recipes.training import (
     count_valid_tokens,
 )
 from tune_recipes.training.adapters import adapter_init_state_dict, initialize_dora_magnitudes
-from tune_recipes.training.checkpoint import complete_peft_adapter_config
+from tune_recipes.training.checkpoint import (
+    LoRASpec,
+    complete_peft_adapter_config,
+    lora_checkpoint_entries,
+)
 from tune_recipes.training.data import build_dataloader, build_dataset, to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule, build_optimizer
@@ -129,11 +130,7 @@ class LoRAFinetuneRecipeSingleDevice:
         resuming = bool(lora_weights_state_dict)
         with training.set_default_dtype(self._dtype), self._device:
             model = tt_config.instantiate(cfg_model)
-        self._lora_rank = cfg_model.lora_rank
-        self._lora_alpha = cfg_model.lora_alpha
-        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
-        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
-        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
+        self._lora = LoRASpec.from_model_config(cfg_model)
         adapter_params = get_adapter_params(model)
         if not adapter_params:
             raise ConfigError(
@@ -158,9 +155,9 @@ class LoRAFinetuneRecipeSingleDevice:
             initialize_dora_magnitudes(model)
             lora_missing = None
         validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=self._lora_attn_modules,
-            apply_lora_to_mlp=self._apply_lora_to_mlp,
-            apply_lora_to_output=self._apply_lora_to_output,
+            lora_attn_modules=self._lora.attn_modules,
+            apply_lora_to_mlp=self._lora.apply_to_mlp,
+            apply_lora_to_output=self._lora.apply_to_output,
             base_missing=base_missing,
             base_unexpected=base_unexpected,
             lora_missing=lora_missing,
@@ -175,25 +172,9 @@ class LoRAFinetuneRecipeSingleDevice:
         ckpt: Dict[str, Any] = {}
         if intermediate:
             ckpt.update(RecipeState.capture(self, optimizer_state=self._optimizer.state_dict()))
-        state_dict = self._model.state_dict()
-        ckpt[training.ADAPTER_KEY] = get_adapter_state_dict(state_dict)
-        if not self._save_adapter_weights_only:
-            # Merge on the CPU: no second copy of the model on the accelerator.
-            # NOTE: copy=True matters. get_merged_lora_ckpt adds the LoRA delta in place, and on
-            # a CPU run .cpu() returns the live parameter, so without a copy every save would
-            # fold the adapter into the frozen base the model keeps training on.
-            cpu_sd = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
-            ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(
-                cpu_sd, rank=self._lora_rank, alpha=self._lora_alpha
-            )
-        ckpt[training.ADAPTER_CONFIG] = {
-            "r": self._lora_rank,
-            "lora_alpha": self._lora_alpha,
-            "target_modules": get_lora_module_names(
-                self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
-            ),
-            "peft_type": "LORA",
-        }
+        # CPU copies (copy=True even on a CPU run): the merge writes into them.
+        cpu_sd = {k: v.detach().to("cpu", copy=True) for k, v in self._model.state_dict().items()}
+        ckpt.update(lora_checkpoint_entries(cpu_sd, self._lora, self._save_adapter_weights_only))
         self._checkpointer.save_checkpoint(
             ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
             adapter_only=self._save_adapter_weights_only,

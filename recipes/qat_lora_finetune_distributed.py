@@ -25,16 +25,13 @@ Outputs (rank 0) in ``output_dir/epoch_<n>/``: the merged model (HF format, unle
 
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 from torchtune.modules.peft import (
     get_adapter_params,
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
@@ -43,7 +40,11 @@ from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training import StepLossNormalizer, complete_optimizer_step, count_valid_tokens
 from tune_recipes.training import distributed as tr_dist
 from tune_recipes.training.adapters import initialize_dora_magnitudes
-from tune_recipes.training.checkpoint import complete_peft_adapter_config
+from tune_recipes.training.checkpoint import (
+    LoRASpec,
+    complete_peft_adapter_config,
+    lora_checkpoint_entries,
+)
 from tune_recipes.training.data import build_dataloader, build_dataset, to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule
@@ -109,11 +110,7 @@ class QATLoRAFinetuneRecipeDistributed:
                 "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
             )
         cfg_model = cfg.model
-        self._lora_rank = cfg_model.lora_rank
-        self._lora_alpha = cfg_model.lora_alpha
-        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
-        self._apply_lora_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
-        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
+        self._lora = LoRASpec.from_model_config(cfg_model)
         adapter_sd = ckpt.get(training.ADAPTER_KEY)
 
         def mark_trainable(meta_model):
@@ -138,8 +135,8 @@ class QATLoRAFinetuneRecipeDistributed:
             initialize_dora_magnitudes(self._model)
             a_miss = None  # the init dict holds only lora_a/lora_b
         validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=self._lora_attn_modules, apply_lora_to_mlp=self._apply_lora_to_mlp,
-            apply_lora_to_output=self._apply_lora_to_output, base_missing=b_miss,
+            lora_attn_modules=self._lora.attn_modules, apply_lora_to_mlp=self._lora.apply_to_mlp,
+            apply_lora_to_output=self._lora.apply_to_output, base_missing=b_miss,
             base_unexpected=b_unexp, lora_missing=a_miss, lora_unexpected=a_unexp,
         )
         if cfg.get("compile", False):
@@ -181,22 +178,10 @@ class QATLoRAFinetuneRecipeDistributed:
         opt_sd = (tr_dist.full_optimizer_state(self._model, self._optimizer, self._is_rank_zero)
                   if intermediate else None)
         if self._is_rank_zero:
-            ckpt: Dict[str, Any] = {training.ADAPTER_KEY: get_adapter_state_dict(full_sd)}
+            # full_sd holds fresh CPU copies gathered from the shards: safe to merge into.
+            ckpt = lora_checkpoint_entries(full_sd, self._lora, self._save_adapter_weights_only)
             if intermediate:
                 ckpt.update(RecipeState.capture(self, optimizer_state=opt_sd))
-            if not self._save_adapter_weights_only:
-                # full_sd holds fresh CPU copies, so merging in place touches no live weight.
-                ckpt[training.MODEL_KEY] = get_merged_lora_ckpt(
-                    full_sd, rank=self._lora_rank, alpha=self._lora_alpha
-                )
-            ckpt[training.ADAPTER_CONFIG] = {
-                "r": self._lora_rank,
-                "lora_alpha": self._lora_alpha,
-                "target_modules": get_lora_module_names(
-                    self._lora_attn_modules, self._apply_lora_to_mlp, self._apply_lora_to_output
-                ),
-                "peft_type": "LORA",
-            }
             self._checkpointer.save_checkpoint(
                 ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
                 adapter_only=self._save_adapter_weights_only,

@@ -2,8 +2,9 @@
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -77,3 +78,47 @@ def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) 
     if not cfg.get("base_model_name_or_path"):
         cfg["base_model_name_or_path"] = str(base_model_name_or_path)
         path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+@dataclass
+class LoRASpec:
+    """The LoRA hyper-parameters a checkpoint needs (merging and the PEFT adapter config)."""
+
+    rank: int
+    alpha: float
+    attn_modules: List[str]
+    apply_to_mlp: bool
+    apply_to_output: bool
+
+    @classmethod
+    def from_model_config(cls, cfg_model) -> "LoRASpec":
+        return cls(rank=cfg_model.lora_rank, alpha=cfg_model.lora_alpha,
+                   attn_modules=list(cfg_model.lora_attn_modules),
+                   apply_to_mlp=cfg_model.get("apply_lora_to_mlp", False),
+                   apply_to_output=cfg_model.get("apply_lora_to_output", False))
+
+
+def lora_checkpoint_entries(full_cpu_state_dict: Dict[str, torch.Tensor], spec: LoRASpec,
+                            adapter_only: bool) -> Dict[str, object]:
+    """Checkpoint entries of a LoRA-type run: the adapter, its PEFT config and (unless
+    ``adapter_only``) the merged model.
+
+    NOTE: ``full_cpu_state_dict`` must hold tensors this call may modify: torchtune's merge
+    adds the LoRA delta to the base weights in place. Pass CPU copies, never the live model's
+    tensors (on a CPU run ``.cpu()`` returns the live parameter itself).
+    """
+    from torchtune.modules.peft import get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt
+    from torchtune import training
+
+    out: Dict[str, object] = {training.ADAPTER_KEY: get_adapter_state_dict(full_cpu_state_dict)}
+    if not adapter_only:
+        out[training.MODEL_KEY] = get_merged_lora_ckpt(full_cpu_state_dict, rank=spec.rank,
+                                                       alpha=spec.alpha)
+    out[training.ADAPTER_CONFIG] = {
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": get_lora_module_names(spec.attn_modules, spec.apply_to_mlp,
+                                                spec.apply_to_output),
+        "peft_type": "LORA",
+    }
+    return out
