@@ -24,16 +24,10 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training
-from torchtune.modules.peft import (
-    get_adapter_params,
-    set_trainable_params,
-    validate_missing_and_unexpected_for_lora,
-)
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training import StepLossNormalizer, complete_optimizer_step, count_valid_tokens
 from tune_recipes.training import distributed as tr_dist
-from tune_recipes.training.adapters import initialize_dora_magnitudes
 from tune_recipes.training.checkpoint import (
     LoRASpec,
     complete_peft_adapter_config,
@@ -92,39 +86,16 @@ class LoRAFinetuneRecipeDistributed:
 
         self._loss_fn = tt_config.instantiate(cfg.loss)
         custom = cfg.get("custom_sharded_layers", None)
-        if getattr(self._loss_fn, "is_fused_linear_loss", False) and custom and (
-            "output" in custom or "tok_embeddings" in custom
-        ):
-            raise ConfigError(
-                "custom_sharded_layers: the fused loss uses the output weight after the model's "
-                "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
-            )
+        tr_dist.check_fused_loss_sharding(self._loss_fn, custom)
         cfg_model = cfg.model
         self._lora = LoRASpec.from_model_config(cfg_model)
-        adapter_sd = ckpt.get(training.ADAPTER_KEY)
-
-        def mark_trainable(meta_model):
-            params = get_adapter_params(meta_model)
-            if not params:
-                raise ConfigError(f"model: {cfg_model._component_} has no LoRA adapters")
-            set_trainable_params(meta_model, params)
-
-        self._model, (b_miss, b_unexp, a_miss, a_unexp) = tr_dist.shard_and_load(
-            cfg_model, dtype=self._dtype, device=self._device, world_size=self.world_size,
-            full_state_dict=ckpt[training.MODEL_KEY],
-            adapter_state_dict=adapter_sd, adapter_init_seed=self.seed,
+        self._model = tr_dist.shard_and_load_lora(
+            cfg_model, self._lora, dtype=self._dtype, device=self._device,
+            world_size=self.world_size, base_state_dict=ckpt[training.MODEL_KEY],
+            adapter_state_dict=ckpt.get(training.ADAPTER_KEY), seed=self.seed,
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
             custom_sharded_layers=list(custom) if custom else None,
-            before_shard=mark_trainable,
-        )
-        if adapter_sd is None:
-            initialize_dora_magnitudes(self._model)
-            a_miss = None  # the init dict holds only lora_a/lora_b
-        validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=self._lora.attn_modules, apply_lora_to_mlp=self._lora.apply_to_mlp,
-            apply_lora_to_output=self._lora.apply_to_output, base_missing=b_miss,
-            base_unexpected=b_unexp, lora_missing=a_miss, lora_unexpected=a_unexp,
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._is_rank_zero)

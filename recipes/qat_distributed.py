@@ -81,13 +81,7 @@ class QATRecipeDistributed:
 
         self._loss_fn = tt_config.instantiate(cfg.loss)
         custom = cfg.get("custom_sharded_layers", None)
-        if getattr(self._loss_fn, "is_fused_linear_loss", False) and custom and (
-            "output" in custom or "tok_embeddings" in custom
-        ):
-            raise ConfigError(
-                "custom_sharded_layers: the fused loss uses the output weight after the model's "
-                "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
-            )
+        tr_dist.check_fused_loss_sharding(self._loss_fn, custom)
         self._model, _ = tr_dist.shard_and_load(
             cfg.model, dtype=self._dtype, device=self._device, world_size=self.world_size,
             full_state_dict=ckpt[training.MODEL_KEY],

@@ -127,3 +127,62 @@ def destroy() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.device,
+                        world_size: int, base_state_dict: Dict[str, Any],
+                        adapter_state_dict: Optional[Dict[str, Any]], seed: int,
+                        enable_activation_checkpointing: bool = False,
+                        reshard_after_forward: bool = True,
+                        custom_sharded_layers: Optional[List[str]] = None,
+                        extra_before_shard=None) -> nn.Module:
+    """``shard_and_load`` for a LoRA model: only adapters train; fresh adapters come from the
+    seeded init (the same tensors as the single-device recipe's), resumed ones from
+    ``adapter_state_dict``; DoRA magnitudes start from the loaded base; missing/unexpected keys
+    are checked against the LoRA ``spec``. ``extra_before_shard(meta_model)`` runs after the
+    adapters are marked trainable (e.g. QAT swaps)."""
+    from torchtune.modules.peft import (
+        get_adapter_params,
+        set_trainable_params,
+        validate_missing_and_unexpected_for_lora,
+    )
+
+    from tune_recipes.training.adapters import initialize_dora_magnitudes
+
+    def before(meta_model):
+        params = get_adapter_params(meta_model)
+        if not params:
+            raise ConfigError(f"model: {cfg_model._component_} has no LoRA adapters")
+        set_trainable_params(meta_model, params)
+        if extra_before_shard is not None:
+            extra_before_shard(meta_model)
+
+    model, (b_miss, b_unexp, a_miss, a_unexp) = shard_and_load(
+        cfg_model, dtype=dtype, device=device, world_size=world_size,
+        full_state_dict=base_state_dict, adapter_state_dict=adapter_state_dict,
+        adapter_init_seed=seed, enable_activation_checkpointing=enable_activation_checkpointing,
+        reshard_after_forward=reshard_after_forward, custom_sharded_layers=custom_sharded_layers,
+        before_shard=before,
+    )
+    if adapter_state_dict is None:
+        initialize_dora_magnitudes(model)
+        a_miss = None  # the seeded init holds only lora_a/lora_b
+    validate_missing_and_unexpected_for_lora(
+        lora_attn_modules=spec.attn_modules, apply_lora_to_mlp=spec.apply_to_mlp,
+        apply_lora_to_output=spec.apply_to_output, base_missing=b_miss,
+        base_unexpected=b_unexp, lora_missing=a_miss, lora_unexpected=a_unexp,
+    )
+    return model
+
+
+def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
+    """The fused loss reads the output weight after the model's forward, from the root FSDP
+    unit; a separately sharded output/embedding would hand it a shard."""
+    custom = custom_sharded_layers or []
+    if getattr(loss_fn, "is_fused_linear_loss", False) and (
+        "output" in custom or "tok_embeddings" in custom
+    ):
+        raise ConfigError(
+            "custom_sharded_layers: the fused loss uses the output weight after the model's "
+            "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
+        )
