@@ -34,7 +34,7 @@ for step in "$@"; do
             done; } 2>&1 | tee "$OUT/dsmoke.txt" ;;
     profile) test -f /tmp/bench_recipes/ckpt_full_1b/model.safetensors || python3 scripts/make_random_checkpoint.py \
               --builder torchtune.models.llama3_2.llama3_2_1b --out /tmp/bench_recipes/ckpt_full_1b
-            python3 scripts/profile_recipes.py --ckpt /tmp/bench_recipes/ckpt_full_1b --steps 8 --out /tmp/prof \
+            python3 scripts/profile_recipes.py --ckpt /tmp/bench_recipes/ckpt_full_1b --steps 8 --out /tmp/prof --order ${ORDER:-stock,ours} \
               > "$OUT/profile.txt" 2>&1; grep -A 16 "=====" "$OUT/profile.txt" | cut -c1-150 ;;
     scale)  python3 scripts/bench_scale_grads.py "$OUT/scale_grads.json" 2>&1 | tail -12 ;;
     fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "Warning\|quant_api\|Skipping" | tail -45 ;;

@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="/tmp/prof")
+    ap.add_argument("--order", default="stock,ours", help="which runs first pays cold caches")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,8 +50,10 @@ def main():
     stock_file = Path(torchtune.__file__).resolve().parent.parent / "recipes" / "full_finetune_single_device.py"
     ours_file = Path(__file__).resolve().parents[1] / "recipes" / "full_finetune_single_device.py"
     chunked = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
-    for label, path, stock in (("stock", stock_file, True), ("ours", ours_file, False)):
-        cfg_path = out / f"{label}.yaml"
+    runs = {"stock": (stock_file, True), "ours": (ours_file, False)}
+    for label in args.order.split(","):
+        path, stock = runs[label]
+        cfg_path = out / f"{label}.yaml"  # noqa
         bench_recipes.write_config(cfg_path, case, Path(args.ckpt), out / label, chunked, stock)
         cfg = OmegaConf.load(cfg_path)
         mod = runpy.run_path(str(path), run_name=f"profiled_{label}")
