@@ -90,6 +90,10 @@ class FullFinetuneRecipeDistributed:
         if state is not None and state.optimizer is not None:
             tr_dist.load_optimizer_state(self._model, self._optimizer, state.optimizer, self._device)
 
+        if state is not None:
+            # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
+            # counters; RNG is restored here too, after model init consumed it.
+            state.apply_to(self)
         ds = build_dataset(cfg.dataset, self._tokenizer)
         self._dataloader = build_dataloader(
             ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
@@ -101,8 +105,6 @@ class FullFinetuneRecipeDistributed:
             len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
             cfg.batch_size,
         )
-        if state is not None:
-            state.apply_to(self)
         self.global_step = self.epochs_run * self._steps_per_epoch
         self._lr_schedule = LRSchedule(
             cfg.get("lr_scheduler", None), self._optimizer,

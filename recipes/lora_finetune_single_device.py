@@ -104,6 +104,10 @@ class LoRAFinetuneRecipeSingleDevice:
         self._loss_fn = tt_config.instantiate(cfg.loss)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
 
+        if state is not None:
+            # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
+            # counters; RNG is restored here too, after model init consumed it.
+            state.apply_to(self)
         ds = build_dataset(cfg.dataset, self._tokenizer)
         self._dataloader = build_dataloader(
             ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
@@ -115,8 +119,6 @@ class LoRAFinetuneRecipeSingleDevice:
             len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
             cfg.batch_size,
         )
-        if state is not None:
-            state.apply_to(self)
         self.global_step = self.epochs_run * self._steps_per_epoch
         self._lr_schedule = LRSchedule(
             cfg.get("lr_scheduler", None), self._optimizer,

@@ -114,6 +114,10 @@ class QATRecipeSingleDevice:
         self._loss_fn = tt_config.instantiate(cfg.loss)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
 
+        if state is not None:
+            # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
+            # counters; RNG is restored here too, after model init consumed it.
+            state.apply_to(self)
         self._dataloader = self._setup_data(
             cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
@@ -122,8 +126,6 @@ class QATRecipeSingleDevice:
             len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
             cfg.batch_size,
         )
-        if state is not None:
-            state.apply_to(self)
         self.global_step = self.epochs_run * self._steps_per_epoch
         self._fake_quant = FakeQuantSchedule(
             self._model, self._quantizer_mode, self._fake_quant_after_n_steps

@@ -176,3 +176,18 @@ def test_kd_single_device_logs_both_parts_and_mixes_them(tmp_path):
     proc = tune("run", "knowledge_distillation_single_device", "--config", "tiny/kd_single_device",
                 f"output_dir={tmp_path / 'bad'}", "kd_ratio=1.5", check=False)
     assert proc.returncode == 2 and "kd_ratio must be in [0, 1]" in proc.stderr
+
+
+def test_resume_keeps_the_checkpoints_seed_and_data_order(tmp_path):
+    """A resumed run with a different seed in the config still continues the original run
+    (same data order), and says so."""
+    steps = ["max_steps_per_epoch=3", "epochs=2", "lr_scheduler.num_warmup_steps=1"]
+    cfg = ("full_finetune_single_device", "tiny/full_single_device")
+    run_recipe(*cfg, tmp_path / "straight", steps)
+    run_recipe(*cfg, tmp_path / "resumed", steps)
+    shutil.rmtree(tmp_path / "resumed" / "epoch_1")
+    proc = run_recipe(*cfg, tmp_path / "resumed", [*steps, "resume_from_checkpoint=True", "seed=5"])
+    assert "differs from the checkpoint's 0" in proc.stderr
+    name = "model-00001-of-00001.safetensors"
+    assert_same_weights(weights(tmp_path / "resumed", 1, name), weights(tmp_path / "straight", 1, name),
+                        rtol=0, atol=0)
