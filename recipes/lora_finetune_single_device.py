@@ -34,7 +34,6 @@ from torchtune.modules.peft import (
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training import (
-    StepLossNormalizer,
     complete_optimizer_step,
     count_valid_tokens,
 )
@@ -47,7 +46,13 @@ from tune_recipes.training.checkpoint import (
 from tune_recipes.training.data import build_dataloader, build_dataset, to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule, build_optimizer
-from tune_recipes.training.setup import build_reporter, load_checkpoint, steps_per_epoch
+from tune_recipes.training.setup import (
+    build_reporter,
+    load_checkpoint,
+    make_normalizer,
+    steps_per_epoch,
+    training_dtype,
+)
 from tune_recipes.training.state import RecipeState
 
 CONFIG_KEYS = {
@@ -63,18 +68,13 @@ class LoRAFinetuneRecipeSingleDevice:
     def __init__(self, cfg: DictConfig) -> None:
         check_known_keys(cfg, CONFIG_KEYS, "lora_finetune_single_device")
         self._device = utils.get_device(cfg.get("device", "cuda"))
-        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
-        if self._dtype == torch.float16:
-            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self._dtype = training_dtype(cfg, self._device)
         self._output_dir = cfg.output_dir
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
-        try:
-            self._normalizer = StepLossNormalizer(self._gradient_accumulation_steps)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self._normalizer = make_normalizer(self._gradient_accumulation_steps)
         self.seed = training.set_seed(seed=cfg.seed)
         self.epochs_run = 0
         self.total_epochs = cfg.epochs

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
-from tune_recipes.training import StepLossNormalizer, complete_optimizer_step, count_valid_tokens
+from tune_recipes.training import complete_optimizer_step, count_valid_tokens
 from tune_recipes.training import distributed as tr_dist
 from tune_recipes.training.checkpoint import (
     LoRASpec,
@@ -44,7 +44,13 @@ from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule
 from tune_recipes.modules.qat_lora import qat_configs, swap_lora_linears_for_qat
 from tune_recipes.training.qat import FakeQuantSchedule, build_quantizer
-from tune_recipes.training.setup import build_reporter, load_checkpoint, steps_per_epoch
+from tune_recipes.training.setup import (
+    build_reporter,
+    load_checkpoint,
+    make_normalizer,
+    steps_per_epoch,
+    training_dtype,
+)
 from tune_recipes.training.state import RecipeState
 
 CONFIG_KEYS = {
@@ -62,9 +68,7 @@ class QATLoRAFinetuneRecipeDistributed:
         check_known_keys(cfg, CONFIG_KEYS, "qat_lora_finetune_distributed")
         self._device, self.world_size, self.rank = tr_dist.init_distributed(cfg.get("device", "cuda"))
         self._is_rank_zero = self.rank == 0
-        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
-        if self._dtype == torch.float16:
-            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self._dtype = training_dtype(cfg, self._device)
         self._output_dir = cfg.output_dir
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
@@ -72,14 +76,11 @@ class QATLoRAFinetuneRecipeDistributed:
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
         self._quantizer, self._quantizer_mode = build_quantizer(cfg.get("quantizer"), self._dtype)
         self._fake_quant_after_n_steps = cfg.get("fake_quant_after_n_steps", None)
-        # NOTE: distributed=True keeps the multiply-by-tokens + rescale path even at GA == 1.
+        # NOTE: world_size given = distributed: the multiply-by-tokens + rescale path even at GA 1.
         # See the NOTE in train(); do not "simplify" it to the single-device skip.
-        try:
-            self._normalizer = StepLossNormalizer(
-                self._gradient_accumulation_steps, distributed=True, world_size=self.world_size
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self._normalizer = make_normalizer(
+            self._gradient_accumulation_steps, world_size=self.world_size
+        )
         self.seed = training.set_seed(seed=cfg.seed)
         self.epochs_run = 0
         self.total_epochs = cfg.epochs

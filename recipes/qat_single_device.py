@@ -38,7 +38,6 @@ from torchtune.modules import TransformerSelfAttentionLayer
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training import (
-    StepLossNormalizer,
     complete_optimizer_step,
     count_valid_tokens,
 )
@@ -46,7 +45,13 @@ from tune_recipes.training.data import build_dataloader, build_dataset, to_devic
 from tune_recipes.training.lm_loss import CausalLMLoss
 from tune_recipes.training.optim import LRSchedule, build_optimizer
 from tune_recipes.training.qat import FakeQuantSchedule, build_quantizer, check_group_size
-from tune_recipes.training.setup import build_reporter, load_checkpoint, steps_per_epoch
+from tune_recipes.training.setup import (
+    build_reporter,
+    load_checkpoint,
+    make_normalizer,
+    steps_per_epoch,
+    training_dtype,
+)
 from tune_recipes.training.state import RecipeState
 
 CONFIG_KEYS = {
@@ -63,7 +68,7 @@ class QATRecipeSingleDevice:
     def __init__(self, cfg: DictConfig) -> None:
         check_known_keys(cfg, CONFIG_KEYS, "qat_single_device")
         self._device = utils.get_device(cfg.get("device", "cuda"))
-        self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
+        self._dtype = training_dtype(cfg, self._device)
         self._output_dir = cfg.output_dir
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
@@ -77,15 +82,7 @@ class QATRecipeSingleDevice:
                 "clip_grad_norm needs every gradient at once, but optimizer_in_bwd=True frees "
                 "each one inside backward: set clip_grad_norm=null or optimizer_in_bwd=False"
             )
-        # Raises a ConfigError-style ValueError for optimizer_in_bwd with GA > 1.
-        try:
-            self._normalizer = StepLossNormalizer(
-                self._gradient_accumulation_steps, optimizer_in_bwd=self._optimizer_in_bwd
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if self._dtype == torch.float16:
-            raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+        self._normalizer = make_normalizer(self._gradient_accumulation_steps, self._optimizer_in_bwd)
         self.seed = training.set_seed(seed=cfg.seed)
         self.epochs_run = 0
         self.total_epochs = cfg.epochs

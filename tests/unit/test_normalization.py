@@ -222,3 +222,14 @@ def test_scale_grads_uses_python_float_and_scales_all():
     scale_grads_(model.parameters(), torch.tensor(0.25).item())
     for p in model.parameters():
         assert torch.all(p.grad == 0.25)
+
+
+def test_make_normalizer_maps_flags_and_errors():
+    from tune_recipes.config import ConfigError
+    from tune_recipes.training.setup import make_normalizer
+
+    assert make_normalizer(1).path == "skip"
+    assert make_normalizer(1, world_size=2).path == "rescale"  # never the skip when distributed
+    assert make_normalizer(1, world_size=1).distributed
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=1"):
+        make_normalizer(2, optimizer_in_bwd=True)

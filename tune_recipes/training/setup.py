@@ -58,3 +58,28 @@ def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,
             f"fewer than gradient_accumulation_steps={gradient_accumulation_steps}"
         )
     return steps
+
+
+def training_dtype(cfg: DictConfig, device):
+    """``dtype`` from the config (bf16 or fp32); fp16 would need loss scaling we do not do."""
+    import torch
+
+    dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=device)
+    if dtype == torch.float16:
+        raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+    return dtype
+
+
+def make_normalizer(gradient_accumulation_steps: int, optimizer_in_bwd: bool = False,
+                    world_size: Optional[int] = None):
+    """The step's loss normalizer; ``world_size`` given = distributed (never the skip path).
+    Incompatible flags become a ConfigError naming them."""
+    from tune_recipes.training.normalization import StepLossNormalizer
+
+    try:
+        return StepLossNormalizer(
+            gradient_accumulation_steps, optimizer_in_bwd=optimizer_in_bwd,
+            distributed=world_size is not None, world_size=world_size or 1,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
