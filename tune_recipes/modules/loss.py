@@ -26,9 +26,12 @@ from torch import nn
 
 from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
 
-# Bytes of one chunk's logits in the compute dtype. Smaller: less memory, more chunks (each
-# chunk re-reads and re-writes the full weight gradient when W trains).
-DEFAULT_CHUNK_BYTES = 256 * 1024**2
+# Bytes of one chunk's logits in the compute dtype: the loss's one large temporary. Each chunk
+# also reads and re-writes the whole [V, D] weight gradient when W trains, so larger chunks are
+# faster and smaller ones leaner. 160 MiB is 654 rows at V=128256 in bf16, which keeps a
+# forward+backward at 8192 x 4096 under 1.2 GiB above its inputs, the weight gradient included
+# (scripts/profile_fused_ce.py measures the trade-off; docs/benchmarks.md has the numbers).
+DEFAULT_CHUNK_BYTES = 160 * 1024**2
 
 
 def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
@@ -63,25 +66,46 @@ def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float)
     return _softmax_grad_torch(logits, target, grad_scale)
 
 
-def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
-    """acc += grad_logits^T @ h, accumulating in acc's dtype without a [V, D] temporary when the
-    backend can (cuBLAS: bf16 inputs, fp32 output, beta=1)."""
+def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """acc = grad_logits^T @ h on the first chunk (acc is uninitialized: no zero-fill and no
+    read of it), acc += grad_logits^T @ h after. Accumulates in acc's dtype without a [V, D]
+    temporary where the backend can (cuBLAS: bf16 inputs, fp32 output)."""
+    a = grad_logits.t()
     if acc.dtype == grad_logits.dtype:
-        acc.addmm_(grad_logits.t(), h)
+        if first:
+            torch.mm(a, h, out=acc)
+        else:
+            acc.addmm_(a, h)
     elif acc.is_cuda:
-        torch.addmm(acc, grad_logits.t(), h, out_dtype=acc.dtype, out=acc)
+        if first:
+            torch.mm(a, h, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, h, out_dtype=acc.dtype, out=acc)
     else:
-        acc += (grad_logits.t().to(acc.dtype) @ h.to(acc.dtype))
+        part = a.to(acc.dtype) @ h.to(acc.dtype)
+        if first:
+            acc.copy_(part)
+        else:
+            acc += part
+
+
+def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[int] = None) -> int:
+    """Rows per chunk: at most ``chunk_size`` (default: DEFAULT_CHUNK_BYTES of logits), spread
+    evenly so the last chunk is not a sliver (every chunk costs one weight-gradient pass)."""
+    max_rows = chunk_size or max(1, DEFAULT_CHUNK_BYTES // (vocab * element_size))
+    n_chunks = -(-n_rows // max_rows)
+    return -(-n_rows // max(1, n_chunks))
 
 
 def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reduction, scaling,
-                            need_hidden, need_weight, need_bias, chunk_size, weight_grad_fp32=True):
+                            need_hidden, need_weight, need_bias, chunk_size, weight_grad_fp32=False):
     n_rows, dim = hidden.shape
     vocab = weight.shape[0]
     compute_dtype = hidden.dtype
     if weight.dtype != compute_dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the output weight is {weight.dtype}")
-    # Rows with ignored labels cost nothing: gather the valid ones (one host sync for the count).
+    # Rows with ignored labels cost nothing: only the valid ones are gathered, a chunk at a
+    # time (one host sync for their count).
     valid_idx = (labels != ignore_index).nonzero().squeeze(1)
     n_valid = valid_idx.numel()
     all_valid = n_valid == n_rows
@@ -89,40 +113,46 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     grad_scale = scaling / denom if n_valid > 0 else 0.0
 
     grad_hidden = (torch.zeros_like(hidden) if need_hidden else None)
-    # The weight gradient sums over every chunk. In fp32 it is rounded to the weight's dtype
-    # once (accurate; a [V, D] fp32 buffer). With weight_grad_fp32=False it accumulates in the
-    # weight's dtype: half the memory, but one bf16 rounding per chunk.
+    # The weight gradient sums over every chunk. By default it accumulates in the weight's dtype
+    # (one rounding per chunk, as autograd does for torchtune's chunked loss). With
+    # weight_grad_fp32=True it accumulates in fp32 and is rounded once: more accurate, but a
+    # [V, D] fp32 buffer (2 GiB more at 128256 x 4096).
     acc_dtype = torch.promote_types(weight.dtype, torch.float32) if weight_grad_fp32 else weight.dtype
-    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     if n_valid == 0:
+        grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
         loss = loss_sum / denom if reduction == "mean" else loss_sum
         return loss, grad_hidden, grad_weight, (grad_bias.to(weight.dtype) if need_bias else None)
+    # Written (not accumulated) by the first chunk, so it needs no zero-fill.
+    grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
-    if chunk_size is None:
-        chunk_size = max(1, DEFAULT_CHUNK_BYTES // (vocab * hidden.element_size()))
-    h_valid = hidden if all_valid else hidden.index_select(0, valid_idx)
+    rows = chunk_rows(n_valid, vocab, hidden.element_size(), chunk_size)
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
-    for start in range(0, n_valid, chunk_size):
-        h = h_valid[start:start + chunk_size]
-        y = y_valid[start:start + chunk_size]
-        logits = h @ weight.t()
+    # One logits buffer (and one buffer for the gathered rows) serves every chunk.
+    logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=compute_dtype, device=hidden.device)
+    rows_buf = None if all_valid else torch.empty(min(rows, n_valid), dim, dtype=compute_dtype,
+                                                  device=hidden.device)
+    for start in range(0, n_valid, rows):
+        stop = min(start + rows, n_valid)
+        idx = None if all_valid else valid_idx[start:stop]
+        h = hidden[start:stop] if all_valid else torch.index_select(hidden, 0, idx, out=rows_buf[:stop - start])
+        y = y_valid[start:stop]
+        logits = torch.mm(h, weight.t(), out=logits_buf[:stop - start])
         if bias is not None:
             logits += bias
         loss_rows, grad_logits = _softmax_grad(logits, y, grad_scale)
         loss_sum += loss_rows.sum()
-        if need_hidden:
-            g_h = grad_logits @ weight
-            if all_valid:
-                grad_hidden[start:start + chunk_size] = g_h
-            else:
-                grad_hidden.index_copy_(0, valid_idx[start:start + chunk_size], g_h)
-        if need_weight:
-            _accumulate_weight_grad(grad_weight, grad_logits, h)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
-        del logits, grad_logits
+        if need_weight:
+            _weight_grad_mm(grad_weight, grad_logits, h, first=start == 0)
+        if need_hidden:
+            if all_valid:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+            else:
+                # The gathered rows were consumed above: their buffer takes this product.
+                grad_hidden.index_copy_(0, idx, torch.mm(grad_logits, weight, out=h))
     loss = loss_sum / denom
     if need_weight and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
@@ -181,7 +211,7 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     scaling: Union[float, torch.Tensor] = 1.0,
     chunk_size: Optional[int] = None,
-    weight_grad_fp32: bool = True,
+    weight_grad_fp32: bool = False,
 ) -> torch.Tensor:
     """CE(hidden @ weight.T + bias, labels) without materializing the [N, V] logits.
 
@@ -213,7 +243,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     is_fused_linear_loss = True
 
     def __init__(self, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX, reduction: str = "mean",
-                 chunk_size: Optional[int] = None, weight_grad_fp32: bool = True) -> None:
+                 chunk_size: Optional[int] = None, weight_grad_fp32: bool = False) -> None:
         super().__init__()
         self.weight_grad_fp32 = weight_grad_fp32
         self.ignore_index = ignore_index
