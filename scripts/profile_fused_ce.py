@@ -2,10 +2,12 @@
 
     python3 scripts/profile_fused_ce.py --out results/profile_fused_ce.json
 
-Prints (1) the floors: the three matrix products over all valid rows at once and a device copy;
+    python3 scripts/profile_fused_ce.py --trace --trace-rows 638   # kernel timeline
+
+Prints (0, --parts sustain) call times and SM clock over 40 back-to-back calls; (1) the floors: the three matrix products over all valid rows at once and a device copy;
 (2) for each chunk size, the per-chunk cost of each stage (logits product, softmax-gradient
 kernel, hidden-gradient product, weight-gradient product written vs accumulated) times the
-number of chunks; (3) the whole lean loss (bf16 weight-gradient accumulation) per chunk size:
+number of chunks; (3) the whole loss (default: bf16 weight-gradient accumulation) per chunk size:
 time, peak extra memory and weight-gradient error against an fp32 reference.
 """
 
@@ -92,7 +94,8 @@ def softmax_sweep(hv, yv, w, rows, res):
     res["softmax_launch"] = []
     for launch in [(0, 4096, 16), (0, 2048, 8), (0, 8192, 32), (1, 8192, 32), (2, 4096, 16)]:
         t = timed(lambda: _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4, launch=launch), iters=20) - base
-        loss_k, grad_k = _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4, launch=launch)
+        loss_k = torch.empty(rows, device="cuda")
+        _, grad_k = _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4, loss_out=loss_k, launch=launch)
         r = {"launch": launch, "ms": t, "TBps_2pass": 2 * logits.numel() * 2 / (t * 1e9),
              "err_loss": rel_l2(loss_k, ref_loss), "err_grad": rel_l2(grad_k, ref_grad.float())}
         res["softmax_launch"].append(r)
@@ -151,24 +154,23 @@ def main():
     if "sustain" in parts:
         sustain(h, w, y, res)
     # (1) floors
-    if "floors" in parts:
-      g_full = torch.empty(m, V, device="cuda", dtype=torch.bfloat16).normal_().mul_(1e-6)
     gw = torch.empty(V, d, device="cuda", dtype=torch.bfloat16)
     if "floors" in parts:
-      big = torch.empty(2 * 1024**3, device="cuda", dtype=torch.uint8)
-      big2 = torch.empty_like(big)
-      res["floor_ms"] = {
-          "logits_mm": timed(lambda: hv @ w.t()),
-          "grad_hidden_mm": timed(lambda: g_full @ w),
-          "grad_weight_mm": timed(lambda: torch.mm(g_full.t(), hv, out=gw)),
-          "copy_2GiB": timed(lambda: big2.copy_(big)),
-      }
-      flops = 2 * m * d * V
-      res["floor_ms"]["tflops_each"] = {k: flops / (res["floor_ms"][k] * 1e9)
-                                        for k in ("logits_mm", "grad_hidden_mm", "grad_weight_mm")}
-      res["floor_ms"]["copy_TBps"] = 2 * 2 * 1024**3 / (res["floor_ms"]["copy_2GiB"] * 1e9)
-      del g_full, big, big2
-      print(json.dumps(res["floor_ms"]), flush=True)
+        g_full = torch.empty(m, V, device="cuda", dtype=torch.bfloat16).normal_().mul_(1e-6)
+        big = torch.empty(2 * 1024**3, device="cuda", dtype=torch.uint8)
+        big2 = torch.empty_like(big)
+        res["floor_ms"] = {
+            "logits_mm": timed(lambda: hv @ w.t()),
+            "grad_hidden_mm": timed(lambda: g_full @ w),
+            "grad_weight_mm": timed(lambda: torch.mm(g_full.t(), hv, out=gw)),
+            "copy_2GiB": timed(lambda: big2.copy_(big)),
+        }
+        flops = 2 * m * d * V
+        res["floor_ms"]["tflops_each"] = {k: flops / (res["floor_ms"][k] * 1e9)
+                                          for k in ("logits_mm", "grad_hidden_mm", "grad_weight_mm")}
+        res["floor_ms"]["copy_TBps"] = 2 * 2 * 1024**3 / (res["floor_ms"]["copy_2GiB"] * 1e9)
+        del g_full, big, big2
+        print(json.dumps(res["floor_ms"]), flush=True)
 
     # (2) stages per chunk size
     for rows in (map(int, args.rows.split(",")) if "stages" in parts else []):
@@ -197,35 +199,16 @@ def main():
         softmax_sweep(hv, yv, w, rows, res)
         best = min(res["softmax_launch"], key=lambda r: r["ms"])["launch"]
         _triton_ce.LAUNCH = best
-    """
-    hc, yc = hv[:rows].contiguous(), yv[:rows].contiguous()
-    logits = hc @ w.t()
-    gl = logits.clone()
-    base = timed(lambda: gl.copy_(logits), iters=20)
-    res["softmax_launch"] = []
-    for launch in [(0, 4096, 16), (0, 2048, 8), (0, 8192, 32), (1, 8192, 32), (2, 4096, 16)]:
-        t = timed(lambda: _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4, launch=launch), iters=20) - base
-        res["softmax_launch"].append({"launch": launch, "ms": t, "TBps_2pass": 2 * logits.numel() * 2 / (t * 1e9)})
-        print(json.dumps(res["softmax_launch"][-1]), flush=True)
-    best = min(res["softmax_launch"], key=lambda r: r["ms"])["launch"]
-    _triton_ce.LAUNCH = best
-    del logits, gl
-    """
 
-    # (3) the whole lean loss per variant
-    from tune_recipes.modules import loss as loss_mod
-
-    _, _, ref_gw = reference(h, w, y)
-    variants = [(r, False, True) for r in map(int, args.whole_rows.split(","))] if "whole" in parts else []
-    for rows, ov, eq in variants:
-        loss_mod._OVERLAP_GRAD_GEMMS, loss_mod._EQUALIZE_CHUNKS = ov, eq
-        fn = lambda a, b, c: fused_linear_cross_entropy(a, b, c, chunk_size=rows, weight_grad_fp32=False)
+    # (3) the whole loss (default bf16 weight-gradient accumulation) per chunk size
+    _, _, ref_gw = reference(h, w, y) if "whole" in parts else (None, None, None)
+    for rows in (map(int, args.whole_rows.split(",")) if "whole" in parts else []):
+        fn = lambda a, b, c: fused_linear_cross_entropy(a, b, c, chunk_size=rows)
         ms, peak, (gh, gwt, loss), ok, _ = bench_one(fn, h, w, y, 20, 3)
-        row = {"rows": rows, "overlap": ov, "equalize": eq, "ms": round(ms, 2),
-               "peak_gib": round(peak / 1024**3, 4), "err_gw": rel_l2(gwt, ref_gw), "retain_ok": ok}
+        row = {"rows": rows, "ms": round(ms, 2), "peak_gib": round(peak / 1024**3, 4),
+               "err_gw": rel_l2(gwt, ref_gw), "retain_ok": ok}
         res["whole"].append(row)
         print(json.dumps(row), flush=True)
-    loss_mod._OVERLAP_GRAD_GEMMS, loss_mod._EQUALIZE_CHUNKS = False, True
     res["meta"] = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -236,9 +219,9 @@ def main():
               f"{st['grad_hidden_mm']:.3f} {st['grad_weight_write']:.3f} {st['grad_weight_accumulate']:.3f} | "
               f"{st['total_est_ms']:.2f}")
     print("softmax launch", best)
-    print("rows overlap equalize | ms peak_gib err_gw")
+    print("rows | ms peak_gib err_gw")
     for wh in res["whole"]:
-        print(f"{wh['rows']} {wh['overlap']} {wh['equalize']} | {wh['ms']} {wh['peak_gib']} {wh['err_gw']:.2e}")
+        print(f"{wh['rows']} | {wh['ms']} {wh['peak_gib']} {wh['err_gw']:.2e}")
 
 if __name__ == "__main__":
     main()

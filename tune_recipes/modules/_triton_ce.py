@@ -66,14 +66,17 @@ def _kernel():
     return ce_grad_inplace
 
 
-def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, launch=None):
-    """Returns (per-row loss in fp32, ``logits`` overwritten with its scaled gradient)."""
+def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
+                         loss_out=None, launch=None):
+    """Returns (per-row loss in fp32, written to ``loss_out`` if given; ``logits`` overwritten
+    with its scaled gradient)."""
     assert logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
     n_rows, n_cols = logits.shape
     per_sm, block, warps = launch or LAUNCH
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     grid = n_rows if per_sm == 0 else min(n_rows, per_sm * _sm_count(device))
-    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
+    assert loss.dtype == torch.float32 and loss.is_contiguous() and loss.numel() == n_rows
     _kernel()[(max(1, grid),)](
         logits, logits.stride(0), target.contiguous(), loss, n_rows, n_cols, float(grad_scale),
         BLOCK=block, num_warps=warps,

@@ -57,13 +57,16 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
     return loss_rows, probs.to(logits.dtype)
 
 
-def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float):
+def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor):
+    """Writes the per-row losses to ``loss_out`` (fp32) and returns the logits' gradient."""
     if logits.is_cuda:
         from tune_recipes.modules import _triton_ce
 
         if _triton_ce.available():
-            return _triton_ce.softmax_grad_inplace(logits, target, grad_scale)
-    return _softmax_grad_torch(logits, target, grad_scale)
+            return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out)[1]
+    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale)
+    loss_out.copy_(loss_rows)
+    return grad
 
 
 def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -119,9 +122,9 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # [V, D] fp32 buffer (2 GiB more at 128256 x 4096).
     acc_dtype = torch.promote_types(weight.dtype, torch.float32) if weight_grad_fp32 else weight.dtype
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     if n_valid == 0:
         grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         loss = loss_sum / denom if reduction == "mean" else loss_sum
         return loss, grad_hidden, grad_weight, (grad_bias.to(weight.dtype) if need_bias else None)
     # Written (not accumulated) by the first chunk, so it needs no zero-fill.
@@ -129,6 +132,8 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
 
     rows = chunk_rows(n_valid, vocab, hidden.element_size(), chunk_size)
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
+    # Per-row losses (fp32), summed once at the end: no per-chunk reduction launches.
+    loss_rows = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
     # One logits buffer (and one buffer for the gathered rows) serves every chunk.
     logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=compute_dtype, device=hidden.device)
     rows_buf = None if all_valid else torch.empty(min(rows, n_valid), dim, dtype=compute_dtype,
@@ -141,8 +146,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
         logits = torch.mm(h, weight.t(), out=logits_buf[:stop - start])
         if bias is not None:
             logits += bias
-        loss_rows, grad_logits = _softmax_grad(logits, y, grad_scale)
-        loss_sum += loss_rows.sum()
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop])
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
         if need_weight:
@@ -153,7 +157,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             else:
                 # The gathered rows were consumed above: their buffer takes this product.
                 grad_hidden.index_copy_(0, idx, torch.mm(grad_logits, weight, out=h))
-    loss = loss_sum / denom
+    loss = loss_rows.sum() / denom
     if need_weight and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, grad_hidden, grad_weight, (grad_bias.to(weight.dtype) if need_bias else None)
