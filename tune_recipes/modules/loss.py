@@ -107,6 +107,9 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     compute_dtype = hidden.dtype
     if weight.dtype != compute_dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the output weight is {weight.dtype}")
+    # Zero-filled outputs first: their fills are queued before the host sync below.
+    grad_hidden = (torch.zeros_like(hidden) if need_hidden else None)
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
     # Rows with ignored labels cost nothing: only the valid ones are gathered, a chunk at a
     # time (one host sync for their count).
     valid_idx = (labels != ignore_index).nonzero().squeeze(1)
@@ -115,13 +118,11 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     denom = float(n_valid) if reduction == "mean" else 1.0
     grad_scale = scaling / denom if n_valid > 0 else 0.0
 
-    grad_hidden = (torch.zeros_like(hidden) if need_hidden else None)
     # The weight gradient sums over every chunk. By default it accumulates in the weight's dtype
     # (one rounding per chunk, as autograd does for torchtune's chunked loss). With
     # weight_grad_fp32=True it accumulates in fp32 and is rounded once: more accurate, but a
     # [V, D] fp32 buffer (2 GiB more at 128256 x 4096).
     acc_dtype = torch.promote_types(weight.dtype, torch.float32) if weight_grad_fp32 else weight.dtype
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
     if n_valid == 0:
         grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
