@@ -144,6 +144,8 @@ def main():
     ap.add_argument("--out", default="recipes.json")
     ap.add_argument("--cases", default="full_1b")
     ap.add_argument("--work", default="/tmp/bench_recipes")
+    ap.add_argument("--order", choices=("stock-first", "ours-first"), default="stock-first",
+                    help="which variant runs first (separate processes; checks order effects)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -162,6 +164,8 @@ def main():
             ("tune-recipes, chunked CE", False, chunked),
             ("tune-recipes, fused linear CE", False, fused),
         ]
+        if args.order == "ours-first":
+            variants.reverse()
         for label, stock, loss in variants:
             tag = f"{name}_{'stock' if stock else 'ours'}_{loss['_component_'].split('.')[-1]}"
             out_dir = work / tag

@@ -38,6 +38,6 @@ for step in "$@"; do
               > "$OUT/profile.txt" 2>&1; grep -A 16 "=====" "$OUT/profile.txt" | cut -c1-150 ;;
     scale)  python3 scripts/bench_scale_grads.py "$OUT/scale_grads.json" 2>&1 | tail -12 ;;
     fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "Warning\|quant_api\|Skipping" | tail -45 ;;
-    recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
+    recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --order "${RECIPES_ORDER:-stock-first}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
   esac
 done
