@@ -110,6 +110,19 @@ def rel_l2(a, b):
     return float((a.float() - b).norm() / b.norm())
 
 
+def event_ms(run, idle_s=0.0):
+    """One timed call of ``run`` (CUDA events), after an optional idle pause."""
+    torch.cuda.synchronize()
+    if idle_s:
+        time.sleep(idle_s)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def bench_one(fn, h0, w0, y, iters, warmup):
     h = h0.clone().requires_grad_()
     w = w0.clone().requires_grad_()
@@ -120,12 +133,7 @@ def bench_one(fn, h0, w0, y, iters, warmup):
     times = []
     for _ in range(iters):
         h.grad = w.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(h, w, y).backward()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(lambda: fn(h, w, y).backward()))
     # Peak memory above the inputs, for one fwd+bwd, gradients included.
     h.grad = w.grad = None
     torch.cuda.synchronize()
@@ -162,14 +170,7 @@ def cool_ms(fn, h0, w0, y, reps=5, idle_s=0.5):
     times = []
     for _ in range(reps):
         h.grad = w.grad = None
-        torch.cuda.synchronize()
-        time.sleep(idle_s)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(h, w, y).backward()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(lambda: fn(h, w, y).backward(), idle_s))
     return statistics.median(times)
 
 
@@ -181,28 +182,15 @@ def matmul_floor(h, w, y, iters, warmup):
     g = torch.randn(valid.numel(), V, device="cuda", dtype=torch.bfloat16) * 1e-5
     gw = torch.empty_like(w)
 
-    def run(*_):
+    def run():
         hv @ w.t()
         g @ w
         torch.mm(g.t(), hv, out=gw)
 
-    def timed_once():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-
     for _ in range(warmup):
         run()
-    torch.cuda.synchronize()
-    back_to_back = statistics.median(timed_once() for _ in range(iters))
-    cool = []
-    for _ in range(5):
-        time.sleep(0.5)
-        cool.append(timed_once())
-    return back_to_back, statistics.median(cool)
+    back_to_back = statistics.median(event_ms(run) for _ in range(iters))
+    return back_to_back, statistics.median(event_ms(run, 0.5) for _ in range(5))
 
 
 def main():

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fused_ce import V, bench_one, make_inputs, reference, rel_l2  # noqa: E402
+from bench_fused_ce import V, bench_one, event_ms, make_inputs, reference, rel_l2  # noqa: E402
 from tune_recipes.modules import _triton_ce  # noqa: E402
 from tune_recipes.modules.loss import fused_linear_cross_entropy  # noqa: E402
 
@@ -30,16 +30,7 @@ from tune_recipes.modules.loss import fused_linear_cross_entropy  # noqa: E402
 def timed(fn, iters=10, warmup=2):
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return statistics.median(event_ms(fn) for _ in range(iters))
 
 
 def trace(args):
@@ -113,13 +104,8 @@ def sustain(h0, w0, y, res, iters=40, rows=640):
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     ts = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fused_linear_cross_entropy(h, w, y, chunk_size=rows, weight_grad_fp32=False).backward()
-        b.record()
+        ts.append(round(event_ms(lambda: fused_linear_cross_entropy(h, w, y, chunk_size=rows).backward()), 2))
         h.grad = w.grad = None
-        torch.cuda.synchronize()
-        ts.append(round(a.elapsed_time(b), 2))
     time.sleep(0.3)
     log.terminate()
     smi = log.communicate()[0].strip().splitlines()
