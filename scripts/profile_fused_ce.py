@@ -4,7 +4,8 @@
 
     python3 scripts/profile_fused_ce.py --trace --trace-rows 638   # kernel timeline
 
-Prints (0, --parts sustain) call times and SM clock over 40 back-to-back calls; (1) the floors: the three matrix products over all valid rows at once and a device copy;
+Parts (--parts, comma-separated): sustain = call times and SM clock over 40 back-to-back calls;
+layouts = the three per-chunk products with the logits stored [rows, V] or [V, rows]; then (1) the floors: the three matrix products over all valid rows at once and a device copy;
 (2) for each chunk size, the per-chunk cost of each stage (logits product, softmax-gradient
 kernel, hidden-gradient product, weight-gradient product written vs accumulated) times the
 number of chunks; (3) the whole loss (default: bf16 weight-gradient accumulation) per chunk size:
@@ -93,6 +94,28 @@ def softmax_sweep(hv, yv, w, rows, res):
         print(json.dumps(r), flush=True)
 
 
+def layouts(hv, w, res, rows=640):
+    """The three products per chunk with the logits stored [rows, V] (as now) or transposed
+    [V, rows]: which layout cuBLAS runs fastest."""
+    hc = hv[:rows].contiguous()
+    g = (hc @ w.t()).mul_(1e-3)
+    gt = g.t().contiguous()
+    gw = torch.empty_like(w)
+    t = {
+        "logits_rowsV": timed(lambda: torch.mm(hc, w.t(), out=g), iters=20),
+        "logits_Vrows": timed(lambda: torch.mm(w, hc.t(), out=gt), iters=20),
+        "grad_hidden_rowsV": timed(lambda: torch.mm(g, w), iters=20),
+        "grad_hidden_Vrows": timed(lambda: torch.mm(gt.t(), w), iters=20),
+        "grad_weight_rowsV": timed(lambda: torch.mm(g.t(), hc, out=gw), iters=20),
+        "grad_weight_Vrows": timed(lambda: torch.mm(gt, hc, out=gw), iters=20),
+        "grad_weight_acc_rowsV": timed(lambda: gw.addmm_(g.t(), hc), iters=20),
+        "grad_weight_acc_Vrows": timed(lambda: gw.addmm_(gt, hc), iters=20),
+    }
+    res["layouts"] = t
+    for k, v in t.items():
+        print(f"  {k:24s} {v:.3f} ms  {2 * rows * w.shape[0] * w.shape[1] / (v * 1e9):.0f} TFLOP/s", flush=True)
+
+
 def sustain(h0, w0, y, res, iters=40, rows=640):
     """Back-to-back calls with the SM clock and power logged beside them (does sustained
     matrix work lower the clock?)."""
@@ -139,6 +162,8 @@ def main():
     best = _triton_ce.LAUNCH
     if "sustain" in parts:
         sustain(h, w, y, res)
+    if "layouts" in parts:
+        layouts(hv, w, res)
     # (1) floors
     gw = torch.empty(V, d, device="cuda", dtype=torch.bfloat16)
     if "floors" in parts:
