@@ -4,12 +4,15 @@
 
     python3 scripts/profile_fused_ce.py --trace --trace-rows 638   # kernel timeline
 
-Parts (--parts, comma-separated): sustain = call times and SM clock over 40 back-to-back calls;
-layouts = the three per-chunk products with the logits stored [rows, V] or [V, rows]; then (1) the floors: the three matrix products over all valid rows at once and a device copy;
-(2) for each chunk size, the per-chunk cost of each stage (logits product, softmax-gradient
-kernel, hidden-gradient product, weight-gradient product written vs accumulated) times the
-number of chunks; (3) the whole loss (default: bf16 weight-gradient accumulation) per chunk size:
-time, peak extra memory and weight-gradient error against an fp32 reference.
+Parts (--parts, comma-separated; default floors,stages,softmax,whole):
+- sustain: call times and SM clock over 40 back-to-back calls;
+- layouts: the three per-chunk products with the logits stored [rows, V] or [V, rows];
+- floors: the three matrix products over all valid rows at once, and a device copy;
+- stages: per chunk size, each stage's cost (logits product, softmax-gradient kernel,
+  hidden-gradient product, weight-gradient product written vs accumulated) times the chunks;
+- softmax: launch configurations of the softmax-gradient kernel;
+- whole: the whole loss (default settings) per chunk size: time, peak extra memory and
+  weight-gradient error against an fp32 reference.
 """
 
 import argparse
