@@ -225,3 +225,20 @@ def test_module_and_input_validation():
         mod(h, w, y[:3])
     with pytest.raises(TypeError, match="bfloat16"):
         mod(h, w.detach().bfloat16(), y)
+
+
+def test_chunks_are_even_and_within_the_byte_budget():
+    """Chunks never exceed DEFAULT_CHUNK_BYTES of logits, use no more chunks than that bound
+    needs (each costs a pass over the weight gradient), and differ in size by at most one row
+    per chunk (no sliver at the end)."""
+    from tune_recipes.modules.loss import DEFAULT_CHUNK_BYTES, chunk_rows
+
+    vocab = 128256
+    max_rows = DEFAULT_CHUNK_BYTES // (vocab * 2)
+    for n in (1, 7, max_rows, max_rows + 1, 5734, 22938):
+        rows = chunk_rows(n, vocab, 2)
+        chunks = math.ceil(n / rows)
+        assert rows <= max_rows
+        assert chunks == math.ceil(n / max_rows)
+        assert rows - (n - (chunks - 1) * rows) < chunks
+    assert chunk_rows(100, vocab, 2, chunk_size=30) == 25  # 4 even chunks, not 30+30+30+10
