@@ -29,32 +29,25 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
-from torchtune.modules import TransformerSelfAttentionLayer
-from torchtune.modules.peft import (
-    get_adapter_params,
-    set_trainable_params,
-    validate_missing_and_unexpected_for_lora,
-)
 
-from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
-from tune_recipes.training.adapters import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpoint import (
-    LoRASpec,
     complete_peft_adapter_config,
     lora_checkpoint_entries,
 )
-from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.data import to_device
 from tune_recipes.training.kd import DistillationLoss
-from tune_recipes.training.optim import LRSchedule, build_optimizer
+from tune_recipes.training.optim import build_optimizer
 from tune_recipes.training.setup import (
     build_reporter,
     load_checkpoint,
     make_normalizer,
-    steps_per_epoch,
+    setup_data_and_schedule,
+    setup_lora_model,
     training_dtype,
 )
 from tune_recipes.training.state import RecipeState
@@ -117,64 +110,25 @@ class KDRecipeSingleDevice:
             # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
             # counters; RNG is restored here too, after model init consumed it.
             state.apply_to(self)
-        ds = build_dataset(cfg.dataset, self._tokenizer)
-        self._dataloader = build_dataloader(
-            ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
-            pad_id=self._tokenizer.pad_id,
-            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
-            ignore_index=self._loss_fn.ignore_index,
+        plan = setup_data_and_schedule(
+            cfg, self._tokenizer, self._optimizer, seed=self.seed,
+            ignore_index=self._loss_fn.ignore_index, epochs_run=self.epochs_run,
+            total_epochs=self.total_epochs,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            max_steps_per_epoch=self.max_steps_per_epoch,
         )
-        self._steps_per_epoch = steps_per_epoch(
-            len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
-            cfg.batch_size,
-        )
-        self.global_step = self.epochs_run * self._steps_per_epoch
-        self._lr_schedule = LRSchedule(
-            cfg.get("lr_scheduler", None), self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
-        )
+        self._dataloader, self._steps_per_epoch = plan.dataloader, plan.steps_per_epoch
+        self.global_step, self._lr_schedule = plan.global_step, plan.lr_schedule
 
     def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
                      compile_model: bool, base_model_state_dict: Dict[str, Any],
                      lora_weights_state_dict: Optional[Dict[str, Any]]) -> torch.nn.Module:
-        resuming = bool(lora_weights_state_dict)
-        with training.set_default_dtype(self._dtype), self._device:
-            model = tt_config.instantiate(cfg_model)
-        self._lora = LoRASpec.from_model_config(cfg_model)
-        adapter_params = get_adapter_params(model)
-        if not adapter_params:
-            raise ConfigError(
-                f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*/qlora_* "
-                "builder or the full_finetune_single_device recipe"
-            )
-        set_trainable_params(model, adapter_params)
-        if compile_model:
-            training.compile_model(model)
-        if enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={TransformerSelfAttentionLayer}
-            )
-        base_missing, base_unexpected = model.load_state_dict(base_model_state_dict, strict=False)
-        if not lora_weights_state_dict:
-            # Seeded, build-independent adapter init: the same as the distributed recipe's.
-            lora_weights_state_dict = adapter_init_state_dict(model, self.seed)
-        lora_missing, lora_unexpected = model.load_state_dict(lora_weights_state_dict, strict=False)
-        if not resuming:
-            # DoRA magnitudes start from the loaded base weights (a resumed run loads them);
-            # the init dict holds only lora_a/lora_b, so its "missing" keys are expected.
-            initialize_dora_magnitudes(model)
-            lora_missing = None
-        validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=self._lora.attn_modules,
-            apply_lora_to_mlp=self._lora.apply_to_mlp,
-            apply_lora_to_output=self._lora.apply_to_output,
-            base_missing=base_missing,
-            base_unexpected=base_unexpected,
-            lora_missing=lora_missing,
-            lora_unexpected=lora_unexpected,
+        model, self._lora = setup_lora_model(
+            cfg_model, dtype=self._dtype, device=self._device, seed=self.seed,
+            base_state_dict=base_model_state_dict, lora_state_dict=lora_weights_state_dict,
+            compile_model=compile_model,
+            enable_activation_checkpointing=enable_activation_checkpointing,
         )
-        training.validate_expected_param_dtype(adapter_params.items(), dtype=self._dtype)
         return model
 
     def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:

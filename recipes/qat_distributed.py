@@ -28,15 +28,14 @@ from torchtune import config as tt_config, training
 from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training import complete_optimizer_step, count_valid_tokens
 from tune_recipes.training import distributed as tr_dist
-from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.data import to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
-from tune_recipes.training.optim import LRSchedule
 from tune_recipes.training.qat import FakeQuantSchedule, build_quantizer, check_group_size
 from tune_recipes.training.setup import (
     build_reporter,
     load_checkpoint,
     make_normalizer,
-    steps_per_epoch,
+    setup_data_and_schedule,
     training_dtype,
 )
 from tune_recipes.training.state import RecipeState
@@ -103,25 +102,18 @@ class QATRecipeDistributed:
             # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
             # counters; RNG is restored here too, after model init consumed it.
             state.apply_to(self)
-        ds = build_dataset(cfg.dataset, self._tokenizer)
-        self._dataloader = build_dataloader(
-            ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=self.seed,
-            pad_id=self._tokenizer.pad_id,
-            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
-            ignore_index=self._loss_fn.ignore_index, world_size=self.world_size, rank=self.rank,
+        plan = setup_data_and_schedule(
+            cfg, self._tokenizer, self._optimizer, seed=self.seed,
+            ignore_index=self._loss_fn.ignore_index, epochs_run=self.epochs_run,
+            total_epochs=self.total_epochs,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+            world_size=self.world_size, rank=self.rank,
         )
-        self._steps_per_epoch = steps_per_epoch(
-            len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
-            cfg.batch_size,
-        )
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        self._dataloader, self._steps_per_epoch = plan.dataloader, plan.steps_per_epoch
+        self.global_step, self._lr_schedule = plan.global_step, plan.lr_schedule
         self._fake_quant = FakeQuantSchedule(
             self._model, self._quantizer_mode, self._fake_quant_after_n_steps
-        )
-        self._lr_schedule = LRSchedule(
-            cfg.get("lr_scheduler", None), self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
         )
 
     def _prepare_qat(self, meta_model) -> None:

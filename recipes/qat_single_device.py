@@ -41,15 +41,15 @@ from tune_recipes.training import (
     complete_optimizer_step,
     count_valid_tokens,
 )
-from tune_recipes.training.data import build_dataloader, build_dataset, to_device
+from tune_recipes.training.data import to_device
 from tune_recipes.training.lm_loss import CausalLMLoss
-from tune_recipes.training.optim import LRSchedule, build_optimizer
+from tune_recipes.training.optim import build_optimizer
 from tune_recipes.training.qat import FakeQuantSchedule, build_quantizer, check_group_size
 from tune_recipes.training.setup import (
     build_reporter,
     load_checkpoint,
     make_normalizer,
-    steps_per_epoch,
+    setup_data_and_schedule,
     training_dtype,
 )
 from tune_recipes.training.state import RecipeState
@@ -115,22 +115,17 @@ class QATRecipeSingleDevice:
             # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
             # counters; RNG is restored here too, after model init consumed it.
             state.apply_to(self)
-        self._dataloader = self._setup_data(
-            cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size,
-            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        plan = setup_data_and_schedule(
+            cfg, self._tokenizer, self._optimizer, seed=self.seed,
+            ignore_index=self._loss_fn.ignore_index, epochs_run=self.epochs_run,
+            total_epochs=self.total_epochs,
+            gradient_accumulation_steps=self._gradient_accumulation_steps,
+            max_steps_per_epoch=self.max_steps_per_epoch,
         )
-        self._steps_per_epoch = steps_per_epoch(
-            len(self._dataloader), self._gradient_accumulation_steps, self.max_steps_per_epoch,
-            cfg.batch_size,
-        )
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        self._dataloader, self._steps_per_epoch = plan.dataloader, plan.steps_per_epoch
+        self.global_step, self._lr_schedule = plan.global_step, plan.lr_schedule
         self._fake_quant = FakeQuantSchedule(
             self._model, self._quantizer_mode, self._fake_quant_after_n_steps
-        )
-        self._lr_schedule = LRSchedule(
-            cfg.get("lr_scheduler", None), self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
         )
 
     def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
@@ -149,14 +144,6 @@ class QATRecipeSingleDevice:
         model.load_state_dict(model_state_dict)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         return model
-
-    def _setup_data(self, cfg_dataset, shuffle: bool, batch_size: int, collate_fn: str):
-        ds = build_dataset(cfg_dataset, self._tokenizer)
-        return build_dataloader(
-            ds, batch_size=batch_size, shuffle=shuffle, seed=self.seed,
-            pad_id=self._tokenizer.pad_id, collate_fn=collate_fn,
-            ignore_index=self._loss_fn.ignore_index,
-        )
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self, epoch: int) -> None:

@@ -92,6 +92,12 @@ class LoRASpec:
 
     @classmethod
     def from_model_config(cls, cfg_model) -> "LoRASpec":
+        missing = [k for k in ("lora_rank", "lora_alpha", "lora_attn_modules") if k not in cfg_model]
+        if missing:
+            raise ConfigError(
+                f"model: {cfg_model.get('_component_')} is not a LoRA builder (no "
+                f"{', '.join('model.' + k for k in missing)}); use a lora_*/qlora_* builder"
+            )
         return cls(rank=cfg_model.lora_rank, alpha=cfg_model.lora_alpha,
                    attn_modules=list(cfg_model.lora_attn_modules),
                    apply_to_mlp=cfg_model.get("apply_lora_to_mlp", False),

@@ -1,5 +1,6 @@
 """Setup steps every recipe performs the same way (one correct answer each)."""
 
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import DictConfig
@@ -83,3 +84,98 @@ def make_normalizer(gradient_accumulation_steps: int, optimizer_in_bwd: bool = F
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+@dataclass
+class DataAndSchedule:
+    dataloader: Any
+    steps_per_epoch: int
+    global_step: int
+    lr_schedule: Any
+
+
+def setup_data_and_schedule(
+    cfg: DictConfig, tokenizer, optimizer, *, seed: int, ignore_index: int, epochs_run: int,
+    total_epochs: int, gradient_accumulation_steps: int, max_steps_per_epoch: Optional[int],
+    world_size: int = 1, rank: int = 0,
+) -> DataAndSchedule:
+    """Dataset and dataloader (order from ``seed``, epoch and rank only), optimizer steps per
+    epoch, the global step a run starts at, and the LR schedule positioned at that step.
+
+    Call it after a resumed run's state is applied (its seed and ``epochs_run`` win), so the
+    resumed data order, step count and learning rate are those of the interrupted run.
+    """
+    from tune_recipes.training.data import build_dataloader, build_dataset
+    from tune_recipes.training.optim import LRSchedule
+
+    dataloader = build_dataloader(
+        build_dataset(cfg.dataset, tokenizer), batch_size=cfg.batch_size, shuffle=cfg.shuffle,
+        seed=seed, pad_id=tokenizer.pad_id,
+        collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        ignore_index=ignore_index, world_size=world_size, rank=rank,
+    )
+    steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps, max_steps_per_epoch,
+                            cfg.batch_size)
+    global_step = epochs_run * steps
+    lr_schedule = LRSchedule(
+        cfg.get("lr_scheduler", None), optimizer, num_training_steps=total_epochs * steps,
+        last_epoch=global_step - 1,
+    )
+    return DataAndSchedule(dataloader, steps, global_step, lr_schedule)
+
+
+def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
+                     base_state_dict: Dict[str, Any],
+                     lora_state_dict: Optional[Dict[str, Any]],
+                     compile_model: bool = False,
+                     enable_activation_checkpointing: bool = False):
+    """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
+    ``device``, only the adapters trainable, the base weights loaded, the adapters from
+    ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
+    both loads checked against the LoRA layout. Returns ``(model, LoRASpec)``."""
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.modules.peft import (
+        get_adapter_params,
+        set_trainable_params,
+        validate_missing_and_unexpected_for_lora,
+    )
+
+    from tune_recipes.training.adapters import adapter_init_state_dict, initialize_dora_magnitudes
+    from tune_recipes.training.checkpoint import LoRASpec
+
+    resuming = bool(lora_state_dict)
+    with training.set_default_dtype(dtype), device:
+        model = tt_config.instantiate(cfg_model)
+    adapter_params = get_adapter_params(model)
+    if not adapter_params:
+        raise ConfigError(
+            f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*/qlora_* "
+            "builder or the full_finetune_single_device recipe"
+        )
+    lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
+    set_trainable_params(model, adapter_params)
+    if compile_model:
+        training.compile_model(model)
+    if enable_activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
+    if not lora_state_dict:
+        # Seeded, build-independent adapter init: the same as the distributed recipes'.
+        lora_state_dict = adapter_init_state_dict(model, seed)
+    lora_missing, lora_unexpected = model.load_state_dict(lora_state_dict, strict=False)
+    if not resuming:
+        # DoRA magnitudes start from the loaded base weights (a resumed run loads them);
+        # the init dict holds only lora_a/lora_b, so its "missing" keys are expected.
+        initialize_dora_magnitudes(model)
+        lora_missing = None
+    validate_missing_and_unexpected_for_lora(
+        lora_attn_modules=lora.attn_modules,
+        apply_lora_to_mlp=lora.apply_to_mlp,
+        apply_lora_to_output=lora.apply_to_output,
+        base_missing=base_missing,
+        base_unexpected=base_unexpected,
+        lora_missing=lora_missing,
+        lora_unexpected=lora_unexpected,
+    )
+    training.validate_expected_param_dtype(adapter_params.items(), dtype=dtype)
+    return model, lora
