@@ -143,7 +143,8 @@ class LoRAFinetuneRecipeSingleDevice:
     def _loss_step(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
         # Mean over the batch's unmasked tokens; a fused loss also gets the factor the
         # normalizer will apply, so its pre-computed gradients need no rescale in backward.
-        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens))
+        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens),
+                             num_tokens=num_tokens)
 
     def train(self) -> None:
         ga = self._gradient_accumulation_steps

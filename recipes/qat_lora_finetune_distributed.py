@@ -161,7 +161,8 @@ class QATLoRAFinetuneRecipeDistributed:
         torch.distributed.barrier()
 
     def _loss_step(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
-        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens))
+        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens),
+                             num_tokens=num_tokens)
 
     def train(self) -> None:
         ga = self._gradient_accumulation_steps

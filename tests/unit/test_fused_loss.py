@@ -242,3 +242,21 @@ def test_chunks_are_even_and_within_the_byte_budget():
         assert chunks == math.ceil(n / max_rows)
         assert rows - (n - (chunks - 1) * rows) < chunks
     assert chunk_rows(100, vocab, 2, chunk_size=30) == 25  # 4 even chunks, not 30+30+30+10
+
+
+def test_known_valid_count_gives_identical_results_without_the_host_sync():
+    """num_valid (recipes pass their CPU label count) replaces nonzero()'s host sync: same
+    loss and gradients bit for bit; a wrong count is caught, not silently used."""
+    h, w, b, y = _inputs(64, 16, 37, 0.3, torch.float32, 4)
+    n_valid = int((y != IGNORE).sum())
+    outs = []
+    for hint in (None, n_valid):
+        for t in (h, w, b):
+            t.grad = None
+        loss = fused_linear_cross_entropy(h, w, y, b, chunk_size=10, num_valid=hint)
+        loss.backward()
+        outs.append([loss.detach().clone()] + [t.grad.clone() for t in (h, w, b)])
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)
+    with pytest.raises(RuntimeError, match="num_valid does not match"):
+        fused_linear_cross_entropy(h, w, y, b, num_valid=n_valid - 1)

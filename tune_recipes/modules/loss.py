@@ -101,7 +101,8 @@ def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[
 
 
 def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reduction, scaling,
-                            need_hidden, need_weight, need_bias, chunk_size, weight_grad_fp32=False):
+                            need_hidden, need_weight, need_bias, chunk_size, weight_grad_fp32=False,
+                            num_valid=None):
     n_rows, dim = hidden.shape
     vocab = weight.shape[0]
     compute_dtype = hidden.dtype
@@ -111,8 +112,15 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     grad_hidden = (torch.zeros_like(hidden) if need_hidden else None)
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
     # Rows with ignored labels cost nothing: only the valid ones are gathered, a chunk at a
-    # time (one host sync for their count).
-    valid_idx = (labels != ignore_index).nonzero().squeeze(1)
+    # time. Their count sizes the chunks: given by the caller (recipes count the labels on the
+    # CPU) it costs no host sync; otherwise nonzero() syncs once to learn it.
+    valid = labels != ignore_index
+    if num_valid is None:
+        valid_idx = valid.nonzero().squeeze(1)
+    else:
+        valid_idx = torch.nonzero_static(valid, size=num_valid).squeeze(1)
+        # A wrong count would silently drop or invent rows: check it on the device, no sync.
+        torch._assert_async(valid.sum() == num_valid, "num_valid does not match the labels")
     n_valid = valid_idx.numel()
     all_valid = n_valid == n_rows
     denom = float(n_valid) if reduction == "mean" else 1.0
@@ -167,12 +175,12 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, scaling, chunk_size,
-                weight_grad_fp32):
+                weight_grad_fp32, num_valid):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         loss, g_h, g_w, g_b = _chunked_loss_and_grads(
             hidden, weight, bias, labels, ignore_index, reduction, scaling,
             need_hidden, need_weight, need_bias and bias is not None, chunk_size,
-            weight_grad_fp32,
+            weight_grad_fp32, num_valid,
         )
         ctx.scaling = scaling
         ctx.save_for_backward(g_h, g_w, g_b)
@@ -190,7 +198,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if go == 0.0:
             # Chain rule: a zero upstream gradient gives zero gradients, whatever the scaling.
             zeros = [None if g is None else torch.zeros_like(g) for g in (g_h, g_w, g_b)]
-            return (*zeros, None, None, None, None, None, None)
+            return (*zeros, None, None, None, None, None, None, None)
         if ctx.scaling == 0.0:
             raise RuntimeError(
                 f"FusedLinearCrossEntropy was called with scaling=0, so its saved gradients are "
@@ -200,10 +208,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         factor = go / ctx.scaling
         if factor == 1.0:
             # The common case (grad_output == scaling): hand out the saved tensors, no copy.
-            return g_h, g_w, g_b, None, None, None, None, None, None
+            return g_h, g_w, g_b, None, None, None, None, None, None, None
         # Out of place: the saved tensors stay intact for a retain_graph second backward.
         scaled = [None if g is None else g * factor for g in (g_h, g_w, g_b)]
-        return (*scaled, None, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(
@@ -217,11 +225,14 @@ def fused_linear_cross_entropy(
     scaling: Union[float, torch.Tensor] = 1.0,
     chunk_size: Optional[int] = None,
     weight_grad_fp32: bool = False,
+    num_valid: Optional[int] = None,
 ) -> torch.Tensor:
     """CE(hidden @ weight.T + bias, labels) without materializing the [N, V] logits.
 
     ``hidden`` is [B, T, D] or [N, D] (bf16 or fp32, same dtype as ``weight``); ``labels``
     [B, T] or [N]. ``scaling`` is the factor the caller multiplies the loss by before backward.
+    ``num_valid``, if the caller knows it, is the number of labels that are not
+    ``ignore_index``: it saves the one host sync (it is checked on the device).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -233,7 +244,7 @@ def fused_linear_cross_entropy(
     y = labels.reshape(-1)
     return _FusedLinearCrossEntropy.apply(
         h2, weight, bias, y, ignore_index, reduction, _as_float(scaling), chunk_size,
-        weight_grad_fp32,
+        weight_grad_fp32, None if num_valid is None else int(num_valid),
     )
 
 
@@ -255,9 +266,9 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self.reduction = reduction
         self.chunk_size = chunk_size
 
-    def forward(self, hidden, weight, labels, bias=None, scaling=1.0):
+    def forward(self, hidden, weight, labels, bias=None, scaling=1.0, num_valid=None):
         return fused_linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=self.ignore_index,
             reduction=self.reduction, scaling=scaling, chunk_size=self.chunk_size,
-            weight_grad_fp32=self.weight_grad_fp32,
+            weight_grad_fp32=self.weight_grad_fp32, num_valid=num_valid,
         )

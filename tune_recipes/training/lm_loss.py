@@ -2,7 +2,7 @@
 plain cross-entropy on logits, torchtune's chunked cross-entropy, or our fused linear
 cross-entropy on hidden states."""
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -29,9 +29,12 @@ class CausalLMLoss:
             # The fused loss computes its own chunks; compiling it would only add graph breaks.
             training.compile_loss(loss_fn)
 
-    def __call__(self, batch: Dict[str, torch.Tensor], scaling: float = 1.0) -> torch.Tensor:
+    def __call__(self, batch: Dict[str, torch.Tensor], scaling: float = 1.0,
+                 num_tokens: Optional[int] = None) -> torch.Tensor:
         """Mean loss over the batch's unmasked tokens. ``scaling`` is the factor the caller will
-        multiply the loss by before backward (used by the fused loss to pre-scale gradients)."""
+        multiply the loss by before backward (used by the fused loss to pre-scale gradients);
+        ``num_tokens``, the count of those tokens if known (count_valid_tokens on the CPU
+        labels), spares the fused loss its host sync."""
         labels = shift_labels(batch.pop("labels"), self.ignore_index)
         out = self.model(**batch)
         if self.fused:
@@ -40,7 +43,7 @@ class CausalLMLoss:
                 # gather it again (FSDP reduce-scatters its gradient in the usual post-backward).
                 self.model.unshard()
             return self.loss_fn(out, self.projection.weight, labels, self.projection.bias,
-                                scaling=scaling)
+                                scaling=scaling, num_valid=num_tokens)
         if isinstance(out, list):
             return self.loss_fn(out, labels)
         return self.loss_fn(out.reshape(-1, out.size(-1)), labels.reshape(-1))
