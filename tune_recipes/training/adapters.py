@@ -12,7 +12,25 @@ from typing import Dict
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torchtune.modules.peft import DoRALinear, LoRALinear
+
+# Prefixes that wrappers add to module names but not to state-dict keys: activation
+# checkpointing's wrapper strips its prefix in state_dict() and re-adds it in load_state_dict(),
+# and torch.compile's OptimizedModule does the same with "_orig_mod.".
+_WRAPPER_PREFIXES = (_CHECKPOINT_PREFIX, "_orig_mod.")
+
+
+def state_dict_key(module_or_param_name: str) -> str:
+    """The state-dict key of a name from ``named_modules()``/``named_parameters()``.
+
+    NOTE: build state dicts from these names only through this function. A name taken from an
+    activation-checkpointed model keeps the wrapper's prefix, and ``load_state_dict`` then adds
+    it a second time: the key is "unexpected" and the load fails (or, non-strict, is ignored).
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        module_or_param_name = module_or_param_name.replace(prefix, "")
+    return module_or_param_name
 
 
 def adapter_init_state_dict(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:
@@ -20,7 +38,8 @@ def adapter_init_state_dict(model: nn.Module, seed: int) -> Dict[str, torch.Tens
     init) and ``lora_b`` (zeros) weight of ``model``, which may live on the meta device."""
     gen = torch.Generator().manual_seed(int(seed) + 7919)
     out: Dict[str, torch.Tensor] = {}
-    for name, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
+    modules = {state_dict_key(name): m for name, m in model.named_modules()}
+    for name, module in sorted(modules.items(), key=lambda kv: kv[0]):
         if not isinstance(module, (LoRALinear, DoRALinear)):
             continue
         a = module.lora_a.weight

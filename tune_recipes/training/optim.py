@@ -17,8 +17,13 @@ class OptimizerInBackward:
     """
 
     def __init__(self, cfg_optimizer, model: nn.Module) -> None:
+        from tune_recipes.training.adapters import state_dict_key
+
         self.optim_map: Dict[str, torch.optim.Optimizer] = {}
         for name, p in model.named_parameters():
+            # Keyed like the model's state dict, so a checkpoint saved with activation
+            # checkpointing on resumes with it off and vice versa.
+            name = state_dict_key(name)
             if not p.requires_grad:
                 continue
             opt = tt_config.instantiate(cfg_optimizer, [p])

@@ -1,0 +1,87 @@
+"""StepReporter timing: the clock is read only after the device is synchronized, and every
+step's time and tokens land in exactly one logged window."""
+
+import pytest
+import torch
+
+from tune_recipes.training.progress import StepReporter
+
+pytestmark = pytest.mark.unit
+
+
+class _Log:
+    def __init__(self):
+        self.rows = []
+
+    def log_dict(self, payload, step):
+        self.rows.append((step, dict(payload)))
+
+    def close(self):
+        pass
+
+
+class _FakeDevice:
+    """Queued work finishes only at synchronize(); the clock advances by the queued time."""
+
+    def __init__(self):
+        self.events, self.now, self.queued = [], 0.0, 0.0
+
+    def queue(self, seconds):
+        self.queued += seconds
+
+    def synchronize(self):
+        self.events.append("sync")
+        self.now += self.queued
+        self.queued = 0.0
+
+    def clock(self):
+        self.events.append("clock")
+        return self.now
+
+
+def _reporter(dev, log, every=1):
+    return StepReporter(log, log_every_n_steps=every, synchronize=dev.synchronize, clock=dev.clock)
+
+
+def test_clock_is_read_after_the_device_finishes():
+    dev, log = _FakeDevice(), _Log()
+    rep = _reporter(dev, log)
+    rep.start_epoch(0, 1, 3)
+    for step in (1, 2, 3):
+        dev.events.clear()
+        dev.queue(0.5)  # the step's GPU work, still queued when Python reaches step_done
+        rep.add_tokens(1000)
+        rep.step_done(step, torch.tensor(1.0), lr=1e-3)
+        assert dev.events[:2] == ["sync", "clock"], dev.events
+    # Without the synchronize the window would be ~0 s and tokens/s unbounded.
+    for _, row in log.rows:
+        assert row["step_time_s"] == pytest.approx(0.5)
+        assert row["tokens_per_second_per_gpu"] == pytest.approx(2000.0)
+
+
+def test_unlogged_steps_fall_into_the_next_logged_window():
+    dev, log = _FakeDevice(), _Log()
+    rep = _reporter(dev, log, every=3)
+    rep.start_epoch(0, 1, 6)
+    for step, (secs, toks) in enumerate([(1.0, 100), (2.0, 200), (3.0, 300),
+                                         (0.5, 50), (0.5, 50), (1.0, 100)], start=1):
+        dev.queue(secs)
+        rep.add_tokens(toks)
+        rep.step_done(step, torch.tensor(1.0), lr=1e-3)
+    (s1, r1), (s2, r2) = log.rows
+    assert (s1, s2) == (3, 6)
+    assert r1["valid_tokens"] == 600 and r1["steps_in_window"] == 3
+    assert r1["step_time_s"] * r1["steps_in_window"] == pytest.approx(6.0)
+    assert r1["tokens_per_second_per_gpu"] == pytest.approx(100.0)
+    assert r2["valid_tokens"] == 200 and r2["step_time_s"] * 3 == pytest.approx(2.0)
+    # The windows add up to the whole epoch's wall time: nothing uncounted or counted twice.
+    assert sum(r["step_time_s"] * r["steps_in_window"] for _, r in log.rows) == pytest.approx(dev.now)
+
+
+def test_cuda_reporter_synchronizes_by_default(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    rep = StepReporter(_Log(), device=torch.device("cuda", 0))
+    rep.start_epoch(0, 1, 1)
+    rep.step_done(1, torch.tensor(1.0), lr=0.0)
+    assert len(calls) >= 2  # the window's start and its end
