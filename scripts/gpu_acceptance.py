@@ -102,6 +102,9 @@ def acceptance_config(name: str, work: Path, steps: int, nproc: int) -> tuple:
     return recipe, cfg_path, out_dir, cfg
 
 
+RUN_TIMEOUT_S = 300
+
+
 def run_one(name: str, work: Path, steps: int, nproc: int, save: bool, gpu: str = None) -> dict:
     t_start = time.time()
     try:
@@ -121,9 +124,14 @@ def run_one(name: str, work: Path, steps: int, nproc: int, save: bool, gpu: str 
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)
-        stopped = False
+        stopped = timed_out = False
         while proc.poll() is None:
             time.sleep(0.5)
+            if time.time() - t_start > RUN_TIMEOUT_S:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                timed_out = True
+                break
             if recipe == "quantize" or save:
                 continue
             if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
@@ -139,6 +147,8 @@ def run_one(name: str, work: Path, steps: int, nproc: int, save: bool, gpu: str 
            "batch": cfg.get("batch_size"), "ga": cfg.get("gradient_accumulation_steps"),
            "ac": cfg.get("enable_activation_checkpointing"), "dtype": cfg.get("dtype")}
     text = log.read_text(errors="replace")
+    if timed_out:
+        text += f"\nError: no result within {RUN_TIMEOUT_S} s (killed)"
     if recipe == "quantize":
         ok = proc.returncode == 0 and list(out_dir.glob("model-*.pt"))
         row["status"] = "ok" if ok else _failure(text, proc.returncode)
@@ -179,13 +189,14 @@ def main():
     ap.add_argument("--save", action="store_true", help="let each run write its checkpoint")
     ap.add_argument("--device", default=None, help="override device (a CPU dry run: cpu)")
     ap.add_argument("--include-tiny", action="store_true", help="also configs/tiny (dry runs)")
+    ap.add_argument("--run-timeout", type=int, default=300, help="seconds per config")
     ap.add_argument("--work", default="/tmp/acceptance")
     ap.add_argument("--out", default="acceptance.json")
     args = ap.parse_args()
     work = Path(args.work)
     names = [c for c in registry.list_configs() if args.include_tiny or not c.startswith("tiny/")]
-    global DEVICE_OVERRIDE
-    DEVICE_OVERRIDE = args.device
+    global DEVICE_OVERRIDE, RUN_TIMEOUT_S
+    DEVICE_OVERRIDE, RUN_TIMEOUT_S = args.device, args.run_timeout
     if args.configs:
         names = [c for c in names if c in args.configs.split(",")]
     single = [c for c in names if registry.recipe_for_config(c) not in DISTRIBUTED]
@@ -194,6 +205,16 @@ def main():
 
     ngpu = torch.cuda.device_count()
     results = []
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if ngpu else "cpu",
+            "gpus": ngpu, "torch": torch.__version__, "command": " ".join(sys.argv)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row):
+        # Rewritten after every config: a run cut short by the machine's limit keeps its rows.
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+
     if args.kind in ("single", "all"):
         # Checkpoints first (one builder at a time), then the runs, lanes in parallel.
         for c in single:
@@ -204,20 +225,14 @@ def main():
                                    str(i % lanes) if lanes > 1 else None)
                        for i, c in enumerate(single)]
             for f in futures:
-                results.append(f.result())
-                print(json.dumps(results[-1]), flush=True)
+                record(f.result())
     if args.kind in ("distributed", "all"):
         for c in dist:
-            if ngpu < args.nproc:
-                results.append({"config": c, "recipe": registry.recipe_for_config(c),
-                                "status": f"not run: needs {args.nproc} GPUs, this machine has {ngpu}"})
+            if ngpu < args.nproc and args.device != "cpu":
+                record({"config": c, "recipe": registry.recipe_for_config(c),
+                        "status": f"not run: needs {args.nproc} GPUs, this machine has {ngpu}"})
             else:
-                results.append(run_one(c, work, args.steps, args.nproc, args.save))
-            print(json.dumps(results[-1]), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if ngpu else "cpu",
-            "gpus": ngpu, "torch": torch.__version__, "command": " ".join(sys.argv)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+                record(run_one(c, work, args.steps, args.nproc, args.save))
     print("\n| config | status | tokens/s | wall check | peak GiB | first loss | last loss |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
