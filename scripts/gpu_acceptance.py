@@ -26,6 +26,7 @@ real one (the issue's bar: within 2%).
 import argparse
 import json
 import os
+import queue
 import signal
 import statistics
 import subprocess
@@ -220,12 +221,22 @@ def main():
         for c in single:
             acceptance_config(c, work, args.steps, 1)
         lanes = max(1, min(args.lanes, ngpu))
+        # NOTE: a lane owns its GPU until its run ends. Binding GPUs to configs by index (as a
+        # first version did) let a long run and the next config on the same index share a GPU.
+        free_gpus = queue.Queue()
+        for g in range(lanes):
+            free_gpus.put(str(g))
+
+        def on_free_gpu(config):
+            gpu = free_gpus.get()
+            try:
+                return run_one(config, work, args.steps, 1, args.save, gpu if lanes > 1 else None)
+            finally:
+                free_gpus.put(gpu)
+
         with ThreadPoolExecutor(lanes) as pool:
-            futures = [pool.submit(run_one, c, work, args.steps, 1, args.save,
-                                   str(i % lanes) if lanes > 1 else None)
-                       for i, c in enumerate(single)]
-            for f in futures:
-                record(f.result())
+            for row in pool.map(on_free_gpu, single):
+                record(row)
     if args.kind in ("distributed", "all"):
         for c in dist:
             if ngpu < args.nproc and args.device != "cpu":
