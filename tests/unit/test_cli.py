@@ -193,3 +193,34 @@ def test_cp_into_a_directory_keeps_the_file_name(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "mine.yaml").is_file()
     rc, _, err = _run(capsys, "cp", "tiny/lora_single_device", str(tmp_path) + "/")
     assert rc == 2 and "already exists" in err
+
+
+def test_distributed_config_error_is_caught_before_torchrun(capsys, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    started = []
+    monkeypatch.setattr(torchrun, "main", lambda *a, **k: started.append(a))
+    rc, out, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                        "--config", "tiny/full_distributed", "gradient_acumulation_steps=2")
+    assert rc == 2 and not started
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and "'gradient_acumulation_steps'" in lines[0], err
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed", "optimizer.lrr=1")
+    assert rc == 2 and not started and "optimizer.lrr" in err
+
+
+def test_failed_child_processes_end_in_one_line_not_a_torchrun_traceback(capsys, monkeypatch):
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fail(argv):
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file="")
+        raise ChildFailedError("tune_recipes._cli.launch", {0: failure})
+
+    monkeypatch.setattr(torchrun, "main", fail)
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed")
+    assert rc == 3
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    assert err.strip().splitlines() == ["tune: error: 1 of 2 processes failed (exit code 3); their output is above"]

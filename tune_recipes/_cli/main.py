@@ -51,10 +51,14 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
         raise CliError("tune run needs --config NAME_OR_PATH")
     config = _config_or_fail(args.config)
     check_overrides(rest)
-    # Parse now so a broken file fails here in one line, before any process starts.
-    load_config(config.path, rest)
+    # Check now, in this process, everything `tune validate` checks: a bad file, key or
+    # component fails here in one line (exit 2), before torchrun starts any process.
+    cfg = load_config(config.path, rest)
+    validate_config(cfg)
+    _check_recipe_keys(cfg, recipe, args.recipe)
     recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
     if args.nproc_per_node is not None:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
 
         torchrun_args = [
@@ -65,11 +69,30 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
         ]
         # Each process starts in our launcher, which imports tune_recipes (its noise filters)
         # before the recipe imports torchtune, then runs the script as __main__.
-        torchrun_main(torchrun_args + ["-m", "tune_recipes._cli.launch"] + recipe_argv)
+        try:
+            torchrun_main(torchrun_args + ["-m", "tune_recipes._cli.launch"] + recipe_argv)
+        except ChildFailedError as e:
+            # The failing process already printed its own error above; torchrun's traceback
+            # and summary would only bury it.
+            codes = sorted({f.exitcode for f in e.failures.values()})
+            print(f"tune: error: {len(e.failures)} of {args.nproc_per_node} processes failed "
+                  f"(exit code {', '.join(map(str, codes))}); their output is above",
+                  file=sys.stderr)
+            return codes[-1] if codes and codes[-1] > 0 else 1
         return 0
     # Recipes are scripts (not importable modules): run the file as __main__ in this process.
     run_script(recipe.path, recipe_argv[1:])
     return 0
+
+
+def _check_recipe_keys(cfg, recipe: registry.Resolved, recipe_name: str) -> bool:
+    """Top-level keys against the recipe's CONFIG_KEYS; False when the recipe declares none
+    (a torchtune stock recipe or a user's script)."""
+    known = registry.recipe_config_keys(recipe.path)
+    if known is None:
+        return False
+    check_known_keys(cfg, known, Path(recipe_name).stem)
+    return True
 
 
 def cmd_ls(args: argparse.Namespace, rest: List[str]) -> int:
@@ -114,12 +137,8 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     checked = validate_config(cfg)
     recipe_name = args.recipe or registry.recipe_for_config(args.config)
     keys_note = ""
-    if recipe_name:
-        recipe = _recipe_or_fail(recipe_name)
-        known = registry.recipe_config_keys(recipe.path)
-        if known is not None:
-            check_known_keys(cfg, known, recipe_name)
-            keys_note = f", every top-level key is read by {recipe_name}"
+    if recipe_name and _check_recipe_keys(cfg, _recipe_or_fail(recipe_name), recipe_name):
+        keys_note = f", every top-level key is read by {recipe_name}"
     print(f"config is valid: {config.path} ({len(checked)} components bind{keys_note})")
     return 0
 
