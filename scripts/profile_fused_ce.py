@@ -2,7 +2,7 @@
 
     python3 scripts/profile_fused_ce.py --out results/profile_fused_ce.json
 
-    python3 scripts/profile_fused_ce.py --trace --trace-rows 638   # kernel timeline
+    python3 scripts/profile_fused_ce.py --trace --trace-rows 359   # kernel timeline
 
 Parts (--parts, comma-separated; default floors,stages,softmax,whole):
 - sustain: call times and SM clock over 40 back-to-back calls;
@@ -13,17 +13,9 @@ Parts (--parts, comma-separated; default floors,stages,softmax,whole):
 - softmax: launch configurations of the softmax-gradient kernel;
 - whole: the whole loss (default settings) per chunk size: time, peak extra memory and
   weight-gradient error against an fp32 reference.
-
-``shifted_bf16_loss`` is a prototype the benchmark times beside the loss (issue 11): instead
-of fp32 logits (4 bytes a value, so half the rows per chunk at the same memory), the product
-writes bf16 logits minus each row's target logit (the shift is applied in cuBLAS's fp32
-epilogue, through beta=1 on a buffer filled with it), and the kernel adds it back in fp32.
-The largest logits of a trained LM sit near the target's, so they are stored with small
-absolute error; rows whose largest logit is far above the target's are not.
 """
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -37,112 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fused_ce import V, bench_one, event_ms, make_inputs, reference, rel_l2  # noqa: E402
 from tune_recipes.modules import _triton_ce  # noqa: E402
 from tune_recipes.modules.loss import fused_linear_cross_entropy  # noqa: E402
-
-
-@functools.lru_cache(maxsize=None)
-def _shifted_kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def target_logit(h_ptr, w_ptr, y_ptr, out_ptr, dim, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        y = tl.load(y_ptr + row).to(tl.int64)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for off in range(0, dim, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            m = cols < dim
-            hv = tl.load(h_ptr + row.to(tl.int64) * dim + cols, mask=m, other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + y * dim + cols, mask=m, other=0.0).to(tl.float32)
-            acc += hv * wv
-        # Rounded to bf16 so that the epilogue subtracts exactly the value added back later.
-        tl.store(out_ptr + row, tl.sum(acc, 0).to(tl.bfloat16).to(tl.float32))
-
-    @triton.jit
-    def ce_grad_shifted(logits_ptr, stride_row, shift_ptr, target_ptr, loss_ptr, n_cols, grad_scale,
-                        BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * stride_row
-        shift = tl.load(shift_ptr + row)
-        target = tl.load(target_ptr + row)
-        lane_max = tl.full([BLOCK], -1e30, tl.float32)
-        lane_sum = tl.zeros([BLOCK], tl.float32)
-        for off in range(0, n_cols, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-            d = x - lane_max
-            e = tl.exp(-tl.abs(d))
-            lane_sum = tl.where(d > 0, lane_sum * e + 1.0, lane_sum + e)
-            lane_max = tl.maximum(lane_max, x)
-        row_max = tl.max(lane_max, 0)
-        lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
-        x_target = tl.load(base + target).to(tl.float32)
-        tl.store(loss_ptr + row, lse - x_target)  # the shift cancels in the loss
-        for off in range(0, n_cols, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) * grad_scale
-            g = tl.where(cols == target, g - grad_scale, g)
-            tl.store(base + cols, g.to(tl.bfloat16), mask=mask)
-
-    return target_logit, ce_grad_shifted
-
-
-def _shifted_forward(hidden, weight, labels, rows):
-    """Loss and gradients (mean over valid labels, no bias, both gradients, bf16 weight-gradient
-    accumulation as the default loss does)."""
-    target_logit, ce_grad_shifted = _shifted_kernels()
-    n, dim = hidden.shape
-    vocab = weight.shape[0]
-    valid_idx = (labels != -100).nonzero().squeeze(1)
-    nv = valid_idx.numel()
-    y_valid = labels.index_select(0, valid_idx)
-    scale = 1.0 / nv
-    rows = -(-nv // -(-nv // rows))
-    compact = torch.empty(nv, dim, dtype=hidden.dtype, device=hidden.device)
-    buf = torch.empty(min(rows, nv), vocab, dtype=hidden.dtype, device=hidden.device)
-    shift = torch.empty(nv, dtype=torch.float32, device=hidden.device)
-    loss_rows = torch.empty(nv, dtype=torch.float32, device=hidden.device)
-    gw = torch.empty_like(weight)
-    for start in range(0, nv, rows):
-        stop = min(start + rows, nv)
-        r = stop - start
-        h = torch.index_select(hidden, 0, valid_idx[start:stop], out=compact[start:stop])
-        y = y_valid[start:stop]
-        target_logit[(r,)](h, weight, y, shift[start:stop], dim, BLOCK=1024, num_warps=4)
-        logits = buf[:r]
-        logits.copy_(shift[start:stop, None].neg().expand(r, vocab))
-        logits.addmm_(h, weight.t())  # bf16(h W^T - shift): the subtraction is in fp32
-        ce_grad_shifted[(r,)](logits, logits.stride(0), shift[start:stop], y, loss_rows[start:stop],
-                              vocab, scale, BLOCK=4096, num_warps=16)
-        if start == 0:
-            torch.mm(logits.t(), h, out=gw)
-        else:
-            gw.addmm_(logits.t(), h)
-        torch.mm(logits, weight, out=h)
-    del buf, logits
-    gh = torch.zeros_like(hidden).index_copy_(0, valid_idx, compact)
-    return loss_rows.sum() / nv, gh, gw
-
-
-class _Shifted(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, rows):
-        loss, gh, gw = _shifted_forward(hidden, weight, labels, rows)
-        ctx.save_for_backward(gh, gw)
-        return loss
-
-    @staticmethod
-    def backward(ctx, go):
-        gh, gw = ctx.saved_tensors
-        f = float(go.item())
-        return (gh, gw, None, None) if f == 1.0 else (gh * f, gw * f, None, None)
-
-
-def shifted_bf16_loss(hidden, weight, labels, rows=717):
-    """Prototype (see the module docstring); 717 rows is 8 chunks at 8192 x 4096, 1.19 GiB."""
-    return _Shifted.apply(hidden, weight, labels, rows)
 
 
 def timed(fn, iters=10, warmup=2):
@@ -286,7 +172,7 @@ def main():
     ap.add_argument("--parts", default="floors,stages,softmax,whole")
     ap.add_argument("--whole-rows", default="359,410,478,574,638")
     ap.add_argument("--trace", action="store_true", help="only profile the whole loss's kernels")
-    ap.add_argument("--trace-rows", default="640")
+    ap.add_argument("--trace-rows", default="359")
     args = ap.parse_args()
     if args.trace:
         return trace(args)

@@ -163,6 +163,19 @@ def test_frozen_weight_gets_no_gradient_computed():
     assert w.grad is None and h.grad is not None
 
 
+def test_frozen_hidden_with_ignored_rows_still_gives_the_weight_gradient():
+    # No hidden gradient: the gathered rows go to a one-chunk buffer, not the compact one.
+    h, w, b, y = _inputs(60, 8, 29, 0.3, torch.float32, 6)
+    h.requires_grad_(False)
+    loss = fused_linear_cross_entropy(h, w, y, b, chunk_size=9)
+    assert loss.grad_fn.saved_tensors[0] is None
+    loss.backward()
+    _, ref = _reference(h, w, b, y, "mean")
+    assert h.grad is None
+    torch.testing.assert_close(w.grad.double(), ref[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(b.grad.double(), ref[2], rtol=1e-5, atol=1e-7)
+
+
 def test_tied_weight_gradient_arrives_once():
     torch.manual_seed(0)
     emb = torch.nn.Embedding(23, 8)

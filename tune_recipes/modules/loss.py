@@ -31,10 +31,11 @@ from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
 # is written over it). Each chunk also reads the whole [V, D] weight for two products and
 # re-reads and re-writes the whole weight gradient when W trains, so larger chunks are faster
 # and smaller ones leaner. 180 MiB is 367 rows at V=128256, which keeps a forward+backward at
-# 8192 x 4096 (30% of labels ignored) under 1.2 GiB above its inputs, the weight gradient
-# included (scripts/profile_fused_ce.py measures the trade-off; docs/benchmarks.md has the
-# numbers). NOTE: the logits were bf16 before (160 MiB was 654 rows); rounding them doubled
-# the gradient error on peaked, trained-LM-like logits, so "fewer bytes per row" is not free.
+# 8192 x 4096 (30% of labels ignored) at 1.194 GiB above its inputs, the weight gradient
+# included, in 16 chunks. That costs time: on an H200 it ran 15-17% slower than the 9 chunks
+# of bf16 logits that fit before; chunk_size=638 (9 chunks) is within 3% of that, at 1.33 GiB
+# (docs/benchmarks.md). NOTE: do not go back to bf16 logits for the extra rows: rounding them
+# doubled the gradient error on peaked, trained-LM-like logits (4.8e-3 vs 2.4e-3).
 DEFAULT_CHUNK_BYTES = 180 * 1024**2
 
 
