@@ -1,4 +1,4 @@
-"""tune_recipes.training.setup.setup_data_and_schedule: where a (resumed) run starts."""
+"""tune_recipes.training.setup.recipe and .model: where a (resumed) run starts; the LoRA model."""
 
 from pathlib import Path
 
@@ -7,7 +7,8 @@ import torch
 from torchtune import config as tt_config
 
 from tune_recipes.config import ConfigError, load_config
-from tune_recipes.training.setup import setup_data_and_schedule
+from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.setup.recipe import setup_data_and_schedule
 
 pytestmark = pytest.mark.unit
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny" / "full_single_device.yaml"
@@ -19,11 +20,12 @@ def _plan(cfg, epochs_run, ga=1, max_steps=None, world_size=1, rank=0, optimizer
     optimizer = torch.optim.AdamW([param], lr=cfg.optimizer.lr)
     if optimizer_state is not None:  # as a resume loads it, before the schedule is built
         optimizer.load_state_dict(optimizer_state)
-    plan = setup_data_and_schedule(
-        cfg, tokenizer, optimizer, seed=cfg.seed, ignore_index=-100, epochs_run=epochs_run,
-        total_epochs=3, gradient_accumulation_steps=ga, max_steps_per_epoch=max_steps,
-        world_size=world_size, rank=rank,
-    )
+    cfg = cfg.copy()
+    cfg.gradient_accumulation_steps = ga
+    state = RecipeState(seed=cfg.seed, total_epochs=3, max_steps_per_epoch=max_steps,
+                        epochs_run=epochs_run)
+    plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100,
+                                   world_size=world_size, rank=rank)
     return plan, optimizer
 
 
@@ -84,7 +86,7 @@ def _base_state_dict():
 
 
 def test_lora_model_trains_only_seeded_adapters_over_the_loaded_base():
-    from tune_recipes.training.setup import setup_lora_model
+    from tune_recipes.training.setup.model import setup_lora_model
 
     base = _base_state_dict()
     built = {}
@@ -107,7 +109,7 @@ def test_lora_model_trains_only_seeded_adapters_over_the_loaded_base():
 
 
 def test_lora_model_resumes_the_given_adapters():
-    from tune_recipes.training.setup import setup_lora_model
+    from tune_recipes.training.setup.model import setup_lora_model
 
     base = _base_state_dict()
     first, _ = setup_lora_model(_lora_cfg(), dtype=torch.float32, device=torch.device("cpu"),
@@ -121,7 +123,7 @@ def test_lora_model_resumes_the_given_adapters():
 
 
 def test_lora_model_rejects_a_builder_without_adapters_naming_it():
-    from tune_recipes.training.setup import setup_lora_model
+    from tune_recipes.training.setup.model import setup_lora_model
 
     with pytest.raises(ConfigError, match="tune_recipes.models.tiny_llama3 has no LoRA adapters"):
         setup_lora_model(_lora_cfg("tune_recipes.models.tiny_llama3"), dtype=torch.float32,
@@ -130,7 +132,7 @@ def test_lora_model_rejects_a_builder_without_adapters_naming_it():
 
 
 def test_lora_spec_of_a_non_lora_builder_names_the_missing_keys():
-    from tune_recipes.training.checkpoint import LoRASpec
+    from tune_recipes.training.checkpointing.io import LoRASpec
 
     with pytest.raises(ConfigError, match="model.lora_rank, model.lora_alpha, model.lora_attn_modules"):
         LoRASpec.from_model_config(_lora_cfg("tune_recipes.models.tiny_llama3"))

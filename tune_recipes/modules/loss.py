@@ -24,7 +24,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
 # Bytes of one chunk's logits in the compute dtype: the loss's one large temporary. Each chunk
 # also reads and re-writes the whole [V, D] weight gradient when W trains, so larger chunks are

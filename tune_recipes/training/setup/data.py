@@ -1,9 +1,7 @@
-"""Dataset, dataloader and batch helpers shared by every recipe."""
+"""Dataset and dataloader, the same for every recipe."""
 
 from functools import partial
-from typing import Any, Dict
 
-import torch
 from omegaconf import ListConfig
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -13,7 +11,7 @@ from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
-from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
 
 def build_dataset(cfg_dataset, tokenizer) -> Dataset:
@@ -54,15 +52,3 @@ def build_dataloader(
         dataset=dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
         drop_last=drop_last,
     )
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:
-    """labels[:, 1:] padded with ignore_index: position t is scored on token t+1, without
-    slicing the (large) logits."""
-    pad = torch.full_like(labels[..., :1], ignore_index)
-    return torch.cat([labels[..., 1:], pad], dim=-1)
-
-
-def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items()}

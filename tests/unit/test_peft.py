@@ -6,8 +6,8 @@ from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tune_recipes.models.tiny import lora_tiny_llama3
-from tune_recipes.training.adapters import adapter_init_state_dict, state_dict_key
-from tune_recipes.training.optim import OptimizerInBackward
+from tune_recipes.modules.peft import adapter_init_state_dict, state_dict_key
+from tune_recipes.training.step.optim import OptimizerInBackward
 
 pytestmark = pytest.mark.unit
 
