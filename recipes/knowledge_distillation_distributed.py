@@ -26,9 +26,9 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import check_known_keys, parse
+from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
-from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.losses.kd import DistillationLoss
 from tune_recipes.training.setup.distributed import (
     check_fused_loss_sharding,

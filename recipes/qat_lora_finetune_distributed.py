@@ -32,10 +32,10 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
-from tune_recipes.training.checkpointing.state import RecipeState
-from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.modules.qat_lora import qat_configs, swap_lora_linears_for_qat
 from tune_recipes.training.checkpointing.io import LoRASpec
+from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.distributed import (
     check_fused_loss_sharding,
