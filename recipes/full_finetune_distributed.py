@@ -6,9 +6,8 @@
 Parameters, gradients and optimizer states are sharded over the ranks (``fully_shard`` per
 transformer layer, then the root). NCCL on CUDA, gloo on CPU.
 
-Loss normalization: the step's loss is the mean over the unmasked tokens of every micro-batch
-on every rank, whatever each rank's share of them (see the NOTE in ``__init__``). The logged loss
-is that global mean, so 1-rank and N-rank runs log the same numbers.
+The step's loss is the mean over the unmasked tokens of all micro-batches on all ranks (the NOTE
+in ``__init__``), so 1-rank and N-rank runs log the same numbers.
 
 Outputs (rank 0) in ``output_dir``: ``epoch_<n>/`` HF-format weights, ``recipe_state/`` for
 resuming, ``metrics.jsonl``, ``config.yaml``.
@@ -71,8 +70,7 @@ class FullFinetuneRecipeDistributed:
             cfg.optimizer, self._model, state_dict=resume.optimizer if resume else None,
             distributed=True, device=self._runtime.device,
         )
-        self._checkpoint_writer = CheckpointWriter(
-            checkpointer, output_dir=cfg.output_dir, distributed=True, is_main=self._runtime.is_main)
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)
         self._driver = setup_step_driver(
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,

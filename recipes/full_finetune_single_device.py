@@ -77,7 +77,7 @@ class FullFinetuneRecipeSingleDevice:
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
-        self._checkpoint_writer = CheckpointWriter(checkpointer, output_dir=cfg.output_dir)
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)
         self._driver = setup_step_driver(
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,

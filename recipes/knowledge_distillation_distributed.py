@@ -8,9 +8,8 @@ Student (LoRA) and frozen teacher are both sharded with FSDP2. The student minim
 per token over the same unmasked tokens), normalized by the global token count like the other
 distributed recipes. ``class_loss`` and ``kd_loss`` are logged as global token means.
 
-Loss normalization: the step's loss is the mean over the unmasked tokens of every micro-batch
-on every rank, whatever each rank's share of them (see the NOTE in ``__init__``). The logged loss
-is that global mean, so 1-rank and N-rank runs log the same numbers.
+The step's loss is the mean over the unmasked tokens of all micro-batches on all ranks (the NOTE
+in ``__init__``), so 1-rank and N-rank runs log the same numbers.
 
 Outputs (rank 0) in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), the adapter in PEFT and torchtune formats; plus
@@ -18,7 +17,6 @@ Outputs (rank 0) in ``output_dir/epoch_<n>/``: the merged model (HF format, unle
 """
 
 import sys
-from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
@@ -93,11 +91,7 @@ class KDRecipeDistributed:
             cfg.optimizer, self._model, state_dict=resume.optimizer if resume else None,
             distributed=True, device=self._runtime.device,
         )
-        self._checkpoint_writer = CheckpointWriter(
-            checkpointer, output_dir=cfg.output_dir, distributed=True, is_main=self._runtime.is_main,
-            lora=lora, adapter_only=cfg.get("save_adapter_weights_only", False),
-            base_checkpoint_dir=str(Path(cfg.checkpointer.checkpoint_dir).resolve()),
-        )
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime, lora)
         self._driver = setup_step_driver(
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,

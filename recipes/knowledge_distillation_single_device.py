@@ -23,7 +23,6 @@ format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``.
 """
 
 import sys
-from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
@@ -80,11 +79,7 @@ class KDRecipeSingleDevice:
             self._model, self._teacher, self._loss_fn, tt_config.instantiate(cfg.kd_loss),
             cfg.get("kd_ratio", 0.5),
         )
-        self._checkpoint_writer = CheckpointWriter(
-            checkpointer, output_dir=cfg.output_dir, lora=lora,
-            adapter_only=cfg.get("save_adapter_weights_only", False),
-            base_checkpoint_dir=str(Path(cfg.checkpointer.checkpoint_dir).resolve()),
-        )
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime, lora)
         self._driver = setup_step_driver(
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,

@@ -19,7 +19,6 @@ format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``.
 """
 
 import sys
-from pathlib import Path
 from typing import Dict
 
 import torch
@@ -72,11 +71,7 @@ class LoRAFinetuneRecipeSingleDevice:
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
-        self._checkpoint_writer = CheckpointWriter(
-            checkpointer, output_dir=cfg.output_dir, lora=lora,
-            adapter_only=cfg.get("save_adapter_weights_only", False),
-            base_checkpoint_dir=str(Path(cfg.checkpointer.checkpoint_dir).resolve()),
-        )
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime, lora)
         self._driver = setup_step_driver(
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,

@@ -10,9 +10,8 @@ for the first N steps. Convert the result with ``tune run quantize``.
 Parameters, gradients and optimizer states are sharded over the ranks (``fully_shard`` per
 transformer layer, then the root). NCCL on CUDA, gloo on CPU.
 
-Loss normalization: the step's loss is the mean over the unmasked tokens of every micro-batch
-on every rank, whatever each rank's share of them (see the NOTE in ``__init__``). The logged loss
-is that global mean, so 1-rank and N-rank runs log the same numbers.
+The step's loss is the mean over the unmasked tokens of all micro-batches on all ranks (the NOTE
+in ``__init__``), so 1-rank and N-rank runs log the same numbers.
 
 Outputs (rank 0) in ``output_dir``: ``epoch_<n>/`` HF-format weights, ``recipe_state/`` for
 resuming, ``metrics.jsonl``, ``config.yaml``.
@@ -77,8 +76,7 @@ class QATRecipeDistributed:
             cfg.optimizer, self._model, state_dict=resume.optimizer if resume else None,
             distributed=True, device=self._runtime.device,
         )
-        self._checkpoint_writer = CheckpointWriter(
-            checkpointer, output_dir=cfg.output_dir, distributed=True, is_main=self._runtime.is_main)
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)
         fake_quant = FakeQuantSchedule(self._model, self._quantizer_mode,
                                        cfg.get("fake_quant_after_n_steps", None))
         self._driver = setup_step_driver(

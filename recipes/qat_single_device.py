@@ -92,7 +92,7 @@ class QATRecipeSingleDevice:
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
-        self._checkpoint_writer = CheckpointWriter(checkpointer, output_dir=cfg.output_dir)
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)
         fake_quant = FakeQuantSchedule(self._model, self._quantizer_mode,
                                        cfg.get("fake_quant_after_n_steps", None))
         self._driver = setup_step_driver(

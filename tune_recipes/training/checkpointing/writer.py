@@ -37,6 +37,17 @@ class CheckpointWriter:
         self.adapter_only = adapter_only
         self.base_checkpoint_dir = base_checkpoint_dir
 
+    @classmethod
+    def from_config(cls, cfg, checkpointer, runtime, lora: Optional[LoRASpec] = None
+                    ) -> "CheckpointWriter":
+        """``output_dir``, and for LoRA ``save_adapter_weights_only`` and the base
+        ``checkpointer.checkpoint_dir``, from the recipe's config; ``runtime``: where it runs."""
+        return cls(checkpointer, output_dir=cfg.output_dir, distributed=runtime.distributed,
+                   is_main=runtime.is_main, lora=lora,
+                   adapter_only=cfg.get("save_adapter_weights_only", False) if lora else False,
+                   base_checkpoint_dir=(str(Path(cfg.checkpointer.checkpoint_dir).resolve())
+                                        if lora else None))
+
     def save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int) -> None:
         intermediate = epoch + 1 < state.total_epochs
         model_sd = self._model_state_dict(model)
