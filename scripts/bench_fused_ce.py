@@ -1,16 +1,31 @@
 """Benchmark fused linear + cross-entropy implementations side by side (one CUDA GPU).
 
-    python3 scripts/bench_fused_ce.py --out results/fused_ce.json
+    python3 scripts/bench_fused_ce.py --out results/fused_ce.json [--baseline DIR]
 
-For each shape (bf16, V=128256, 30% ignored labels, grads for hidden and weight): median
-forward+backward time after warm-up, peak memory above the inputs, relative-L2 error of the
-hidden/weight gradients and of the loss against an fp32 reference, and whether a second
-``backward(retain_graph=True)`` doubles the gradients as it should. Methods that are not
+For each shape (bf16, V=128256, 30% ignored labels, grads for hidden and weight) and each input
+kind: median forward+backward time after warm-up, peak memory above the inputs, relative-L2
+error of the hidden/weight gradients and of the loss against an fp32 reference, and whether a
+second ``backward(retain_graph=True)`` doubles the gradients as it should. Methods that are not
 installed are reported as skipped. Not a test: numbers go to docs/benchmarks.md.
+
+Input kinds (``make_inputs``):
+- ``random``: hidden ~ N(0, 0.5^2), W ~ N(0, 1/D): nearly uniform logits (std ~0.5, mean loss
+  ~11.8), 30% of labels ignored at random positions. Rounding such logits costs little.
+- ``peaked``: logits shaped like a trained LM's. W ~ N(0, 1/D); the hidden state of a row with
+  label y is 2.5 z + m * w_y / |w_y|^2 (z ~ N(0, I)), so its logits are N(0, 2.5^2) except the
+  target's, raised by a margin m ~ N(log V + 2.5^2/2 - 0.4, 3^2): the target usually stands
+  well above the rest, the largest logits are ~15-20 and the mean loss is ~1.9 (printed as
+  ``ref_loss``). The labels of the first 30% of every 2048-token sequence (the prompt) are
+  ignored. Here rounding the logits to bf16 before the softmax doubles the gradient error.
+
+``--baseline DIR`` adds the loss as it was before issue 11 (bf16 logits), loaded from copies of
+its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show 4f17736:tune_recipes/modules/loss.py``).
 """
 
 import argparse
+import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,6 +47,35 @@ def ours(h, w, y):
 
 def ours_fp32(h, w, y):
     return fused_linear_cross_entropy(h, w, y, weight_grad_fp32=True)
+
+
+def ours_9_chunks(h, w, y):
+    # The same code with 638-row chunks (9 at 8192 x 4096 instead of 16): the speed/memory dial.
+    return fused_linear_cross_entropy(h, w, y, chunk_size=638)
+
+
+_baseline = {}
+
+
+def load_baseline(path):
+    """The loss before issue 11, from copies of its two files (its kernel module is loaded
+    under another name so that the current one is untouched)."""
+    d = Path(path)
+    spec = importlib.util.spec_from_file_location("baseline_triton_ce", d / "_triton_ce.py")
+    tce = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tce)
+    sys.modules["baseline_triton_ce"] = tce
+    src = (d / "loss.py").read_text()
+    src = src.replace("from tune_recipes.modules import _triton_ce", "import baseline_triton_ce as _triton_ce")
+    mod = type(sys)("baseline_loss")
+    exec(compile(src, str(d / "loss.py"), "exec"), mod.__dict__)
+    _baseline["fn"] = mod.fused_linear_cross_entropy
+
+
+def baseline(h, w, y):
+    if "fn" not in _baseline:
+        raise ImportError(name="--baseline DIR not given")
+    return _baseline["fn"](h, w, y)
 
 
 def plain_eager(h, w, y):
@@ -70,8 +114,10 @@ def cce(h, w, y):
 
 
 METHODS = {
+    "baseline": ("tune-recipes fused before issue 11 (bf16 logits)", baseline),
     "ours": ("tune-recipes fused (default)", ours),
     "ours_fp32": ("tune-recipes fused, weight_grad_fp32=True", ours_fp32),
+    "ours_9": ("tune-recipes fused, chunk_size=638", ours_9_chunks),
     "eager": ("plain PyTorch eager", plain_eager),
     "compiled": ("plain PyTorch torch.compile", plain_compiled),
     "torchtune": ("torchtune 0.6.1 CEWithChunkedOutputLoss", torchtune_chunked),
@@ -80,13 +126,26 @@ METHODS = {
 }
 
 
-def make_inputs(n, d, seed=0):
+def make_inputs(n, d, seed=0, kind="random"):
+    """bf16 hidden [n, d], weight [V, d] and labels [n]; the kinds are described at the top."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16()
-    w = (torch.randn(V, d, device="cuda", generator=g) / d**0.5).bfloat16()
+    if kind == "random":
+        h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16()
+        w = (torch.randn(V, d, device="cuda", generator=g) / d**0.5).bfloat16()
+        y = torch.randint(0, V, (n,), device="cuda", generator=g)
+        y[torch.rand(n, device="cuda", generator=g) < 0.3] = IGNORE
+        return h, w, y
+    assert kind == "peaked", kind
+    w = torch.randn(V, d, device="cuda", generator=g) / d**0.5
     y = torch.randint(0, V, (n,), device="cuda", generator=g)
-    y[torch.rand(n, device="cuda", generator=g) < 0.3] = IGNORE
-    return h, w, y
+    margin = math.log(V) + 2.5**2 / 2 - 0.4 + 3.0 * torch.randn(n, device="cuda", generator=g)
+    wy = w[y]
+    h = 2.5 * torch.randn(n, d, device="cuda", generator=g)
+    h += (margin / (wy * wy).sum(1))[:, None] * wy
+    seq = 2048
+    for s in range(0, n, seq):
+        y[s:s + round(0.3 * min(seq, n - s))] = IGNORE
+    return h.bfloat16(), w.bfloat16(), y
 
 
 def reference(h, w, y, chunk=4096):
@@ -124,6 +183,7 @@ def event_ms(run, idle_s=0.0):
 
 
 def bench_one(fn, h0, w0, y, iters, warmup):
+    """(median ms, or None with iters=0; peak bytes; gradients and loss; retain_graph check)"""
     h = h0.clone().requires_grad_()
     w = w0.clone().requires_grad_()
     for _ in range(warmup):
@@ -157,10 +217,10 @@ def bench_one(fn, h0, w0, y, iters, warmup):
     except RuntimeError as e:
         retain_ok, retain_err = f"raises ({str(e).splitlines()[0][:60]})", None
     loss = None
-    return statistics.median(times), peak, grads, retain_ok, retain_err
+    return (statistics.median(times) if times else None), peak, grads, retain_ok, retain_err
 
 
-def cool_ms(fn, h0, w0, y, reps=5, idle_s=0.5):
+def cool_ms(fn, h0, w0, y, reps=3, idle_s=0.5):
     """Median of single forward+backward calls, each after an idle pause: the GPU then runs at
     its boost clock. Back-to-back calls (the main column) run into the board's power limit and
     clock down (seen on the H200: 1980 MHz falling to ~1500-1650 MHz, throttle reason SW power
@@ -174,7 +234,7 @@ def cool_ms(fn, h0, w0, y, reps=5, idle_s=0.5):
     return statistics.median(times)
 
 
-def matmul_floor(h, w, y, iters, warmup):
+def matmul_floor(h, w, y, iters, warmup, after_idle=True):
     """The three matrix products alone over the valid rows (logits, grad_hidden, grad_weight),
     each in one call: what any exact method must at least spend. Back-to-back and after idle."""
     valid = (y != IGNORE).nonzero().squeeze(1)
@@ -190,7 +250,7 @@ def matmul_floor(h, w, y, iters, warmup):
     for _ in range(warmup):
         run()
     back_to_back = statistics.median(event_ms(run) for _ in range(iters))
-    return back_to_back, statistics.median(event_ms(run, 0.5) for _ in range(5))
+    return back_to_back, (statistics.median(event_ms(run, 0.5) for _ in range(3)) if after_idle else None)
 
 
 def main():
@@ -199,45 +259,67 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--shapes", default="8192x4096,32768x4096,16384x2048")
+    ap.add_argument("--kinds", default="random,peaked")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--cool-shapes", default="8192x4096", help="shapes also timed after idle pauses")
+    ap.add_argument("--variant-methods", default="",
+                    help="methods run only at the --cool-shapes (trade-off rows, prototypes)")
+    ap.add_argument("--cool-shapes", default="8192x4096",
+                    help="shapes timed on every kind and also after idle pauses")
+    ap.add_argument("--time-kinds", default="peaked",
+                    help="kinds timed at the other shapes (the rest: one run for the errors)")
+    ap.add_argument("--baseline", default=None, help="directory with the pre-issue-11 loss.py and _triton_ce.py")
     args = ap.parse_args()
+    if args.baseline:
+        load_baseline(args.baseline)
+    variants = set(args.variant_methods.split(","))
     rows = []
     for shape in args.shapes.split(","):
         n, d = map(int, shape.split("x"))
-        h, w, y = make_inputs(n, d)
-        ref_loss, ref_gh, ref_gw = reference(h, w, y)
         cool = shape in args.cool_shapes.split(",")
-        fl, fl_cool = matmul_floor(h, w, y, args.iters, args.warmup)
-        rows.append({"N": n, "D": d, "V": V, "method": "floor: the 3 matrix products alone",
-                     "ms": round(fl, 2), "ms_after_idle": round(fl_cool, 2) if cool else None})
-        print(json.dumps(rows[-1]), flush=True)
-        torch.cuda.empty_cache()
-        for name in args.methods.split(","):
-            label, fn = METHODS[name]
-            row = {"N": n, "D": d, "V": V, "method": label}
-            try:
-                ms, peak, (gh, gw, loss), retain_ok, retain_err = bench_one(fn, h, w, y, args.iters, args.warmup)
-                row.update(ms=round(ms, 2), peak_extra_gib=round(peak / 1024**3, 3),
-                           err_grad_hidden=rel_l2(gh, ref_gh), err_grad_weight=rel_l2(gw, ref_gw),
-                           err_loss=abs(loss - ref_loss) / abs(ref_loss),
-                           retain_graph_second_backward_ok=retain_ok, retain_err=retain_err)
-                if cool:
-                    row["ms_after_idle"] = round(cool_ms(fn, h, w, y), 2)
-            except ImportError as e:
-                row.update(skipped=f"not installed: {e.name}")
-            except torch.OutOfMemoryError:
-                row.update(skipped="out of memory")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for kind in args.kinds.split(","):
+            h, w, y = make_inputs(n, d, kind=kind)
+            ref_loss, ref_gh, ref_gw = reference(h, w, y)
+            common = {"N": n, "D": d, "V": V, "kind": kind, "ref_loss": round(ref_loss, 4),
+                      "valid_rows": int((y != IGNORE).sum())}
+            if cool or kind in args.time_kinds.split(","):
+                fl, fl_cool = matmul_floor(h, w, y, args.iters, args.warmup, cool)
+                rows.append({**common, "method": "floor: the 3 matrix products alone",
+                             "ms": round(fl, 2), "ms_after_idle": round(fl_cool, 2) if cool else None})
+                print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-        del h, w, y, ref_gh, ref_gw
-        torch.cuda.empty_cache()
+            for name in args.methods.split(","):
+                if name in variants and not cool:
+                    continue
+                label, fn = METHODS[name]
+                row = {**common, "method": label}
+                try:
+                    timed = cool or kind in args.time_kinds.split(",")
+                    ms, peak, (gh, gw, loss), retain_ok, retain_err = bench_one(
+                        fn, h, w, y, args.iters if timed else 0, args.warmup if timed else 1)
+                    row.update(ms=None if ms is None else round(ms, 2), peak_extra_gib=round(peak / 1024**3, 3),
+                               err_grad_hidden=rel_l2(gh, ref_gh), err_grad_weight=rel_l2(gw, ref_gw),
+                               err_loss=abs(loss - ref_loss) / abs(ref_loss),
+                               retain_graph_second_backward_ok=retain_ok, retain_err=retain_err)
+                    if cool:
+                        row["ms_after_idle"] = round(cool_ms(fn, h, w, y), 2)
+                except ImportError as e:
+                    row.update(skipped=f"not installed: {e.name}")
+                except torch.OutOfMemoryError:
+                    row.update(skipped="out of memory")
+                except Exception as e:  # a broken method must not cost the others' numbers
+                    row.update(skipped=f"error: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                gh = gw = None
+                torch.cuda.empty_cache()
+            del h, w, y, ref_gh, ref_gw
+            torch.cuda.empty_cache()
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
+        "baseline": args.baseline,
     }
     for mod in ("triton", "torchtune", "liger_kernel", "cut_cross_entropy"):
         try:
@@ -247,16 +329,17 @@ def main():
             meta[mod] = "not installed"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print("\n| N x D | method | ms | ms after idle | extra GiB | err gh | err gw | retain x2 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| N x D | kind | method | ms | ms after idle | extra GiB | err gh | err gw | retain x2 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         idle = r.get("ms_after_idle") or ""
+        head = f"| {r['N']}x{r['D']} | {r['kind']} | {r['method'][:44]} |"
         if "skipped" in r:
-            print(f"| {r['N']}x{r['D']} | {r['method']} | {r['skipped']} | | | | | |")
+            print(f"{head} {r['skipped'][:60]} | | | | | |")
         elif "peak_extra_gib" not in r:
-            print(f"| {r['N']}x{r['D']} | {r['method']} | {r['ms']} | {idle} | | | | |")
+            print(f"{head} {r['ms']} | {idle} | loss {r['ref_loss']} | | | |")
         else:
-            print(f"| {r['N']}x{r['D']} | {r['method']} | {r['ms']} | {idle} | {r['peak_extra_gib']} | "
+            print(f"{head} {r['ms'] or '-'} | {idle} | {r['peak_extra_gib']} | "
                   f"{r['err_grad_hidden']:.1e} | {r['err_grad_weight']:.1e} | {r['retain_graph_second_backward_ok']} |")
 
 

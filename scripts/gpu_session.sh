@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
-# Then run with .whl carried:  bash scripts/gpu_session.sh STEP...   (steps: tests smoke scale fused recipes)
+# Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
+#   (steps: tests smoke dsmoke accept daccept profile scale fused recipes)
+#   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
+#   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -32,6 +35,12 @@ for step in "$@"; do
               echo "${r%%:*} rc=$? $(tail -1 /tmp/ss_${r##*:}/metrics.jsonl 2>/dev/null | cut -c1-160)"
               grep -m3 "Error" /tmp/ss_${r##*:}.log
             done; } 2>&1 | tee "$OUT/dsmoke.txt" ;;
+    accept) python3 scripts/gpu_acceptance.py --kind single --lanes "${LANES:-1}" --steps "${STEPS:-5}" \
+              ${CONFIGS:+--configs "$CONFIGS"} --out "$OUT/acceptance_single.json" 2>&1 | grep -v "^{" | tail -30
+            tar czf "$OUT/acceptance_single_logs.tgz" -C /tmp/acceptance logs configs 2>/dev/null ;;
+    daccept) python3 scripts/gpu_acceptance.py --kind distributed --nproc 2 --steps "${STEPS:-5}" \
+              ${CONFIGS:+--configs "$CONFIGS"} --out "$OUT/acceptance_distributed.json" 2>&1 | grep -v "^{" | tail -30
+            tar czf "$OUT/acceptance_distributed_logs.tgz" -C /tmp/acceptance logs configs 2>/dev/null ;;
     profile) test -f /tmp/bench_recipes/ckpt_full_1b/model.safetensors || python3 scripts/make_random_checkpoint.py \
               --builder torchtune.models.llama3_2.llama3_2_1b --out /tmp/bench_recipes/ckpt_full_1b
             python3 scripts/profile_recipes.py --ckpt /tmp/bench_recipes/ckpt_full_1b --steps 8 --out /tmp/prof --order ${ORDER:-stock,ours} \

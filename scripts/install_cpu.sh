@@ -15,4 +15,4 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" \
     "huggingface_hub>=0.30,<1.0" "datasets==3.6.0" "transformers==4.57.6"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
-.venv/bin/python -c "import torch, torchtune, torchao, tune_recipes; print(f'ready: torch {torch.__version__}, torchtune {torchtune.__version__}, torchao {torchao.__version__}')" 2>&1 | grep -v "Skipping import of cpp"
+.venv/bin/tune-recipes --version

@@ -135,3 +135,92 @@ def test_wheel_ships_recipes_and_configs(tmp_path):
         assert f"tune_recipes/_shipped/configs/{config}.yaml" in names
     assert "tune_recipes/data/assets/tiny_tokenizer.model" in names
     assert not any(n.startswith("recipes/") for n in names)
+
+
+def test_version_names_ours_and_the_stack(capsys):
+    from importlib.metadata import version
+
+    import tune_recipes
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"tune-recipes {tune_recipes.__version__} (")
+    for dist in ("torch", "torchtune", "torchao"):
+        assert f"{dist} {version(dist)}" in out
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_run_and_validate_help_explain_overrides(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "key=value" in out and "~key" in out and "optimizer.lr=1e-4" in out
+    assert f"tune {command} " in out  # an example command line
+
+
+def test_override_example_from_help_validates(capsys):
+    # The example in `tune validate --help` is a real, valid command line.
+    rc, out, err = _run(capsys, "validate", "tiny/lora_single_device", "optimizer.lr=1e-4",
+                        "~lr_scheduler")
+    assert rc == 0, err
+
+
+def test_cp_help_describes_its_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["cp", "--help"])
+    out = capsys.readouterr().out
+    for fragment in ("name", "destination", "directory", "--force", "overwrite",
+                     "tiny/lora_single_device"):
+        assert fragment in out
+
+
+def test_cp_into_a_directory_keeps_the_file_name(tmp_path, capsys, monkeypatch):
+    src = registry.configs_dir() / "tiny/lora_single_device.yaml"
+    # An existing directory.
+    assert _run(capsys, "cp", "tiny/lora_single_device", str(tmp_path))[0] == 0
+    assert (tmp_path / "lora_single_device.yaml").read_text() == src.read_text()
+    # A path ending in / that does not exist yet: made, and the file lands inside it.
+    assert _run(capsys, "cp", "tiny/lora_single_device", str(tmp_path / "new") + "/")[0] == 0
+    assert (tmp_path / "new" / "lora_single_device.yaml").read_text() == src.read_text()
+    monkeypatch.chdir(tmp_path)
+    assert _run(capsys, "cp", "lora_finetune_single_device", "rel/")[0] == 0
+    assert (tmp_path / "rel" / "lora_finetune_single_device.py").is_file()
+    # Without the slash, a new name is a file (suffix added), as before.
+    assert _run(capsys, "cp", "tiny/lora_single_device", "mine")[0] == 0
+    assert (tmp_path / "mine.yaml").is_file()
+    rc, _, err = _run(capsys, "cp", "tiny/lora_single_device", str(tmp_path) + "/")
+    assert rc == 2 and "already exists" in err
+
+
+def test_distributed_config_error_is_caught_before_torchrun(capsys, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    started = []
+    monkeypatch.setattr(torchrun, "main", lambda *a, **k: started.append(a))
+    rc, out, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                        "--config", "tiny/full_distributed", "gradient_acumulation_steps=2")
+    assert rc == 2 and not started
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and "'gradient_acumulation_steps'" in lines[0], err
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed", "optimizer.lrr=1")
+    assert rc == 2 and not started and "optimizer.lrr" in err
+
+
+def test_failed_child_processes_end_in_one_line_not_a_torchrun_traceback(capsys, monkeypatch):
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fail(argv):
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file="")
+        raise ChildFailedError("tune_recipes._cli.launch", {0: failure})
+
+    monkeypatch.setattr(torchrun, "main", fail)
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed")
+    assert rc == 3
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    assert err.strip().splitlines() == ["tune: error: 1 of 2 processes failed (exit code 3); their output is above"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from test_fused_loss import _inputs, _reference, _rel_l2
+from test_fused_loss import _inputs, _peaked_inputs, _reference, _rel_l2
 from tune_recipes.modules.loss import fused_linear_cross_entropy
 
 pytestmark = pytest.mark.gpu
@@ -40,3 +40,46 @@ def test_triton_kernel_equals_torch_path():
     _, grad_k = _triton_ce.softmax_grad_inplace(logits.clone(), target, 0.37, loss_out=loss_k)
     torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_k.float(), grad_t.float(), rtol=1e-2, atol=1e-6)
+
+
+def test_fp32_logits_narrowed_in_place_equal_torch_path():
+    """fp32 logits in, bf16 gradient written over the same memory: every value must be the
+    torch path's bf16 rounding of the same fp32 gradient (up to one bf16 step for exp's last
+    bits), and identical run to run. A missing barrier would show as stale or mixed values."""
+    from tune_recipes.modules import _triton_ce
+    from tune_recipes.modules.loss import _softmax_grad_torch
+
+    v, n = 128256, 96
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(n, v, device="cuda", generator=g) * 2.5
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    logits[torch.arange(n, device="cuda"), target] += 15.0  # peaked, like a trained LM
+    loss_t, grad_t = _softmax_grad_torch(logits.clone(), target, 0.37, torch.bfloat16)
+    grads = []
+    for _ in range(3):
+        buf = logits.clone()
+        loss_k = torch.full((n,), float("nan"), device="cuda")
+        _, grad_k = _triton_ce.softmax_grad_inplace(buf, target, 0.37, loss_out=loss_k,
+                                                    grad_dtype=torch.bfloat16)
+        assert grad_k.dtype == torch.bfloat16 and grad_k.shape == (n, v)
+        assert grad_k.data_ptr() == buf.data_ptr() and grad_k.stride() == (2 * v, 1)
+        grads.append(grad_k.clone())
+        torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-5)
+    for other in grads[1:]:
+        assert torch.equal(other, grads[0])
+    torch.testing.assert_close(grads[0].float(), grad_t.float(), rtol=2**-7, atol=1e-30)
+
+
+@pytest.mark.parametrize("weight_grad_fp32", [True, False])
+def test_cuda_peaked_logits_within_the_fp32_logits_bound(weight_grad_fp32):
+    """As test_fused_loss.py's peaked test, on the CUDA path (cuBLAS fp32-output product and
+    the Triton kernel); bf16 accumulation of the weight gradient adds one rounding per chunk
+    (4 chunks here), bounded as in test_fused_loss.py by tol * sqrt(chunks / 2)."""
+    h, w, y = _peaked_inputs(1024, 256, 8192, seed=2)
+    h, w = (t.detach().cuda().requires_grad_() for t in (h, w))
+    loss = fused_linear_cross_entropy(h, w, y.cuda(), chunk_size=180, weight_grad_fp32=weight_grad_fp32)
+    loss.backward()
+    ref_loss, (ref_h, ref_w, _) = _reference(h.cpu(), w.cpu(), None, y, "mean")
+    assert _rel_l2(h.grad.cpu(), ref_h) <= 3e-3
+    assert _rel_l2(w.grad.cpu(), ref_w) <= (3e-3 if weight_grad_fp32 else 3e-3 * 2**0.5)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()

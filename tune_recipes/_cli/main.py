@@ -1,4 +1,4 @@
-"""The ``tune`` command: run, ls, cp, validate, download.
+"""The ``tune`` command: run, ls, cp, validate, plot, download.
 
 Names resolve to our recipes and configs first; a name we do not ship falls back to torchtune
 0.6.1's stock recipe or config, so the baseline stays one command away. Installed as both
@@ -6,13 +6,14 @@ Names resolve to our recipes and configs first; a name we do not ship falls back
 """
 
 import argparse
-import runpy
+import os
 import shutil
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 from tune_recipes._cli import registry
+from tune_recipes._cli.launch import run_script
 from tune_recipes.config import (
     ConfigError,
     check_known_keys,
@@ -50,10 +51,14 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
         raise CliError("tune run needs --config NAME_OR_PATH")
     config = _config_or_fail(args.config)
     check_overrides(rest)
-    # Parse now so a broken file fails here in one line, before any process starts.
-    load_config(config.path, rest)
+    # Check now, in this process, everything `tune validate` checks: a bad file, key or
+    # component fails here in one line (exit 2), before torchrun starts any process.
+    cfg = load_config(config.path, rest)
+    validate_config(cfg)
+    _check_recipe_keys(cfg, recipe, args.recipe)
     recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
     if args.nproc_per_node is not None:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
 
         torchrun_args = [
@@ -62,13 +67,32 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
             "--rdzv_backend", "c10d",
             "--rdzv_endpoint", "localhost:0",
         ]
-        torchrun_main(torchrun_args + recipe_argv)
+        # Each process starts in our launcher, which imports tune_recipes (its noise filters)
+        # before the recipe imports torchtune, then runs the script as __main__.
+        try:
+            torchrun_main(torchrun_args + ["-m", "tune_recipes._cli.launch"] + recipe_argv)
+        except ChildFailedError as e:
+            # The failing process already printed its own error above; torchrun's traceback
+            # and summary would only bury it.
+            codes = sorted({f.exitcode for f in e.failures.values()})
+            print(f"tune: error: {len(e.failures)} of {args.nproc_per_node} processes failed "
+                  f"(exit code {', '.join(map(str, codes))}); their output is above",
+                  file=sys.stderr)
+            return codes[-1] if codes and codes[-1] > 0 else 1
         return 0
-    sys.argv = recipe_argv
-    # Recipes are scripts (not importable modules): run the file as __main__.
-    sys.path.insert(0, str(recipe.path.parent))
-    runpy.run_path(str(recipe.path), run_name="__main__")
+    # Recipes are scripts (not importable modules): run the file as __main__ in this process.
+    run_script(recipe.path, recipe_argv[1:])
     return 0
+
+
+def _check_recipe_keys(cfg, recipe: registry.Resolved, recipe_name: str) -> bool:
+    """Top-level keys against the recipe's CONFIG_KEYS; False when the recipe declares none
+    (a torchtune stock recipe or a user's script)."""
+    known = registry.recipe_config_keys(recipe.path)
+    if known is None:
+        return False
+    check_known_keys(cfg, known, Path(recipe_name).stem)
+    return True
 
 
 def cmd_ls(args: argparse.Namespace, rest: List[str]) -> int:
@@ -94,7 +118,8 @@ def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
     if src is None:
         raise CliError(f"unknown recipe or config '{args.name}'; see `tune ls`")
     dest = Path(args.destination)
-    if dest.is_dir():
+    # An existing directory, or a path written as one (``dir/``), receives the file by its name.
+    if dest.is_dir() or args.destination.endswith(("/", os.sep)):
         dest = dest / src.path.name
     elif dest.suffix == "":
         dest = dest.with_suffix(src.path.suffix)
@@ -112,14 +137,37 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     checked = validate_config(cfg)
     recipe_name = args.recipe or registry.recipe_for_config(args.config)
     keys_note = ""
-    if recipe_name:
-        recipe = _recipe_or_fail(recipe_name)
-        known = registry.recipe_config_keys(recipe.path)
-        if known is not None:
-            check_known_keys(cfg, known, recipe_name)
-            keys_note = f", every top-level key is read by {recipe_name}"
+    if recipe_name and _check_recipe_keys(cfg, _recipe_or_fail(recipe_name), recipe_name):
+        keys_note = f", every top-level key is read by {recipe_name}"
     print(f"config is valid: {config.path} ({len(checked)} components bind{keys_note})")
     return 0
+
+
+def cmd_plot(args: argparse.Namespace, rest: List[str]) -> int:
+    from tune_recipes import plotting
+
+    try:
+        out = plotting.plot_runs(args.output_dirs, out=args.out)
+    except plotting.PlotError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
+
+
+def version_line() -> str:
+    """Ours and the stack underneath, read from package metadata (imports nothing heavy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import tune_recipes
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{d} {v(d)}" for d in ("torch", "torchtune", "torchao"))
+    return f"tune-recipes {tune_recipes.__version__} ({deps})"
 
 
 def cmd_download(args: argparse.Namespace, rest: List[str]) -> int:
@@ -131,13 +179,36 @@ def cmd_download(args: argparse.Namespace, rest: List[str]) -> int:
     return 0
 
 
+_OVERRIDES_HELP = """\
+overrides (any number, after the config):
+  key=value     set a value; dotted keys reach nested ones (optimizer.lr=1e-4); null is None
+  ~key          delete a key (~lr_scheduler: train without a schedule)
+Values parse as YAML (4 is an int, 1e-4 a float, [a,b] a list); keys a recipe does not read,
+unknown components and arguments they do not take are reported in one line before any work.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="tune",
         description="tune-recipes: fine-tuning recipes (ours first, torchtune 0.6.1 as fallback)",
+        epilog="`tune <command> --help` explains each command. Docs: docs/cli.md.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{run,ls,cp,validate,download}")
-    run = sub.add_parser("run", help="run a recipe with a config and key=value overrides")
+    p.add_argument("--version", action="version", version=version_line(),
+                   help="print our version and torch/torchtune/torchao's, then exit")
+    sub = p.add_subparsers(dest="command", metavar="{run,ls,cp,validate,plot,download}")
+    run = sub.add_parser(
+        "run", help="run a recipe with a config and key=value overrides", formatter_class=fmt,
+        usage="tune run [--nproc_per_node N] RECIPE --config CONFIG [key=value ...] [~key ...]",
+        description="Run RECIPE with CONFIG, changed by overrides.",
+        epilog=_OVERRIDES_HELP + """
+examples:
+  tune run lora_finetune_single_device --config tiny/lora_single_device
+  tune run full_finetune_single_device --config tiny/full_single_device \\
+      batch_size=4 optimizer.lr=1e-4 ~lr_scheduler
+  tune run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed
+""")
     run.add_argument("--nproc_per_node", type=int, default=None,
                      help="processes per node (distributed recipes; torchrun underneath)")
     run.add_argument("recipe", help="recipe name (see `tune ls`) or path to a .py file")
@@ -146,16 +217,52 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list our recipes and their configs")
     ls.add_argument("--all", action="store_true", help="also list torchtune's stock recipes")
     ls.set_defaults(fn=cmd_ls)
-    cp = sub.add_parser("cp", help="copy a recipe or config out to edit")
-    cp.add_argument("name")
-    cp.add_argument("destination")
-    cp.add_argument("--force", action="store_true")
+    cp = sub.add_parser(
+        "cp", help="copy a recipe or config out to edit", formatter_class=fmt,
+        description="Copy a recipe or config (ours, else torchtune's) to a file you can edit\n"
+                    "and run: `tune run my_lora.py --config my_config.yaml`.",
+        epilog="""examples:
+  tune cp lora_finetune_single_device my_lora.py
+  tune cp tiny/lora_single_device configs_mine/      # -> configs_mine/lora_single_device.yaml
+""")
+    cp.add_argument("name", help="recipe (e.g. lora_finetune_single_device) or config "
+                                 "(e.g. tiny/lora_single_device); see `tune ls`")
+    cp.add_argument("destination",
+                    help="file to write (no suffix: .py or .yaml is added), or a directory "
+                         "(existing, or written with a trailing /) to copy into under the "
+                         "source's file name")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file")
     cp.set_defaults(fn=cmd_cp)
-    val = sub.add_parser("validate", help="check a config: components resolve and kwargs bind")
-    val.add_argument("config")
+    val = sub.add_parser(
+        "validate", help="check a config: components resolve and kwargs bind",
+        formatter_class=fmt,
+        usage="tune validate CONFIG [key=value ...] [~key ...] [--recipe RECIPE]",
+        description="Check CONFIG with its overrides applied, without building anything:\n"
+                    "every _component_ imports, every key binds to its signature, and every\n"
+                    "top-level key is one the recipe reads.",
+        epilog=_OVERRIDES_HELP + """
+example:
+  tune validate llama3_2/1B_lora_single_device optimizer.lr=1e-4 ~lr_scheduler
+""")
+    val.add_argument("config", help="config name (see `tune ls`) or path to a .yaml file")
     val.add_argument("--recipe", default=None,
                      help="also check top-level keys against this recipe (default: by config name)")
     val.set_defaults(fn=cmd_validate)
+    plot = sub.add_parser(
+        "plot", help="draw loss, lr, grad norm and tokens/s of runs into a PNG",
+        formatter_class=fmt,
+        description="Read each OUTPUT_DIR's metrics.jsonl and draw train (and validation)\n"
+                    "loss, learning rate, gradient norm and tokens/s against the step into one\n"
+                    "PNG; several runs are overlaid, the legend naming each by its folder.",
+        epilog="""examples:
+  tune plot outputs/tiny_lora_single_device
+  tune plot outputs/run_a outputs/run_b --out compare.png
+""")
+    plot.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR",
+                      help="a run's output_dir (or its metrics.jsonl)")
+    plot.add_argument("--out", default=None,
+                      help="PNG to write (default: FIRST_OUTPUT_DIR/metrics.png)")
+    plot.set_defaults(fn=cmd_plot)
     dl = sub.add_parser("download", help="download a model (delegates to torchtune)",
                         add_help=False)
     dl.set_defaults(fn=cmd_download)
@@ -172,7 +279,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if getattr(args, "fn", None) is None:
         parser.print_help()
         return 2
-    if args.command in ("ls", "cp") and rest:
+    if args.command in ("ls", "cp", "plot") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.fn(args, rest)

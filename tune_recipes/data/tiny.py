@@ -68,13 +68,21 @@ class AlpacaToShortChat(Transform):
         return {"messages": messages}
 
 
-def tiny_alpaca_dataset(tokenizer, train_on_input: bool = False) -> SFTDataset:
+def tiny_alpaca_dataset(tokenizer, train_on_input: bool = False, packed: bool = False):
     """The shipped 400-example instruction dataset (alpaca format, written by
-    ``scripts/make_tiny_assets.py``), tokenized in the Llama-3 chat format."""
-    return SFTDataset(
+    ``scripts/make_tiny_assets.py``), tokenized in the Llama-3 chat format. ``packed=True``
+    packs examples into ``tokenizer.max_seq_len``-long sequences, as torchtune's datasets do."""
+    ds = SFTDataset(
         source="json",
         data_files=str(TINY_DATA_PATH),
         split="train",
         message_transform=AlpacaToShortChat(train_on_input),
         model_transform=tokenizer,
     )
+    if not packed:
+        return ds
+    from torchtune.datasets import PackedDataset
+
+    if tokenizer.max_seq_len is None:
+        raise ValueError("dataset.packed=True needs tokenizer.max_seq_len")
+    return PackedDataset(ds, max_seq_len=tokenizer.max_seq_len)

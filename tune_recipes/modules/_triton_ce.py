@@ -1,10 +1,18 @@
 """Triton kernel for the fused loss's per-chunk step on CUDA: a program per row reads the row's
-logits twice (fp32 log-sum-exp, then the gradient) and overwrites them in place with
-``(softmax - onehot) * grad_scale``; no fp32 copy of the chunk is made.
+logits twice (log-sum-exp, then the gradient) and writes ``(softmax - onehot) * grad_scale``
+over them, in place; no other copy of the chunk is made.
+
+The logits arrive in fp32 (the GEMM's fp32 output: rounding them to bf16 first doubled the
+gradient error on peaked, trained-LM-like logits) and the gradient leaves in the dtype the two
+gradient products want (bf16 for bf16 models). It is written into the first half of each fp32
+row's bytes, so the gradient is a [rows, V] view with a row stride of 2V elements: no second
+buffer. That is safe because a block's bf16 stores land on fp32 elements at half its column
+offset, which this program has already read (a barrier orders the block's own loads first).
 
 The log-sum-exp keeps a running max and sum per lane and reduces across the block once per
 row, not once per block: at 128k columns that was about a quarter faster on the H200
-(scripts/profile_fused_ce.py, softmax part)."""
+(scripts/profile_fused_ce.py, softmax part). It takes one exponential per element, not two.
+"""
 
 import functools
 
@@ -36,10 +44,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def ce_grad_inplace(logits_ptr, stride_row, target_ptr, loss_ptr, n_rows, n_cols, grad_scale,
-                        BLOCK: tl.constexpr):
+    def ce_grad(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, loss_ptr, n_rows,
+                n_cols, grad_scale, BLOCK: tl.constexpr, NARROWING: tl.constexpr):
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             base = logits_ptr + row.to(tl.int64) * stride_row
+            gbase = grad_ptr + row.to(tl.int64) * grad_stride_row
             target = tl.load(target_ptr + row)
             # -1e30, not -inf: a lane that only ever sees masked (-inf) columns must not
             # compute exp(-inf - (-inf)) = NaN; its sum stays 0 and drops out below.
@@ -48,9 +57,11 @@ def _kernel():
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 x = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-                new_max = tl.maximum(lane_max, x)
-                lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max)
-                lane_max = new_max
+                # One exponential per element: exp(-|x - max|) rescales whichever side is lower.
+                d = x - lane_max
+                e = tl.exp(-tl.abs(d))
+                lane_sum = tl.where(d > 0, lane_sum * e + 1.0, lane_sum + e)
+                lane_max = tl.maximum(lane_max, x)
             row_max = tl.max(lane_max, 0)
             lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
             x_target = tl.load(base + target).to(tl.float32)
@@ -61,24 +72,42 @@ def _kernel():
                 x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
                 g = tl.exp(x - lse) * grad_scale
                 g = tl.where(cols == target, g - grad_scale, g)
-                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+                if NARROWING:
+                    # NOTE: this barrier is what makes writing narrower values over the row
+                    # safe: every thread has loaded this block before any thread overwrites
+                    # the front half of it. Earlier blocks were read in earlier iterations.
+                    tl.debug_barrier()
+                tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
-    return ce_grad_inplace
+    return ce_grad
 
 
 def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                         loss_out=None, launch=None):
-    """Returns (per-row loss in fp32, written to ``loss_out`` if given; ``logits`` overwritten
-    with its scaled gradient)."""
+                         loss_out=None, launch=None, grad_dtype=None):
+    """Returns (per-row loss in fp32, written to ``loss_out`` if given; the logits' scaled
+    gradient in ``grad_dtype``, default the logits' dtype).
+
+    The gradient overwrites ``logits``: with the same dtype it is ``logits`` itself; with a
+    narrower one (fp32 logits, bf16 gradient) it is a [rows, V] view of the same memory whose
+    rows start where the logits' rows start (row stride in elements: 4/2 times the logits')."""
     assert logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
     n_rows, n_cols = logits.shape
+    grad_dtype = grad_dtype or logits.dtype
+    if grad_dtype == logits.dtype:
+        grad = logits
+    else:
+        ratio = logits.element_size() // torch.empty((), dtype=grad_dtype).element_size()
+        assert ratio * torch.empty((), dtype=grad_dtype).element_size() == logits.element_size()
+        grad = logits.view(grad_dtype)[:, :n_cols]
+        assert grad.data_ptr() == logits.data_ptr() and grad.stride(0) == ratio * logits.stride(0)
     per_sm, block, warps = launch or LAUNCH
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     grid = n_rows if per_sm == 0 else min(n_rows, per_sm * _sm_count(device))
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
     assert loss.dtype == torch.float32 and loss.is_contiguous() and loss.numel() == n_rows
-    _kernel()[(max(1, grid),)](
-        logits, logits.stride(0), target.contiguous(), loss, n_rows, n_cols, float(grad_scale),
-        BLOCK=block, num_warps=warps,
-    )
-    return loss, logits
+    if n_rows:
+        _kernel()[(max(1, grid),)](
+            logits, logits.stride(0), grad, grad.stride(0), target.contiguous(), loss, n_rows,
+            n_cols, float(grad_scale), BLOCK=block, NARROWING=grad is not logits, num_warps=warps,
+        )
+    return loss, grad

@@ -2,8 +2,9 @@
 
 For hidden states H [N, D], the output weight W [V, D] (optional bias b [V]) and labels y [N],
 the loss is CE(H W^T + b, y) over the rows whose label is not ``ignore_index``. The rows are
-processed in chunks; each chunk computes its logits, the fp32 log-sum-exp, its loss and — in
-the same forward — its gradients w.r.t. H, W and b. Only the gradients survive the forward,
+processed in chunks; each chunk computes its logits in fp32 (the bf16 GEMM's fp32 output: they
+are never rounded to bf16 before the softmax), the log-sum-exp, its loss and — in the same
+forward — its gradients w.r.t. H, W and b. Only the gradients survive the forward,
 pre-multiplied by ``scaling`` (the factor the caller will multiply the loss by before
 backward). Backward then multiplies them by ``grad_output / scaling``, which is exactly 1.0 in
 the common case and then costs nothing.
@@ -26,12 +27,16 @@ from torch import nn
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
-# Bytes of one chunk's logits in the compute dtype: the loss's one large temporary. Each chunk
-# also reads and re-writes the whole [V, D] weight gradient when W trains, so larger chunks are
-# faster and smaller ones leaner. 160 MiB is 654 rows at V=128256 in bf16, which keeps a
-# forward+backward at 8192 x 4096 under 1.2 GiB above its inputs, the weight gradient included
-# (scripts/profile_fused_ce.py measures the trade-off; docs/benchmarks.md has the numbers).
-DEFAULT_CHUNK_BYTES = 160 * 1024**2
+# Bytes of one chunk's fp32 logits: the loss's one large temporary (the chunk's bf16 gradient
+# is written over it). Each chunk also reads the whole [V, D] weight for two products and
+# re-reads and re-writes the whole weight gradient when W trains, so larger chunks are faster
+# and smaller ones leaner. 180 MiB is 367 rows at V=128256, which keeps a forward+backward at
+# 8192 x 4096 (30% of labels ignored) at 1.194 GiB above its inputs, the weight gradient
+# included, in 16 chunks. That costs time: on an H200 it ran 15-17% slower than the 9 chunks
+# of bf16 logits that fit before; chunk_size=638 (9 chunks) is within 3% of that, at 1.33 GiB
+# (docs/benchmarks.md). NOTE: do not go back to bf16 logits for the extra rows: rounding them
+# doubled the gradient error on peaked, trained-LM-like logits (4.8e-3 vs 2.4e-3).
+DEFAULT_CHUNK_BYTES = 180 * 1024**2
 
 
 def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
@@ -43,10 +48,15 @@ def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
     return float(scaling)
 
 
-def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: float
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+def logits_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The chunk's logits stay at least fp32 from the product to the softmax gradient."""
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
+def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
+                        grad_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference path (CPU, or CUDA without Triton): per-row loss, and the logits' gradient
-    ``(softmax - onehot) * grad_scale`` in the logits' dtype."""
+    ``(softmax - onehot) * grad_scale`` in ``grad_dtype`` (default: the logits' dtype)."""
     # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(lf, dim=-1)
@@ -54,19 +64,44 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
     probs = torch.exp(lf.sub_(lse[:, None]))
     probs[torch.arange(target.numel(), device=target.device), target] -= 1.0
     probs.mul_(grad_scale)
-    return loss_rows, probs.to(logits.dtype)
+    return loss_rows, probs.to(grad_dtype or logits.dtype)
 
 
-def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor):
-    """Writes the per-row losses to ``loss_out`` (fp32) and returns the logits' gradient."""
+def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor,
+                  grad_dtype: torch.dtype):
+    """Writes the per-row losses to ``loss_out`` (fp32) and returns the logits' gradient in
+    ``grad_dtype`` (on CUDA written over the logits' own memory)."""
     if logits.is_cuda:
         from tune_recipes.modules import _triton_ce
 
         if _triton_ce.available():
-            return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out)[1]
-    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale)
+            return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
+                                                   grad_dtype=grad_dtype)[1]
+    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype)
     loss_out.copy_(loss_rows)
     return grad
+
+
+class _LogitsProduct:
+    """``out = h @ weight.T`` with ``out`` in the logits' dtype (fp32 for bf16 models) and no
+    rounding on the way: on CUDA the bf16 GEMM writes its fp32 accumulator directly
+    (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.11); elsewhere (CPU has no such
+    kernel as of torch 2.13) the operands are upcast, which computes the same exact products."""
+
+    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
+        self.weight, self.out_dtype = weight, out_dtype
+        self.direct = weight.dtype == out_dtype or weight.is_cuda
+        self._upcast = None
+
+    def __call__(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == self.out_dtype:
+            return torch.mm(h, w.t(), out=out)
+        if self.direct:
+            return torch.mm(h, w.t(), out_dtype=self.out_dtype, out=out)
+        if self._upcast is None:  # once per call, not per chunk
+            self._upcast = w.to(self.out_dtype)
+        return torch.mm(h.to(self.out_dtype), self._upcast.t(), out=out)
 
 
 def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -93,8 +128,9 @@ def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tenso
 
 
 def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[int] = None) -> int:
-    """Rows per chunk: at most ``chunk_size`` (default: DEFAULT_CHUNK_BYTES of logits), spread
-    evenly so the last chunk is not a sliver (every chunk costs one weight-gradient pass)."""
+    """Rows per chunk: at most ``chunk_size`` (default: DEFAULT_CHUNK_BYTES of logits of
+    ``element_size`` bytes), spread evenly so the last chunk is not a sliver (every chunk costs
+    one weight-gradient pass)."""
     max_rows = chunk_size or max(1, DEFAULT_CHUNK_BYTES // (vocab * element_size))
     n_chunks = -(-n_rows // max_rows)
     return -(-n_rows // max(1, n_chunks))
@@ -108,8 +144,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     compute_dtype = hidden.dtype
     if weight.dtype != compute_dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the output weight is {weight.dtype}")
-    # Zero-filled outputs first: their fills are queued before the host sync below.
-    grad_hidden = (torch.zeros_like(hidden) if need_hidden else None)
+    lg_dtype = logits_dtype(compute_dtype)
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
     # Rows with ignored labels cost nothing: only the valid ones are gathered, a chunk at a
     # time. Their count sizes the chunks: given by the caller (recipes count the labels on the
@@ -132,6 +167,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # [V, D] fp32 buffer (2 GiB more at 128256 x 4096).
     acc_dtype = torch.promote_types(weight.dtype, torch.float32) if weight_grad_fp32 else weight.dtype
     if n_valid == 0:
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         loss = loss_sum / denom if reduction == "mean" else loss_sum
@@ -139,33 +175,47 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # Written (not accumulated) by the first chunk, so it needs no zero-fill.
     grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
-    rows = chunk_rows(n_valid, vocab, hidden.element_size(), chunk_size)
+    rows = chunk_rows(n_valid, vocab, torch.empty((), dtype=lg_dtype).element_size(), chunk_size)
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
     # Per-row losses (fp32), summed once at the end: no per-chunk reduction launches.
     loss_rows = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
-    # One logits buffer (and one buffer for the gathered rows) serves every chunk.
-    logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=compute_dtype, device=hidden.device)
-    rows_buf = None if all_valid else torch.empty(min(rows, n_valid), dim, dtype=compute_dtype,
-                                                  device=hidden.device)
+    # One logits buffer serves every chunk (the chunk's gradient is written over it on CUDA).
+    logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=lg_dtype, device=hidden.device)
+    logits_mm = _LogitsProduct(weight, lg_dtype)
+    # Every row written: no zero-fill. With ignored rows, the valid rows are gathered, a chunk
+    # at a time, into a compact [n_valid, D] buffer whose slot then takes the chunk's hidden
+    # gradient; the zero-filled [N, D] gradient is made after the loop, once the logits buffer
+    # is free (so the ignored rows' zeros never sit beside the largest temporary).
+    grad_hidden = torch.empty_like(hidden) if need_hidden and all_valid else None
+    compact = None
+    if not all_valid:
+        compact = torch.empty(n_valid if need_hidden else min(rows, n_valid), dim, dtype=compute_dtype,
+                              device=hidden.device)
     for start in range(0, n_valid, rows):
         stop = min(start + rows, n_valid)
-        idx = None if all_valid else valid_idx[start:stop]
-        h = hidden[start:stop] if all_valid else torch.index_select(hidden, 0, idx, out=rows_buf[:stop - start])
+        if all_valid:
+            h = hidden[start:stop]
+        else:
+            idx = valid_idx[start:stop]
+            slot = compact[start:stop] if need_hidden else compact[:stop - start]
+            h = torch.index_select(hidden, 0, idx, out=slot)
         y = y_valid[start:stop]
-        logits = torch.mm(h, weight.t(), out=logits_buf[:stop - start])
+        logits = logits_mm(h, out=logits_buf[:stop - start])
         if bias is not None:
             logits += bias
-        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop])
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
         if need_weight:
             _weight_grad_mm(grad_weight, grad_logits, h, first=start == 0)
         if need_hidden:
-            if all_valid:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-            else:
-                # The gathered rows were consumed above: their buffer takes this product.
-                grad_hidden.index_copy_(0, idx, torch.mm(grad_logits, weight, out=h))
+            # Without ignored rows straight into the gradient; with them into the slot whose
+            # gathered rows the two products above have consumed.
+            torch.mm(grad_logits, weight, out=grad_hidden[start:stop] if all_valid else h)
+    del logits_buf, logits, grad_logits, h, logits_mm
+    if need_hidden and not all_valid:
+        grad_hidden = torch.zeros_like(hidden).index_copy_(0, valid_idx, compact)
+    del compact
     loss = loss_rows.sum() / denom
     if need_weight and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)

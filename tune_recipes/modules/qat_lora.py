@@ -24,7 +24,10 @@ def _fake_quantizer(config) -> nn.Module:
 
 
 class FakeQuantizedLoRALinear(LoRALinear):
-    """y = fake_quant(W_frozen) @ fake_quant(x) + (alpha / r) * B A x
+    """y = fake_quant(W_frozen) @ fake_quant(x) + b + (alpha / r) * B A x
+
+    The bias (Qwen2's q/k/v projections have one) is added unquantized, as torchao's own
+    fake-quantized linear does.
 
     A ``LoRALinear`` (same parameter names, same adapter protocol, so PEFT export, merging and
     ``get_adapter_params`` work unchanged) whose frozen base path sees the quantization it will
@@ -34,8 +37,6 @@ class FakeQuantizedLoRALinear(LoRALinear):
     @classmethod
     def from_lora_linear(cls, lora: LoRALinear, activation_config, weight_config
                          ) -> "FakeQuantizedLoRALinear":
-        if lora.use_bias:
-            raise ConfigError("QAT + LoRA does not support a bias in the adapted linears")
         if getattr(lora, "_quantize_base", False):
             raise ConfigError("QAT + LoRA cannot also quantize the base to NF4 (quantize_base)")
         group = getattr(weight_config, "group_size", None)
@@ -46,8 +47,11 @@ class FakeQuantizedLoRALinear(LoRALinear):
         dropout = lora.dropout.p if isinstance(lora.dropout, nn.Dropout) else 0.0
         # Build on the parameters' device (meta under FSDP: nothing allocated), then share them.
         with torch.device(lora.weight.device):
-            new = cls(lora.in_dim, lora.out_dim, lora.rank, lora.alpha, dropout=dropout)
+            new = cls(lora.in_dim, lora.out_dim, lora.rank, lora.alpha, dropout=dropout,
+                      use_bias=lora.use_bias)
         new.weight = lora.weight
+        if lora.use_bias:
+            new.bias = lora.bias
         new.lora_a = lora.lora_a
         new.lora_b = lora.lora_b
         new.disabled = lora.disabled
@@ -56,7 +60,8 @@ class FakeQuantizedLoRALinear(LoRALinear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(self.activation_fake_quantizer(x), self.weight_fake_quantizer(self.weight))
+        base = F.linear(self.activation_fake_quantizer(x), self.weight_fake_quantizer(self.weight),
+                        self.bias if self.use_bias else None)
         if self.disabled:
             return base
         return base + (self.alpha / self.rank) * self.lora_b(self.lora_a(self.dropout(x)))

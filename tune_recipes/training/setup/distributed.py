@@ -16,6 +16,23 @@ from tune_recipes.config import ConfigError
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 
 
+def check_tied_embedding_sharding(model: nn.Module, custom_sharded_layers) -> None:
+    """With tied embeddings the output projection multiplies by ``tok_embeddings.weight``
+    outside the embedding's own forward; sharded as its own FSDP unit, that weight is resharded
+    by then and the product fails (mixed Tensor and DTensor) in the first forward."""
+    from torchtune.modules import TiedLinear
+
+    if "tok_embeddings" in (custom_sharded_layers or []) and isinstance(
+        getattr(model, "output", None), TiedLinear
+    ):
+        raise ConfigError(
+            "custom_sharded_layers: this model ties its output projection to tok_embeddings "
+            "(Llama-3.2 1B/3B, Qwen2.5 up to 3B), so tok_embeddings cannot be its own FSDP "
+            "unit; remove 'tok_embeddings' (and 'output', which it does not have) from "
+            "custom_sharded_layers"
+        )
+
+
 def shard_and_load(
     cfg_model,
     *,
@@ -46,6 +63,7 @@ def shard_and_load(
         before_shard(model)
     if adapter_state_dict is None and adapter_init_seed is not None:
         adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
+    check_tied_embedding_sharding(model, custom_sharded_layers)
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     mesh = init_device_mesh(device.type, (world_size,))

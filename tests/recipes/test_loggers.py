@@ -1,0 +1,120 @@
+"""Each metric logger a config can name, run through the tiny recipe and read back from what it
+wrote (tune_recipes/loggers.py). Three optimizer steps each; the packages come with the
+`loggers` extra (in `dev`), and a test skips cleanly where its package is missing."""
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+from helpers import losses, run_recipe
+
+pytestmark = pytest.mark.integration
+STEPS = 3
+
+
+def _run(tmp_path, logger: str, *overrides: str):
+    out = tmp_path / logger
+    proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", out,
+                      [f"max_steps_per_epoch={STEPS}",
+                       f"metric_logger._component_=tune_recipes.loggers.{logger}", *overrides])
+    jsonl = losses(out)
+    assert len(jsonl) == STEPS and all(math.isfinite(x) for x in jsonl)
+    cfg = (out / "config.yaml").read_text()  # resolved, as the JSONL logger writes it
+    assert "${" not in cfg and f"output_dir: {out}" in cfg
+    return out, proc, jsonl
+
+
+def test_stdout_logger(tmp_path):
+    out, proc, jsonl = _run(tmp_path, "StdoutLogger")
+    lines = [l for l in proc.stdout.splitlines() if "step " in l and "| loss " in l]
+    assert len(lines) == STEPS, proc.stdout
+    for step, (line, loss) in enumerate(zip(lines, jsonl), start=1):
+        row = line[line.index(f"step {step} |"):]
+        assert f"loss {loss:.4g}" in row and "grad_norm" in row and "tensor(" not in row
+
+
+def test_tensorboard_logger(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _, jsonl = _run(tmp_path, "TensorBoardLogger")
+    (run_dir,) = [p.parent for p in out.glob("run_0_*/events.out.tfevents.*")]
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"]) | set(acc.Tags()["tensors"])
+    assert {"loss", "lr", "grad_norm", "tokens_per_second_per_gpu"} <= tags, tags
+
+    def scalars(tag):
+        if tag in acc.Tags()["scalars"]:
+            return [(e.step, e.value) for e in acc.Scalars(tag)]
+        from tensorboard.util import tensor_util
+        return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+    got = scalars("loss")
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    assert [v for _, v in got] == pytest.approx(jsonl, rel=1e-6)  # stored as float32
+    assert "config/text_summary" in acc.Tags()["tensors"]  # the config as text
+
+
+def wandb_records(path: Path):
+    """Records of a .wandb transaction log: LevelDB log format (7-byte file header ':W&B'+magic+
+    version, then 32 KiB blocks of chunks, each with a 7-byte header: crc32, length, type
+    FULL=1/FIRST=2/MIDDLE=3/LAST=4), each record a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            yield rec
+
+
+def test_wandb_logger_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    # Nothing may leave the machine: offline by the env and by the logger's own argument.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    out, _, jsonl = _run(tmp_path, "WandBLogger", "metric_logger.mode=offline")
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    history, config = {}, {}
+    for rec in wandb_records(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            item = {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            history[item["global_step"]] = item
+        elif kind == "config":
+            config.update({i.key or ".".join(i.nested_key): json.loads(i.value_json)
+                           for i in rec.config.update})
+    assert sorted(history) == list(range(1, STEPS + 1))
+    assert [history[s]["loss"] for s in sorted(history)] == pytest.approx(jsonl, rel=1e-12)
+    assert all("grad_norm" in h and "lr" in h for h in history.values())
+    assert config["output_dir"] == str(out) and config["optimizer"]["lr"] == 3e-3
+
+
+def test_mlflow_logger_file_store(tmp_path):
+    pytest.importorskip("mlflow")
+    out, _, jsonl = _run(tmp_path, "MLFlowLogger", "metric_logger.experiment_name=tiny")
+    # File store layout: mlruns/<experiment id>/<run id>/{meta.yaml,metrics/,params/,artifacts/}
+    (run_dir,) = [p.parent for p in (out / "mlruns").glob("*/*/meta.yaml")]
+    rows = [l.split() for l in (run_dir / "metrics" / "loss").read_text().splitlines()]
+    assert [int(step) for _, _, step in rows] == list(range(1, STEPS + 1))
+    assert [float(v) for _, v, _ in rows] == pytest.approx(jsonl, rel=1e-12)
+    assert (run_dir / "metrics" / "grad_norm").is_file() and (run_dir / "metrics" / "lr").is_file()
+    assert (run_dir / "params" / "optimizer.lr").read_text() == "0.003"
+    assert (run_dir / "artifacts" / "config.yaml").is_file()
+    meta = (run_dir / "meta.yaml").read_text()
+    assert "status: 3" in meta  # RunStatus.FINISHED
+    exp_meta = (run_dir.parent / "meta.yaml").read_text()
+    assert "name: tiny" in exp_meta

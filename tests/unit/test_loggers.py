@@ -1,0 +1,50 @@
+"""tune_recipes.loggers in-process: formatting, config.yaml, metrics.jsonl, MLflow store binding."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tune_recipes import loggers
+
+pytestmark = pytest.mark.unit
+
+
+def _cfg(out):
+    return OmegaConf.create({"output_dir": str(out), "optimizer": {"lr": 3e-3},
+                             "metric_logger": {"log_dir": "${output_dir}"}})
+
+
+def test_stdout_logger_prints_numbers_not_tensors_and_writes_jsonl(tmp_path, capsys):
+    lg = loggers.StdoutLogger(log_dir=tmp_path)
+    lg.log_config(_cfg(tmp_path))
+    lg.log_dict({"loss": 5.54455, "grad_norm": torch.tensor(8.8271), "valid_tokens": 202}, step=1)
+    lg.close()
+    line = capsys.readouterr().out.strip()
+    assert line == "step 1 | loss 5.545 | grad_norm 8.827 | valid_tokens 202"
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["step"] == 1 and row["grad_norm"] == pytest.approx(8.8271)
+    cfg = (tmp_path / "config.yaml").read_text()
+    assert f"log_dir: {tmp_path}" in cfg  # resolved
+
+
+def test_jsonl_off(tmp_path, capsys):
+    lg = loggers.StdoutLogger(log_dir=tmp_path, jsonl=False)
+    lg.log_dict({"loss": 1.0}, step=1)
+    lg.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_mlflow_loggers_in_one_process_write_to_their_own_stores(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for name in ("a", "b"):
+        lg = loggers.MLFlowLogger(log_dir=tmp_path / name, experiment_name=name, jsonl=False)
+        lg.log_dict({"loss": 2.0 if name == "a" else 3.0, "grad_norm": torch.tensor(1.5)}, step=7)
+        lg.close()
+    for name, loss in (("a", 2.0), ("b", 3.0)):
+        (metric,) = (tmp_path / name / "mlruns").glob("*/*/metrics/loss")
+        _, value, step = metric.read_text().split()
+        assert float(value) == loss and step == "7"

@@ -1,0 +1,112 @@
+"""tune_recipes.plotting: reading metrics.jsonl the way runs write it, and the PNG it draws."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tune_recipes._cli.main import main
+from tune_recipes.plotting import PlotError, load_metrics, plot_runs, run_labels
+
+pytestmark = pytest.mark.unit
+
+
+def _write(path: Path, rows, tail: str = "") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return path
+
+
+def _rows(n, loss0=5.0, start=1):
+    return [{"step": s, "time": 1000.0 + s, "loss": loss0 / s, "lr": 1e-3 * s,
+             "tokens_per_second_per_gpu": 100.0 + s, "valid_tokens": 500, "grad_norm": 2.0 / s,
+             "step_time_s": 0.5} for s in range(start, start + n)]
+
+
+def test_load_metrics_keys_steps_and_values(tmp_path):
+    m = load_metrics(_write(tmp_path / "a", _rows(4)))
+    assert m["loss"] == ([1, 2, 3, 4], [5.0, 2.5, 5.0 / 3, 1.25])
+    assert set(m) >= {"loss", "lr", "grad_norm", "tokens_per_second_per_gpu", "step_time_s"}
+    assert "time" not in m and "step" not in m
+
+
+def test_resumed_run_keeps_the_last_value_of_a_repeated_step(tmp_path):
+    # Interrupted after step 3, resumed from the step-2 checkpoint: steps 3-4 logged again.
+    rows = _rows(3) + [dict(r, loss=r["loss"] + 10) for r in _rows(2, start=3)]
+    steps, losses = load_metrics(_write(tmp_path / "r", rows))["loss"]
+    assert steps == [1, 2, 3, 4]
+    assert losses[2] == pytest.approx(5.0 / 3 + 10) and losses[3] == pytest.approx(1.25 + 10)
+
+
+def test_validation_rows_merge_with_training_rows_at_the_same_step(tmp_path):
+    rows = _rows(4) + [{"step": 2, "time": 0, "val_loss": 3.0}, {"step": 4, "val_loss": 2.0}]
+    m = load_metrics(_write(tmp_path / "v", rows))
+    assert m["val_loss"] == ([2, 4], [3.0, 2.0])
+    assert m["loss"][1][1] == 2.5  # the validation row did not erase the training loss
+
+
+def test_nan_inf_strings_missing_keys_and_a_torn_last_line(tmp_path):
+    rows = [{"step": 1, "loss": "nan", "lr": 1e-3}, {"step": 2, "loss": "inf", "grad_norm": "-inf"},
+            {"step": 3, "loss": 2.0, "note": "text", "flag": True, "maybe": None}]
+    m = load_metrics(_write(tmp_path / "n", rows, tail='{"step": 4, "loss": 1.'))
+    steps, losses = m["loss"]
+    assert steps == [1, 2, 3] and math.isnan(losses[0]) and losses[1] == math.inf
+    assert m["grad_norm"] == ([2], [-math.inf]) and m["lr"] == ([1], [1e-3])
+    assert "note" not in m and "flag" not in m and "maybe" not in m
+    assert "tokens_per_second_per_gpu" not in m
+
+
+def test_labels_name_each_run_and_disambiguate(tmp_path):
+    a, b = _write(tmp_path / "x" / "run", _rows(2)), _write(tmp_path / "y" / "run", _rows(2))
+    c = _write(tmp_path / "other", _rows(2))
+    assert run_labels([a, c]) == ["run", "other"]
+    assert run_labels([a, b]) == ["x/run", "y/run"]
+    assert run_labels([a / "metrics.jsonl"]) == ["run"]
+
+
+def _png_pixels(path: Path):
+    from matplotlib.image import imread
+
+    return imread(str(path))  # float RGBA in [0, 1]
+
+
+def test_plot_writes_a_nonblank_png_next_to_the_first_run(tmp_path):
+    a = _write(tmp_path / "a", _rows(20) + [{"step": 10, "val_loss": 0.9}, {"step": 20, "val_loss": 0.5}])
+    b = _write(tmp_path / "b", _rows(12, loss0=7.0))
+    out = plot_runs([a, b])
+    assert out == a / "metrics.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = _png_pixels(out)
+    h, w = img.shape[:2]
+    assert w >= 1000 and h >= 700
+    # Not blank: many pixels differ from the white background, and the two run colours
+    # (matplotlib's C0 blue and C1 orange) are both there.
+    rgb = img[..., :3]
+    assert (rgb.sum(-1) < 2.9).mean() > 0.02
+    blue = ((abs(rgb[..., 0] - 0x1F / 255) < 0.05) & (abs(rgb[..., 2] - 0xB4 / 255) < 0.05)).sum()
+    orange = ((abs(rgb[..., 0] - 1.0) < 0.05) & (abs(rgb[..., 1] - 0x7F / 255) < 0.05)
+              & (rgb[..., 2] < 0.1)).sum()
+    assert blue > 100 and orange > 100
+
+
+def test_plot_with_missing_and_nonfinite_values_still_draws(tmp_path):
+    run = _write(tmp_path / "sparse", [{"step": 1, "loss": "nan"}, {"step": 2, "loss": 3.0},
+                                       {"step": 3, "loss": 2.0}])
+    out = plot_runs([run], out=tmp_path / "deep" / "p.png")
+    assert out.is_file() and _png_pixels(out).shape[1] >= 1000
+
+
+def test_missing_metrics_is_a_clear_error(tmp_path):
+    with pytest.raises(PlotError, match="no metrics.jsonl in"):
+        plot_runs([tmp_path])
+
+
+def test_tune_plot_cli(tmp_path, capsys):
+    a, b = _write(tmp_path / "a", _rows(5)), _write(tmp_path / "b", _rows(5))
+    assert main(["plot", str(a)]) == 0
+    assert (a / "metrics.png").is_file() and "wrote" in capsys.readouterr().out
+    assert main(["plot", str(a), str(b), "--out", str(tmp_path / "both.png")]) == 0
+    assert (tmp_path / "both.png").is_file()
+    assert main(["plot", str(tmp_path / "nope")]) == 2
+    assert "tune: error: no metrics.jsonl in" in capsys.readouterr().err

@@ -1,0 +1,28 @@
+"""``python -m tune_recipes._cli.launch <recipe.py> [args ...]``: run a recipe script as
+``__main__``, the way ``python <recipe.py> [args ...]`` would.
+
+``tune run --nproc_per_node`` starts each torchrun process through this module rather than the
+script itself, so ``import tune_recipes`` (and its noise filters, tune_recipes/_cli/quiet.py)
+runs before the recipe's own ``import torchtune``.
+"""
+
+import runpy
+import sys
+from pathlib import Path
+from typing import List
+
+import tune_recipes  # noqa: F401  (installs the filters)
+
+
+def run_script(path: Path, args: List[str]) -> None:
+    """Execute ``path`` as ``__main__`` with ``sys.argv = [path, *args]``; like ``python path``,
+    the script's folder comes first on ``sys.path``."""
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(Path(path).parent))
+    runpy.run_path(str(path), run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m tune_recipes._cli.launch <recipe.py> [args ...]")
+    run_script(Path(sys.argv[1]), sys.argv[2:])
