@@ -5,7 +5,7 @@
 
 Every parameter trains. Features, each a config key:
 - ``gradient_accumulation_steps``: micro-batches per optimizer step; the step's loss is the exact
-  mean over all their unmasked tokens (tune_recipes.training.StepLossNormalizer).
+  mean over all their unmasked tokens (tune_recipes.training.step).
 - ``optimizer_in_bwd``: step each parameter's optimizer during backward and free its gradient
   at once (lowest memory; needs gradient_accumulation_steps=1 and clip_grad_norm=null).
 - ``clip_grad_norm``: clip to this norm; ``inf`` only measures and logs it; null disables.
@@ -18,29 +18,22 @@ resuming), ``metrics.jsonl`` (loss, lr, grad_norm, tokens/s, memory per step), `
 """
 
 import sys
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 from omegaconf import DictConfig
-from torchtune import config as tt_config, training, utils
-from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
-from tune_recipes.training import (
-    complete_optimizer_step,
-    count_valid_tokens,
-)
-from tune_recipes.training.data import to_device
-from tune_recipes.training.lm_loss import CausalLMLoss
-from tune_recipes.training.optim import build_optimizer
-from tune_recipes.training.setup import (
-    build_reporter,
-    load_checkpoint,
-    make_normalizer,
-    setup_data_and_schedule,
-    training_dtype,
-)
-from tune_recipes.training.state import RecipeState
+from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.checkpointing.writer import CheckpointWriter
+from tune_recipes.training.losses.lm_loss import CausalLMLoss
+from tune_recipes.training.setup.model import setup_full_model
+from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
+from tune_recipes.training.setup.runtime import single_device
+from tune_recipes.training.step.driver import Step
+from tune_recipes.training.step.normalization import normalization_path
+from tune_recipes.training.step.optim import build_optimizer
 
 CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
@@ -54,126 +47,63 @@ CONFIG_KEYS = {
 class FullFinetuneRecipeSingleDevice:
     def __init__(self, cfg: DictConfig) -> None:
         check_known_keys(cfg, CONFIG_KEYS, "full_finetune_single_device")
-        self._device = utils.get_device(cfg.get("device", "cuda"))
-        self._dtype = training_dtype(cfg, self._device)
-        self._output_dir = cfg.output_dir
-        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._runtime = single_device(cfg.get("device", "cuda"))
+        self._dtype = training_dtype(cfg, self._runtime.device)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
-        self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
-        self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
         # Reject incompatible flags before any work is done.
-        if self._optimizer_in_bwd and self._clip_grad_norm is not None:
+        if self._optimizer_in_bwd and cfg.get("clip_grad_norm", None) is not None:
             raise ConfigError(
                 "clip_grad_norm needs every gradient at once, but optimizer_in_bwd=True frees "
                 "each one inside backward: set clip_grad_norm=null or optimizer_in_bwd=False"
             )
-        self._normalizer = make_normalizer(self._gradient_accumulation_steps, self._optimizer_in_bwd)
-        self.seed = training.set_seed(seed=cfg.seed)
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.get("max_steps_per_epoch", None)
-        self.global_step = 0
+        # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
+        self._path = normalization_path(
+            distributed=False, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+            optimizer_in_bwd=self._optimizer_in_bwd)
+        self._state = RecipeState.from_config(cfg)
 
     # ------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
-        self._reporter = build_reporter(cfg, self._device)
-
-        self._checkpointer, ckpt, state = load_checkpoint(
-            cfg, self._resume_from_checkpoint, adapter=False
-        )
-
-        self._model = self._setup_model(
-            cfg.model,
+        checkpointer, ckpt, resume = load_checkpoint(cfg, adapter=False)
+        self._model = setup_full_model(
+            cfg.model, dtype=self._dtype, device=self._runtime.device,
+            state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
-            compile_model=cfg.get("compile", False),
-            model_state_dict=ckpt[training.MODEL_KEY],
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(
             cfg.optimizer, self._model, self._optimizer_in_bwd,
-            state_dict=state.optimizer if state else None,
+            state_dict=resume.optimizer if resume else None,
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
-
-        if state is not None:
-            # Before the dataloader: a resumed run keeps the checkpoint's seed (data order) and
-            # counters; RNG is restored here too, after model init consumed it.
-            state.apply_to(self)
-        plan = setup_data_and_schedule(
-            cfg, self._tokenizer, self._optimizer, seed=self.seed,
-            ignore_index=self._loss_fn.ignore_index, epochs_run=self.epochs_run,
-            total_epochs=self.total_epochs,
-            gradient_accumulation_steps=self._gradient_accumulation_steps,
-            max_steps_per_epoch=self.max_steps_per_epoch,
+        self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)
+        self._driver = setup_step_driver(
+            cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
+            model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
+            ignore_index=self._loss_fn.ignore_index,
         )
-        self._dataloader, self._steps_per_epoch = plan.dataloader, plan.steps_per_epoch
-        self.global_step, self._lr_schedule = plan.global_step, plan.lr_schedule
-
-    def _setup_model(self, cfg_model: DictConfig, enable_activation_checkpointing: bool,
-                     compile_model: bool, model_state_dict: Dict[str, Any]) -> torch.nn.Module:
-        with training.set_default_dtype(self._dtype), self._device:
-            model = tt_config.instantiate(cfg_model)
-        if compile_model:
-            training.compile_model(model)
-        if enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={TransformerSelfAttentionLayer}
-            )
-        model.load_state_dict(model_state_dict)
-        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
-        return model
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self, epoch: int) -> None:
-        ckpt = {training.MODEL_KEY: self._model.state_dict()}
-        intermediate = epoch + 1 < self.total_epochs
-        if intermediate:
-            ckpt.update(RecipeState.capture(self, optimizer_state=self._optimizer.state_dict()))
-        self._checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate)
+        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch)
 
     # ------------------------------------------------------------------ train
-    def _loss_step(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
-        # Mean over the batch's unmasked tokens; a fused loss also gets the factor the
-        # normalizer will apply, so its pre-computed gradients need no rescale in backward.
-        return self._lm_loss(batch, scaling=self._normalizer.backward_multiplier(num_tokens),
-                             num_tokens=num_tokens)
+    def _loss_step(self, batch: Dict[str, torch.Tensor], step: Step) -> torch.Tensor:
+        # Mean over the batch's unmasked tokens; a fused loss also gets the factor backward
+        # will apply, so its pre-computed gradients need no rescale in backward.
+        return self._lm_loss(batch, scaling=step.loss_scaling, num_tokens=step.num_tokens)
 
     def train(self) -> None:
-        ga = self._gradient_accumulation_steps
-        self._optimizer.zero_grad(set_to_none=True)
-        for epoch in range(self.epochs_run, self.total_epochs):
-            self._dataloader.sampler.set_epoch(epoch)
-            self._reporter.start_epoch(epoch, self.total_epochs, self._steps_per_epoch)
-            step_in_epoch = 0
-            for idx, batch in enumerate(self._dataloader):
-                if step_in_epoch == self._steps_per_epoch:
-                    break
-                # Counted on the CPU labels: a Python int, no device sync.
-                num_tokens = count_valid_tokens(batch["labels"], self._loss_fn.ignore_index)
-                batch = to_device(batch, self._device)
-                loss = self._loss_step(batch, num_tokens)
-                self._normalizer.loss_to_backward(
-                    loss, num_tokens, where=f"epoch {epoch}, step {self.global_step}, batch {idx}"
-                ).backward()
-                self._reporter.add_tokens(num_tokens)
-                if (idx + 1) % ga != 0:
-                    continue
-                # Step boundary, same order on every path: normalize (a no-op on the skip and
-                # in-backward paths), clip, step, zero_grad, schedule.
-                loss_to_log, grad_norm, lr = complete_optimizer_step(
-                    self._normalizer, self._model.parameters(), self._optimizer, self._lr_schedule,
-                    self._clip_grad_norm,
-                )
-                self.global_step += 1
-                step_in_epoch += 1
-                self._reporter.step_done(self.global_step, loss_to_log, lr, grad_norm)
-            self._reporter.end_epoch()
-            self.epochs_run += 1
-            self.save_checkpoint(epoch=epoch)
+        for epoch in self._driver.epochs():
+            for step in epoch:
+                for batch in step:
+                    step.backward(self._loss_step(batch, step))
+                step.finish()  # normalize, clip, optimizer step, zero_grad, LR; log
+            self.save_checkpoint(epoch.index)
 
     def cleanup(self) -> None:
-        self._reporter.close()
+        self._driver.close()
 
 
 @parse

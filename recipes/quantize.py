@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 
 from tune_recipes.config import check_known_keys, parse
-from tune_recipes.training.qat import build_quantizer, check_group_size
+from tune_recipes.training.setup.qat import build_quantizer, check_group_size
 
 CONFIG_KEYS = {"output_dir", "model", "checkpointer", "quantizer", "device", "dtype", "seed"}
 

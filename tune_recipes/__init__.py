@@ -4,6 +4,10 @@ Anything with one correct answer (token accounting, gradient scaling, checkpoint
 lives here once; the scripts in ``recipes/`` keep only control flow.
 """
 
+from tune_recipes import resolvers as _resolvers
+
+_resolvers.register()
+
 __version__ = "0.1.0"
 
 # Before anything imports torchao/torchtune/torchdata: drop their import-time and per-run notices

@@ -19,19 +19,6 @@ from omegaconf.errors import OmegaConfBaseException
 _OVERRIDE_KEY = re.compile(r"^~?[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*$")
 
 
-def _tiny_checkpoint_resolver(variant: Optional[str] = None) -> str:
-    """``${tiny_checkpoint:}`` builds (once) and returns the deterministic tiny checkpoint;
-    ``${tiny_checkpoint:teacher}`` a second one from another seed (a distillation teacher)."""
-    from tune_recipes.models.tiny import build_tiny_llama3_checkpoint
-
-    return str(build_tiny_llama3_checkpoint(variant=variant or "base"))
-
-
-# omegaconf 2.4 renamed the registration call; 2.3 only has the old name.
-_register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
-_register("tiny_checkpoint", _tiny_checkpoint_resolver, replace=True)
-
-
 class ConfigError(ValueError):
     """A problem with a config file or override; the message names the file, key or value."""
 

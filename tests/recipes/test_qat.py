@@ -97,7 +97,7 @@ def test_optimizer_steps_every_step_on_the_skip_path(tmp_path):
     mod = runpy.run_path(str(REPO_RECIPES / "qat_single_device.py"), run_name="qat_under_test")
     recipe = mod["QATRecipeSingleDevice"](cfg)
     recipe.setup(cfg)
-    assert recipe._normalizer.path == "skip"
+    assert recipe._driver.normalizer.path == "skip"
     w = recipe._model.layers[0].attn.q_proj.weight
     snapshots = [w.detach().clone()]
     step = recipe._optimizer.step

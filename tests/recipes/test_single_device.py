@@ -8,6 +8,7 @@ weights rtol 1e-4 / atol 1e-6 after 6 AdamW steps (summation order differs betwe
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,13 +74,40 @@ def test_lora_same_effective_batch_same_training(
 
 
 def test_gradient_accumulation_is_not_a_mean_of_means(tmp_path, full_reference):
-    """Guards the token weighting itself: if micro-batch means were averaged, GA 4 x 2 would
-    drift from batch 8 (micro-batches hold different token counts)."""
-    from tune_recipes.data import tiny_alpaca_dataset, tiny_tokenizer
+    """Guards the token weighting itself. At the starting weights, the first step's four
+    micro-batches of 2 have means m_i over n_i tokens: the batch-8 run's first logged loss must be
+    sum(m_i n_i) / sum(n_i), and the mean of the means must miss it by far more than the
+    invariance tests' tolerance, so a mean-of-means GA would fail them."""
+    from torchtune import config as tt_config, training
 
-    ds = tiny_alpaca_dataset(tiny_tokenizer())
-    counts = {sum(l != -100 for l in ds[i]["labels"]) for i in range(16)}
-    assert len(counts) > 1, "the tiny data must be ragged for the invariance tests to mean much"
+    from tune_recipes.config import load_config
+    from tune_recipes.training.checkpointing.state import RecipeState
+    from tune_recipes.training.losses.lm_loss import CausalLMLoss
+    from tune_recipes.training.setup.model import setup_full_model
+    from tune_recipes.training.setup.recipe import setup_data_and_schedule
+    from tune_recipes.training.step.batch import count_valid_tokens
+    from tune_recipes.training.step.optim import build_optimizer
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny" / "full_single_device.yaml",
+                      [f"output_dir={tmp_path}", "batch_size=2", "gradient_accumulation_steps=4"])
+    ckpt = tt_config.instantiate(cfg.checkpointer).load_checkpoint()
+    model = setup_full_model(cfg.model, dtype=torch.float32, device=torch.device("cpu"),
+                             state_dict=ckpt[training.MODEL_KEY])
+    lm_loss = CausalLMLoss(model, tt_config.instantiate(cfg.loss))
+    plan = setup_data_and_schedule(
+        cfg, tt_config.instantiate(cfg.tokenizer), build_optimizer(cfg.optimizer, model),
+        RecipeState(seed=cfg.seed, total_epochs=1, max_steps_per_epoch=None), ignore_index=-100)
+    plan.dataloader.sampler.set_epoch(0)
+    means, counts = [], []
+    with torch.no_grad():
+        for batch, _ in zip(plan.dataloader, range(4)):
+            counts.append(count_valid_tokens(batch["labels"]))
+            means.append(lm_loss(batch).item())
+    exact = sum(m * n for m, n in zip(means, counts)) / sum(counts)
+    mean_of_means = sum(means) / len(means)
+    assert len(set(counts)) > 1, "the first step's micro-batches must be ragged"
+    assert losses(full_reference)[0] == pytest.approx(exact, rel=1e-5)
+    assert abs(mean_of_means - exact) / exact > 100 * 1e-5
 
 
 def test_default_lora_run_leaves_checkpoint_adapter_and_metrics(lora_reference):

@@ -5,7 +5,7 @@ import torch
 
 from tune_recipes.config import ConfigError
 from tune_recipes.models import tiny_llama3, tiny_llama3_2
-from tune_recipes.training.distributed import check_tied_embedding_sharding
+from tune_recipes.training.setup.distributed import check_tied_embedding_sharding
 
 pytestmark = pytest.mark.unit
 

@@ -21,8 +21,6 @@ CONFIG_SUFFIX_TO_RECIPE: Dict[str, str] = {
     "qat_lora_distributed": "qat_lora_finetune_distributed",
     "kd_distributed": "knowledge_distillation_distributed",
     "kd_single_device": "knowledge_distillation_single_device",
-    "fused_ce_lora_single_device": "lora_finetune_single_device",
-    "fused_ce_full_single_device": "full_finetune_single_device",
 }
 
 

@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
 # Bytes of one chunk's fp32 logits: the loss's one large temporary (the chunk's bf16 gradient
 # is written over it). Each chunk also reads the whole [V, D] weight for two products and

@@ -1,6 +1,6 @@
 """Quantization-aware training helpers shared by the QAT recipes and the quantize recipe."""
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ def check_group_size(model: nn.Module, quantizer, skip: Tuple[str, ...] = ()) ->
 
 
 class FakeQuantSchedule:
-    """Fake quantization off for the first ``after_n_steps`` optimizer steps, then on."""
+    """A step hook: fake quantization off for the first ``after_n_steps`` optimizer steps, then
+    on; logs ``fake_quant`` (0/1) with every step."""
 
     def __init__(self, model: nn.Module, mode: str, after_n_steps: Optional[int]) -> None:
         self.model = model
@@ -61,9 +62,8 @@ class FakeQuantSchedule:
         self._enable = tt_quant._get_enable_fake_quant(mode)
         self.enabled = True
 
-
-    def update(self, global_step: int) -> None:
-        """Call before the step numbered ``global_step`` (0-based) runs."""
+    def before_step(self, global_step: int) -> None:
+        """Runs before the step numbered ``global_step`` (0-based)."""
         if self.after_n_steps is None:
             return
         want = global_step >= self.after_n_steps
@@ -75,6 +75,9 @@ class FakeQuantSchedule:
                 if _is_fake_quantizer(m):
                     m.enabled = want
             self.enabled = want
+
+    def metrics(self) -> Dict[str, int]:
+        return {"fake_quant": int(self.enabled)}
 
 
 def _is_fake_quantizer(module: nn.Module) -> bool:

@@ -1,45 +1,19 @@
-"""Process-group, FSDP2 sharding and checkpoint gathering for the distributed recipes.
+"""FSDP2 sharding and loading for the distributed recipes.
 
 Runs on GPUs with NCCL and on CPUs with gloo (so CI can test 2 processes); nothing here calls a
 CUDA-only API unless the device is CUDA.
 """
 
-import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torchtune import config as tt_config, training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tune_recipes.config import ConfigError
-
-
-def init_distributed(device_name: str) -> Tuple[torch.device, int, int]:
-    """Start the process group for ``device_name`` ("cuda" or "cpu"): NCCL for CUDA, gloo for
-    CPU. Returns (device, world_size, rank). Must run under torchrun (``tune run
-    --nproc_per_node N``)."""
-    if "RANK" not in os.environ:
-        raise ConfigError(
-            "distributed recipes run under torchrun: use `tune run --nproc_per_node N <recipe> "
-            "--config ...` (N=1 is fine)"
-        )
-    want_cuda = device_name.startswith("cuda")
-    if want_cuda and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but CUDA is not available; set device=cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if want_cuda:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-    return device, dist.get_world_size(), dist.get_rank()
+from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 
 
 def check_tied_embedding_sharding(model: nn.Module, custom_sharded_layers) -> None:
@@ -79,7 +53,7 @@ def shard_and_load(
     ``before_shard(model)`` runs on the meta model before sharding (e.g. marking LoRA params
     trainable or swapping in fake-quantized linears). For LoRA pass ``adapter_state_dict`` (a
     resumed adapter) or ``adapter_init_seed`` (fresh adapters from the seeded, build-independent
-    init of tune_recipes.training.adapters): the base weights then load non-strictly and the
+    init of tune_recipes.modules.peft): the base weights then load non-strictly and the
     result is ``(model, (base_missing, base_unexpected, adapter_missing, adapter_unexpected))``.
     Otherwise loading is strict and the second element is None.
     """
@@ -88,8 +62,6 @@ def shard_and_load(
     if before_shard is not None:
         before_shard(model)
     if adapter_state_dict is None and adapter_init_seed is not None:
-        from tune_recipes.training.adapters import adapter_init_state_dict
-
         adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
     check_tied_embedding_sharding(model, custom_sharded_layers)
     if enable_activation_checkpointing:
@@ -118,35 +90,6 @@ def shard_and_load(
     return model, keys
 
 
-def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, adapter_only: bool = False
-                           ) -> Dict[str, torch.Tensor]:
-    """Full (unsharded) CPU state dict on rank 0; empty on other ranks. Collective: every rank
-    must call it."""
-    return training.gather_cpu_state_dict(model, is_rank_zero, device=None,
-                                          adapter_weights_only=adapter_only)
-
-
-def full_optimizer_state(model: nn.Module, optimizer, is_rank_zero: bool) -> Dict[str, Any]:
-    return training.get_full_optimizer_state_dict(model, optimizer, is_rank_zero, device=None)
-
-
-def load_optimizer_state(model: nn.Module, optimizer, full_state: Dict[str, Any],
-                         device: torch.device) -> None:
-    training.load_from_full_optimizer_state_dict(model, optimizer, full_state, device)
-
-
-def broadcast_object(obj, src: int = 0):
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]
-
-
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.device,
                         world_size: int, base_state_dict: Dict[str, Any],
                         adapter_state_dict: Optional[Dict[str, Any]], seed: int,
@@ -164,8 +107,6 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
         set_trainable_params,
         validate_missing_and_unexpected_for_lora,
     )
-
-    from tune_recipes.training.adapters import initialize_dora_magnitudes
 
     def before(meta_model):
         params = get_adapter_params(meta_model)
@@ -204,3 +145,13 @@ def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
             "custom_sharded_layers: the fused loss uses the output weight after the model's "
             "forward, so 'output'/'tok_embeddings' must stay in the root FSDP unit; remove them"
         )
+
+
+def fsdp_options(cfg) -> Dict[str, Any]:
+    """The sharding keys of a distributed config, as ``shard_and_load`` keyword arguments."""
+    custom = cfg.get("custom_sharded_layers", None)
+    return dict(
+        enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+        custom_sharded_layers=list(custom) if custom else None,
+    )

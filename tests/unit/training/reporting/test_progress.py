@@ -4,7 +4,7 @@ step's time and tokens land in exactly one logged window."""
 import pytest
 import torch
 
-from tune_recipes.training.progress import StepReporter
+from tune_recipes.training.reporting.progress import StepReporter
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,9 @@ from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
-from torchtune import config as tt_config
+from torchtune import config as tt_config, training
+
+from tune_recipes.modules.peft import state_dict_key
 
 
 class OptimizerInBackward:
@@ -17,8 +19,6 @@ class OptimizerInBackward:
     """
 
     def __init__(self, cfg_optimizer, model: nn.Module) -> None:
-        from tune_recipes.training.adapters import state_dict_key
-
         self.optim_map: Dict[str, torch.optim.Optimizer] = {}
         for name, p in model.named_parameters():
             # Keyed like the model's state dict, so a checkpoint saved with activation
@@ -71,13 +71,22 @@ class OptimizerInBackward:
 
 
 def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = False,
-                    state_dict: Optional[Dict[str, Any]] = None):
+                    state_dict: Optional[Dict[str, Any]] = None, distributed: bool = False,
+                    device: Optional[torch.device] = None):
+    """The optimizer over ``model``'s trainable parameters, with a resumed run's state loaded.
+
+    ``distributed``: the parameters are FSDP2 shards and ``state_dict`` is the full (gathered)
+    state a distributed checkpoint holds; each rank loads its shard of it onto ``device``.
+    """
     if optimizer_in_bwd:
         opt = OptimizerInBackward(cfg_optimizer, model)
     else:
         opt = tt_config.instantiate(cfg_optimizer, [p for p in model.parameters() if p.requires_grad])
     if state_dict is not None:
-        opt.load_state_dict(state_dict)
+        if distributed:
+            training.load_from_full_optimizer_state_dict(model, opt, state_dict, device)
+        else:
+            opt.load_state_dict(state_dict)
     return opt
 
 

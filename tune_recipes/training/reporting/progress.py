@@ -2,12 +2,25 @@
 
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from tqdm import tqdm
 
-from tune_recipes.training.state import memory_stats, tokens_per_second
+
+def tokens_per_second(num_tokens: int, seconds: float) -> float:
+    return num_tokens / seconds if seconds > 0 else 0.0
+
+
+def memory_stats(device: torch.device) -> Dict[str, float]:
+    """Peak memory in GiB on CUDA; empty on CPU (no CUDA-only calls there)."""
+    if device.type != "cuda":
+        return {}
+    gib = 1024**3
+    return {
+        "peak_memory_active_gib": torch.cuda.max_memory_allocated(device) / gib,
+        "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+    }
 
 
 def device_synchronizer(device: torch.device) -> Callable[[], None]:

@@ -1,4 +1,4 @@
-"""The math of token-exact loss normalization (tune_recipes.training.normalization).
+"""The math of token-exact loss normalization (tune_recipes.training.step.normalization).
 
 Tolerances: fp32 comparisons use rtol=1e-6 (a multiply by n then by 1/n may round the last bit);
 references are computed in float64.
@@ -10,11 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tune_recipes.config import ConfigError
 from tune_recipes.training import (
+    NormalizationPath,
     StepLossNormalizer,
     complete_optimizer_step,
     count_valid_tokens,
     grad_norm_and_clip_,
+    normalization_path,
     scale_grads_,
 )
 
@@ -64,7 +67,7 @@ def _reference_grads(micro_batches, seed=0):
 def _forced_rescale(ga=1):
     """The non-skip path at GA=1: what the recipe did before the skip existed."""
     n = StepLossNormalizer(ga)
-    n.path = "rescale"
+    n.path = NormalizationPath.RESCALE
     return n
 
 
@@ -91,7 +94,7 @@ def test_skip_equals_non_skip_gradients(n_valid):
 
 def test_skip_path_does_not_touch_gradients(monkeypatch):
     calls = []
-    import tune_recipes.training.normalization as norm
+    import tune_recipes.training.step.normalization as norm
 
     monkeypatch.setattr(norm, "scale_grads_", lambda *a, **k: calls.append(a))
     _run(StepLossNormalizer(1), _model(), [_batch(8, 5, 1)])
@@ -215,21 +218,63 @@ def test_count_valid_tokens_uses_shifted_labels():
     assert isinstance(count_valid_tokens(labels), int)
 
 
-def test_scale_grads_uses_python_float_and_scales_all():
+def test_scale_grads_passes_a_python_float_even_given_a_tensor(monkeypatch):
+    """The factor reaches _foreach_mul_ as a Python float (the fast scalar overload), even when
+    the caller hands over a 0-dim tensor; every gradient is scaled."""
     model = _model()
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    scale_grads_(model.parameters(), torch.tensor(0.25).item())
+    seen = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda grads, s: (seen.append(s), real(grads, s)))
+    scale_grads_(model.parameters(), torch.tensor(0.25))
+    assert len(seen) == 1 and type(seen[0]) is float and seen[0] == 0.25
     for p in model.parameters():
         assert torch.all(p.grad == 0.25)
 
 
-def test_make_normalizer_maps_flags_and_errors():
-    from tune_recipes.config import ConfigError
-    from tune_recipes.training.setup import make_normalizer
+def test_scale_grads_skips_parameters_without_gradients():
+    model = _model()
+    model.weight.grad = torch.ones_like(model.weight)
+    scale_grads_(model.parameters(), 0.5)
+    assert model.bias.grad is None and torch.all(model.weight.grad == 0.5)
 
-    assert make_normalizer(1).path == "skip"
-    assert make_normalizer(1, world_size=2).path == "rescale"  # never the skip when distributed
-    assert make_normalizer(1, world_size=1).distributed
+
+def test_normalization_path_is_one_decision_from_three_flags():
+    P = NormalizationPath
+    assert normalization_path(distributed=False, gradient_accumulation_steps=1) is P.SKIP
+    assert normalization_path(distributed=False, gradient_accumulation_steps=4) is P.RESCALE
+    # Never the skip when distributed, even with one rank and GA 1.
+    assert normalization_path(distributed=True, gradient_accumulation_steps=1) is P.RESCALE
+    assert normalization_path(distributed=False, gradient_accumulation_steps=1,
+                              optimizer_in_bwd=True) is P.IN_BACKWARD
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=1"):
-        make_normalizer(2, optimizer_in_bwd=True)
+        normalization_path(distributed=False, gradient_accumulation_steps=2, optimizer_in_bwd=True)
+    with pytest.raises(ConfigError, match="optimizer_in_bwd=False"):
+        normalization_path(distributed=True, gradient_accumulation_steps=1, optimizer_in_bwd=True)
+    assert "no scale_grads" in P.SKIP.describe()
+
+
+def test_normalizer_with_one_rank_is_still_distributed():
+    norm = StepLossNormalizer(1, distributed=True, world_size=1)
+    assert norm.distributed and norm.path is NormalizationPath.RESCALE
+    with pytest.raises(ValueError, match="needs distributed=True"):
+        StepLossNormalizer(1, world_size=2)
+
+
+def test_backward_factor_matches_what_loss_to_backward_applies():
+    loss = torch.tensor(2.0)
+    for norm in (StepLossNormalizer(1), StepLossNormalizer(2)):
+        got = norm.loss_to_backward(loss, 5)
+        assert got.item() == pytest.approx(2.0 * norm.backward_factor(5))
+    assert StepLossNormalizer(1).backward_factor(5) == 1.0
+    assert StepLossNormalizer(2).backward_factor(5) == 5.0
+
+
+def test_extras_are_token_weighted_like_the_loss():
+    norm = StepLossNormalizer(2)
+    norm.loss_to_backward(torch.tensor(1.0), 3, extras={"kd": torch.tensor(1.0)})
+    norm.loss_to_backward(torch.tensor(4.0), 1, extras={"kd": torch.tensor(4.0)})
+    logged = norm.finish_step([])
+    assert logged.item() == pytest.approx((3 * 1.0 + 1 * 4.0) / 4)
+    assert norm.extras["kd"].item() == pytest.approx(logged.item())

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtune import training
 
 from tune_recipes.modules.output import return_hidden_states
-from tune_recipes.training.data import shift_labels
+from tune_recipes.training.step.batch import shift_labels
 
 
 class CausalLMLoss:

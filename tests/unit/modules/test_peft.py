@@ -1,4 +1,5 @@
-"""Adapter init and state-dict keys are independent of activation checkpointing and compile."""
+"""tune_recipes.modules.peft: adapter init and state-dict keys are independent of activation
+checkpointing and compile."""
 
 import pytest
 import torch
@@ -6,8 +7,7 @@ from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tune_recipes.models.tiny import lora_tiny_llama3
-from tune_recipes.training.adapters import adapter_init_state_dict, state_dict_key
-from tune_recipes.training.optim import OptimizerInBackward
+from tune_recipes.modules.peft import adapter_init_state_dict, state_dict_key
 
 pytestmark = pytest.mark.unit
 
@@ -39,16 +39,3 @@ def test_adapter_init_loads_into_an_activation_checkpointed_model():
     sd = wrapped.state_dict()
     for k, v in init_wrapped.items():
         assert torch.equal(sd[k], v), k
-
-
-def test_optimizer_in_backward_is_keyed_like_the_state_dict():
-    model = _lora()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for n, p in model.named_parameters():
-        if "lora" in n:
-            p.requires_grad_(True)
-    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    from omegaconf import OmegaConf
-    opt = OptimizerInBackward(OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.1}), model)
-    assert set(opt.optim_map) <= set(model.state_dict())

@@ -1,19 +1,15 @@
-"""Dataset, dataloader and batch helpers shared by every recipe."""
+"""Dataset and dataloader, the same for every recipe."""
 
 from functools import partial
-from typing import Any, Dict
 
-import torch
 from omegaconf import ListConfig
-from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
-from tune_recipes.training.normalization import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
 
 def build_dataset(cfg_dataset, tokenizer) -> Dataset:
@@ -36,9 +32,10 @@ def build_dataloader(
     world_size: int = 1,
     rank: int = 0,
     drop_last: bool = True,
-) -> StatefulDataLoader:
-    """A stateful dataloader whose order depends only on (seed, epoch, rank), so a resumed run
-    sees exactly the batches an uninterrupted one would."""
+) -> DataLoader:
+    """A dataloader whose order depends only on (seed, epoch, rank), so a resumed run sees
+    exactly the batches an uninterrupted one would. Checkpoints are written at epoch
+    boundaries, so no dataloader state needs saving (a mid-epoch resume would need it)."""
     packed = getattr(dataset, "packed", False)
     if packed:
         collate = padded_collate_packed
@@ -47,22 +44,10 @@ def build_dataloader(
             raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
         fn = resolve_component(collate_fn, "collate_fn")
         collate = partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
-    sampler = StatefulDistributedSampler(
+    sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )
-    return StatefulDataLoader(
+    return DataLoader(
         dataset=dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
         drop_last=drop_last,
     )
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:
-    """labels[:, 1:] padded with ignore_index: position t is scored on token t+1, without
-    slicing the (large) logits."""
-    pad = torch.full_like(labels[..., :1], ignore_index)
-    return torch.cat([labels[..., 1:], pad], dim=-1)
-
-
-def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items()}

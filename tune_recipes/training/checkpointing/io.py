@@ -113,8 +113,8 @@ def lora_checkpoint_entries(full_cpu_state_dict: Dict[str, torch.Tensor], spec: 
     adds the LoRA delta to the base weights in place. Pass CPU copies, never the live model's
     tensors (on a CPU run ``.cpu()`` returns the live parameter itself).
     """
-    from torchtune.modules.peft import get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt
     from torchtune import training
+    from torchtune.modules.peft import get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt
 
     out: Dict[str, object] = {training.ADAPTER_KEY: get_adapter_state_dict(full_cpu_state_dict)}
     if not adapter_only:

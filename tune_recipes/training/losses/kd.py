@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tune_recipes.config import ConfigError
-from tune_recipes.training.data import shift_labels
+from tune_recipes.training.step.batch import shift_labels
 
 
 class DistillationLoss:

@@ -1,0 +1,102 @@
+"""tune_recipes.training.checkpointing.io: resume lookup, PEFT adapter config, LoRA entries."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchtune import training
+
+from tune_recipes.config import ConfigError
+from tune_recipes.training.checkpointing.io import (
+    LoRASpec,
+    checkpointer_config_for_resume,
+    complete_peft_adapter_config,
+    latest_epoch_dir,
+    lora_checkpoint_entries,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _lora_cfg(component="tune_recipes.models.lora_tiny_llama3"):
+    cfg = {"_component_": component}
+    if "lora" in component:
+        cfg.update(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=False,
+                   apply_lora_to_output=False, lora_rank=4, lora_alpha=8)
+    return OmegaConf.create(cfg)
+
+
+def test_lora_spec_of_a_non_lora_builder_names_the_missing_keys():
+    from tune_recipes.training.checkpointing.io import LoRASpec
+
+    with pytest.raises(ConfigError, match="model.lora_rank, model.lora_alpha, model.lora_attn_modules"):
+        LoRASpec.from_model_config(_lora_cfg("tune_recipes.models.tiny_llama3"))
+    spec = LoRASpec.from_model_config(_lora_cfg())
+    assert (spec.rank, spec.alpha, spec.attn_modules) == (4, 8, ["q_proj", "v_proj"])
+
+
+def test_latest_epoch_dir_is_numeric_not_lexical(tmp_path):
+    assert latest_epoch_dir(tmp_path) is None
+    for n in (2, 10, 9):
+        (tmp_path / f"epoch_{n}").mkdir()
+    (tmp_path / "epoch_x").mkdir()
+    assert latest_epoch_dir(tmp_path).name == "epoch_10"
+
+
+def _state(tmp_path, epochs_run):
+    (tmp_path / "recipe_state").mkdir(exist_ok=True)
+    torch.save({"epochs_run": epochs_run}, tmp_path / "recipe_state" / "recipe_state.pt")
+
+
+def test_resume_names_the_newest_epoch_files(tmp_path):
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    with pytest.raises(ConfigError, match="run without resume_from_checkpoint first"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    for n in (0, 1):
+        (tmp_path / f"epoch_{n}").mkdir()
+        (tmp_path / f"epoch_{n}" / "model-00001-of-00001.safetensors").write_bytes(b"")
+        (tmp_path / f"epoch_{n}" / "adapter_model.safetensors").write_bytes(b"")
+    _state(tmp_path, epochs_run=1)
+    with pytest.raises(ConfigError, match="written after epoch 0 but the newest checkpoint is"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    _state(tmp_path, epochs_run=2)
+    out = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    assert list(out.checkpoint_files) == ["epoch_1/model-00001-of-00001.safetensors"]
+    assert list(cfg.checkpoint_files) == ["model.safetensors"]  # the input is not modified
+    lora = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
+    assert list(lora.checkpoint_files) == ["model.safetensors"]  # base weights stay
+
+
+def test_peft_adapter_config_names_the_base_once(tmp_path):
+    complete_peft_adapter_config(tmp_path, "/base")  # no adapter: nothing to do
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"r": 8}))
+    complete_peft_adapter_config(tmp_path, "/base")
+    assert json.loads(path.read_text())["base_model_name_or_path"] == "/base"
+    complete_peft_adapter_config(tmp_path, "/other")
+    assert json.loads(path.read_text())["base_model_name_or_path"] == "/base"
+
+
+def test_lora_entries_hold_adapter_merged_model_and_peft_config():
+    from tune_recipes.models.tiny import lora_tiny_llama3
+
+    torch.manual_seed(0)
+    model = lora_tiny_llama3(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8)
+    for n, p in model.named_parameters():
+        if "lora_b" in n:
+            torch.nn.init.normal_(p)
+    spec = LoRASpec.from_model_config(_lora_cfg())
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = lora_checkpoint_entries(sd, spec, adapter_only=False)
+    adapter = out[training.ADAPTER_KEY]
+    assert adapter and all("lora_" in k for k in adapter)
+    merged = out[training.MODEL_KEY]
+    assert not any("lora_" in k for k in merged)
+    q = "layers.0.attn.q_proj"
+    delta = (8 / 4) * model.state_dict()[f"{q}.lora_b.weight"] @ model.state_dict()[f"{q}.lora_a.weight"]
+    torch.testing.assert_close(merged[f"{q}.weight"], model.state_dict()[f"{q}.weight"] + delta)
+    assert out[training.ADAPTER_CONFIG]["r"] == 4 and out[training.ADAPTER_CONFIG]["peft_type"] == "LORA"
+    only = lora_checkpoint_entries({k: v.clone() for k, v in model.state_dict().items()}, spec,
+                                   adapter_only=True)
+    assert training.MODEL_KEY not in only

@@ -1,0 +1,48 @@
+"""tune_recipes.training.checkpointing.state: the run's counters and what resumes them."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchtune import training
+
+from tune_recipes.config import ConfigError
+from tune_recipes.training.checkpointing.state import RecipeState, SavedState
+
+pytestmark = pytest.mark.unit
+
+
+def test_from_config_seeds_and_reads_the_counters():
+    cfg = OmegaConf.create({"seed": 5, "epochs": 3, "max_steps_per_epoch": 7})
+    state = RecipeState.from_config(cfg)
+    assert (state.seed, state.total_epochs, state.max_steps_per_epoch, state.epochs_run) == (5, 3, 7, 0)
+    first = torch.rand(3)
+    RecipeState.from_config(cfg)
+    assert torch.equal(torch.rand(3), first)  # the seed was applied
+
+
+def test_checkpoint_round_trip_restores_counters_and_rng():
+    state = RecipeState(seed=1, total_epochs=4, max_steps_per_epoch=None, epochs_run=2)
+    entries = state.checkpoint_entries(optimizer_state={"opt": 1})
+    assert entries[training.EPOCHS_KEY] == 2 and entries[training.OPT_KEY] == {"opt": 1}
+    expected = torch.rand(4)  # what comes next after the checkpoint
+    saved = SavedState.from_checkpoint(entries)
+    assert saved.optimizer == {"opt": 1}
+    resumed = RecipeState(seed=1, total_epochs=4, max_steps_per_epoch=None)
+    resumed.resume(saved)
+    assert resumed.epochs_run == 2
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_saved_seed_and_steps_win_over_the_config_with_a_warning():
+    saved = SavedState(optimizer=None, seed=1, epochs_run=1, total_epochs=2, max_steps_per_epoch=3)
+    state = RecipeState(seed=9, total_epochs=2, max_steps_per_epoch=None)
+    with pytest.warns(UserWarning) as warned:
+        state.resume(saved)
+    assert len(warned) == 2
+    assert (state.seed, state.max_steps_per_epoch) == (1, 3)
+
+
+def test_state_not_written_by_a_recipe_is_a_config_error():
+    with pytest.raises(ConfigError, match="lacks"):
+        SavedState.from_checkpoint({training.SEED_KEY: 0})
+    assert "optimizer" not in str(RecipeState(0, 1, None).checkpoint_entries(None))

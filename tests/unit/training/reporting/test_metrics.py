@@ -1,0 +1,37 @@
+"""tune_recipes.training.reporting.metrics: metrics.jsonl (and its public component path)."""
+
+import pytest
+import torch
+
+from tune_recipes.training.reporting.metrics import JsonlMetricLogger, read_metrics
+
+pytestmark = pytest.mark.unit
+
+
+def test_rows_round_trip_with_tensors_and_non_finite_values(tmp_path):
+    logger = JsonlMetricLogger(tmp_path)
+    logger.log_dict({"loss": torch.tensor(1.5), "lr": 0.1}, step=1)
+    logger.log("loss", float("nan"), step=2)
+    logger.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["loss"] == 1.5 and rows[1]["loss"] == "nan"
+    assert read_metrics(tmp_path / "metrics.jsonl", "lr") == [0.1]
+
+
+def test_appends_across_runs_and_writes_the_config(tmp_path):
+    from omegaconf import OmegaConf
+
+    for step in (1, 2):
+        logger = JsonlMetricLogger(tmp_path)
+        logger.log_dict({"loss": 1.0}, step=step)
+        logger.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    JsonlMetricLogger(tmp_path).log_config(OmegaConf.create({"a": 1}))
+    assert (tmp_path / "config.yaml").read_text().strip() == "a: 1"
+
+
+def test_the_configs_component_path_still_resolves():
+    from tune_recipes.config import resolve_component
+
+    assert resolve_component("tune_recipes.training.metrics.JsonlMetricLogger") is JsonlMetricLogger

@@ -1,0 +1,86 @@
+"""tune_recipes.training.setup.model: single-device models, ready to train."""
+
+import pytest
+import torch
+
+from tune_recipes.config import ConfigError
+from tune_recipes.training.setup.model import setup_full_model, setup_lora_model
+
+pytestmark = pytest.mark.unit
+
+
+def _lora_cfg(component="tune_recipes.models.lora_tiny_llama3"):
+    from omegaconf import OmegaConf
+
+    cfg = {"_component_": component}
+    if "lora" in component:
+        cfg.update(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=False,
+                   apply_lora_to_output=False, lora_rank=4, lora_alpha=8)
+    return OmegaConf.create(cfg)
+
+
+def _base_state_dict():
+    from tune_recipes.models import tiny_llama3
+
+    torch.manual_seed(0)
+    return tiny_llama3().state_dict()
+
+
+def test_lora_model_trains_only_seeded_adapters_over_the_loaded_base():
+    base = _base_state_dict()
+    built = {}
+    for seed in (7, 7, 8):
+        model, lora = setup_lora_model(_lora_cfg(), dtype=torch.float32, device=torch.device("cpu"),
+                                       seed=seed, base_state_dict=base, lora_state_dict=None)
+        built.setdefault(seed, []).append(model)
+    model = built[7][0]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert lora.attn_modules == ["q_proj", "v_proj"] and not lora.apply_to_output
+    sd = model.state_dict()
+    for k, v in base.items():  # the base weights are the checkpoint's
+        assert torch.equal(sd[k], v), k
+    a7 = [p for n, p in built[7][0].named_parameters() if "lora_a" in n]
+    a7_again = [p for n, p in built[7][1].named_parameters() if "lora_a" in n]
+    a8 = [p for n, p in built[8][0].named_parameters() if "lora_a" in n]
+    assert all(torch.equal(x, y) for x, y in zip(a7, a7_again))  # init depends on the seed only
+    assert not all(torch.equal(x, y) for x, y in zip(a7, a8))
+
+
+def test_lora_model_resumes_the_given_adapters():
+    base = _base_state_dict()
+    first, _ = setup_lora_model(_lora_cfg(), dtype=torch.float32, device=torch.device("cpu"),
+                                seed=1, base_state_dict=base, lora_state_dict=None)
+    adapters = {n: p.detach() + 1.0 for n, p in first.named_parameters() if p.requires_grad}
+    resumed, _ = setup_lora_model(_lora_cfg(), dtype=torch.float32, device=torch.device("cpu"),
+                                  seed=2, base_state_dict=base, lora_state_dict=adapters)
+    for n, p in resumed.named_parameters():
+        if n in adapters:
+            assert torch.equal(p, adapters[n]), n
+
+
+def test_lora_model_rejects_a_builder_without_adapters_naming_it():
+    with pytest.raises(ConfigError, match="tune_recipes.models.tiny_llama3 has no LoRA adapters"):
+        setup_lora_model(_lora_cfg("tune_recipes.models.tiny_llama3"), dtype=torch.float32,
+                         device=torch.device("cpu"), seed=0, base_state_dict=_base_state_dict(),
+                         lora_state_dict=None)
+
+
+def test_full_model_loads_strictly_after_before_load():
+    base = _base_state_dict()
+    calls = []
+
+    def before_load(model):
+        calls.append(type(model).__name__)
+        return model
+
+    cfg = _lora_cfg("tune_recipes.models.tiny_llama3")
+    model = setup_full_model(cfg, dtype=torch.float32, device=torch.device("cpu"),
+                             state_dict=base, before_load=before_load)
+    assert calls == ["TransformerDecoder"]
+    assert all(p.requires_grad for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, base[k]), k
+    with pytest.raises(RuntimeError, match="Missing key"):
+        setup_full_model(cfg, dtype=torch.float32, device=torch.device("cpu"),
+                         state_dict={k: v for k, v in base.items() if "output" not in k})

@@ -1,0 +1,119 @@
+"""tune_recipes.training.setup.recipe: where a (resumed) run starts, and the driver it builds."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torchtune import config as tt_config
+
+from tune_recipes.config import ConfigError, load_config
+from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.setup.recipe import setup_data_and_schedule
+
+pytestmark = pytest.mark.unit
+CONFIG = Path(__file__).resolve().parents[4] / "configs" / "tiny" / "full_single_device.yaml"
+
+
+def _plan(cfg, epochs_run, ga=1, max_steps=None, world_size=1, rank=0, optimizer_state=None):
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([param], lr=cfg.optimizer.lr)
+    if optimizer_state is not None:  # as a resume loads it, before the schedule is built
+        optimizer.load_state_dict(optimizer_state)
+    cfg = cfg.copy()
+    cfg.gradient_accumulation_steps = ga
+    state = RecipeState(seed=cfg.seed, total_epochs=3, max_steps_per_epoch=max_steps,
+                        epochs_run=epochs_run)
+    plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100,
+                                   world_size=world_size, rank=rank)
+    return plan, optimizer
+
+
+def test_resumed_run_starts_at_the_step_and_lr_of_the_interrupted_one():
+    cfg = load_config(CONFIG)
+    fresh, fresh_opt = _plan(cfg, epochs_run=0, max_steps=6)
+    assert fresh.global_step == 0 and fresh.steps_per_epoch == 6
+    lrs = [fresh_opt.param_groups[0]["lr"]]
+    for _ in range(2 * fresh.steps_per_epoch):
+        fresh_opt.step()
+        fresh.lr_schedule.step()
+        lrs.append(fresh_opt.param_groups[0]["lr"])
+    state = fresh_opt.state_dict()
+    state["param_groups"][0]["lr"] = 0.123  # the schedule, not the saved lr, must set it
+    resumed, resumed_opt = _plan(cfg, epochs_run=2, max_steps=6, optimizer_state=state)
+    assert resumed.global_step == 2 * resumed.steps_per_epoch == 12
+    assert resumed_opt.param_groups[0]["lr"] == pytest.approx(lrs[12], rel=1e-12)
+    # ... and keeps following the same schedule.
+    resumed_opt.step()
+    resumed.lr_schedule.step()
+    fresh_opt.step()
+    fresh.lr_schedule.step()
+    assert resumed_opt.param_groups[0]["lr"] == pytest.approx(fresh_opt.param_groups[0]["lr"], rel=1e-12)
+    assert lrs[12] != lrs[0]  # the schedule really moved (warmup + cosine)
+
+
+def test_steps_count_micro_batches_per_rank_and_accumulation():
+    cfg = load_config(CONFIG)
+    one, _ = _plan(cfg, epochs_run=0)
+    batches = len(one.dataloader)
+    assert one.steps_per_epoch == batches
+    two_ranks, _ = _plan(cfg, epochs_run=0, ga=2, world_size=2, rank=1)
+    assert len(two_ranks.dataloader) == batches // 2
+    assert two_ranks.steps_per_epoch == batches // 2 // 2
+
+
+def test_too_few_batches_for_accumulation_names_the_keys():
+    cfg = load_config(CONFIG)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=10000"):
+        _plan(cfg, epochs_run=0, ga=10000)
+
+
+def test_resume_is_applied_before_the_dataloader_is_built(recwarn):
+    """The saved seed, max_steps_per_epoch and epochs_run decide data order, steps and schedule."""
+    from tune_recipes.training.checkpointing.state import SavedState
+
+    cfg = load_config(CONFIG)
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=cfg.optimizer.lr)
+    optimizer.param_groups[0]["initial_lr"] = cfg.optimizer.lr  # as a loaded optimizer state has
+    state = RecipeState(seed=cfg.seed + 1, total_epochs=3, max_steps_per_epoch=None)
+    saved = SavedState(optimizer=None, seed=cfg.seed, epochs_run=1, total_epochs=3,
+                       max_steps_per_epoch=4)
+    plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100,
+                                   resume=saved)
+    assert (state.seed, state.max_steps_per_epoch, state.epochs_run) == (cfg.seed, 4, 1)
+    assert plan.dataloader.sampler.seed == cfg.seed
+    assert plan.steps_per_epoch == 4 and plan.global_step == 4
+    assert len(recwarn) == 2  # seed and max_steps_per_epoch differed from the config
+
+
+def test_training_dtype_rejects_fp16():
+    from tune_recipes.training.setup.recipe import training_dtype
+
+    cfg = load_config(CONFIG)
+    assert training_dtype(cfg, torch.device("cpu")) == torch.float32
+    cfg.dtype = "fp16"
+    with pytest.raises(ConfigError, match="fp16 is not supported"):
+        training_dtype(cfg, torch.device("cpu"))
+
+
+def test_setup_step_driver_runs_the_path_the_recipe_chose(tmp_path):
+    from tune_recipes.training.setup.recipe import setup_step_driver
+    from tune_recipes.training.setup.runtime import Runtime
+    from tune_recipes.training.step.normalization import NormalizationPath
+
+    cfg = load_config(CONFIG, [f"output_dir={tmp_path}", "gradient_accumulation_steps=2"])
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = dict(runtime=Runtime(torch.device("cpu")), resume=None, model=model,
+                  tokenizer=tt_config.instantiate(cfg.tokenizer), optimizer=optimizer,
+                  ignore_index=-100)
+    state = RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=2)
+    driver = setup_step_driver(cfg, path=NormalizationPath.RESCALE, state=state, **kwargs)
+    assert driver.normalizer.path is NormalizationPath.RESCALE
+    assert driver.gradient_accumulation_steps == 2 and driver.steps_per_epoch == 2
+    assert driver.parameters == [model.weight]  # trainable parameters only
+    driver.close()
+    with pytest.raises(ValueError, match="does not match"):
+        setup_step_driver(cfg, path=NormalizationPath.SKIP, state=state, **kwargs)

@@ -1,0 +1,50 @@
+"""tune_recipes.training.setup.qat: quantizer checks and the fake-quant step hook."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tune_recipes.config import ConfigError
+from tune_recipes.training.setup.qat import FakeQuantSchedule, build_quantizer, check_group_size
+
+pytestmark = pytest.mark.unit
+QAT = "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer"
+
+
+def _quantizer(groupsize=32, component=QAT, require_qat=True):
+    return build_quantizer(OmegaConf.create({"_component_": component, "groupsize": groupsize}),
+                           torch.float32, require_qat=require_qat)
+
+
+def test_build_quantizer_names_mode_and_rejects_non_qat():
+    quantizer, mode = _quantizer()
+    assert "qat" in mode
+    with pytest.raises(ConfigError, match="missing"):
+        build_quantizer(None)
+    with pytest.raises(ConfigError, match="not a QAT quantizer"):
+        _quantizer(component="torchtune.training.quantization.Int8DynActInt4WeightQuantizer")
+
+
+def test_group_size_must_divide_every_linear():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 2))
+    quantizer, _ = _quantizer(groupsize=32)
+    with pytest.raises(ConfigError, match="layer '1'.*in_features=8"):
+        check_group_size(model, quantizer)
+    check_group_size(model, quantizer, skip=("1",))
+
+
+def test_fake_quant_hook_turns_on_at_the_configured_step():
+    from tune_recipes.models.tiny import tiny_llama3
+
+    quantizer, mode = _quantizer(groupsize=32)
+    model = quantizer.prepare(tiny_llama3())
+    hook = FakeQuantSchedule(model, mode, after_n_steps=2)
+    states = []
+    for step in range(4):
+        hook.before_step(step)
+        states.append(hook.metrics()["fake_quant"])
+    assert states == [0, 0, 1, 1]
+    assert hook.enabled and hook.metrics() == {"fake_quant": 1}
+    never = FakeQuantSchedule(model, mode, after_n_steps=None)
+    never.before_step(0)
+    assert never.enabled

@@ -1,0 +1,190 @@
+"""tune_recipes.training.step.driver: the loop every recipe runs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.reporting.progress import StepReporter
+from tune_recipes.training.step import driver as driver_mod
+from tune_recipes.training.step.driver import StepDriver
+from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
+from tune_recipes.training.step.optim import LRSchedule
+
+pytestmark = pytest.mark.unit
+IGNORE, V, D, S = -100, 7, 5, 6
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Examples with a ragged number of unmasked labels (the first position never counts)."""
+
+    def __init__(self, n=12, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, S, D, generator=g)
+        self.labels = torch.randint(0, V, (n, S), generator=g)
+        for i in range(n):
+            self.labels[i, 2 + i % (S - 2):] = IGNORE
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.labels[i]}
+
+
+class _Logger:
+    def __init__(self):
+        self.rows = []
+
+    def log_dict(self, metrics, step):
+        self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+
+    def close(self):
+        pass
+
+
+class _Sampler(DistributedSampler):
+    def __init__(self, ds):
+        super().__init__(ds, num_replicas=1, rank=0, shuffle=False)
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+        super().set_epoch(epoch)
+
+
+def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hooks=()):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(D, V)
+    ds = _Rows()
+    loader = DataLoader(ds, batch_size=batch_size, sampler=_Sampler(ds), drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    logger = _Logger()
+    state = RecipeState(seed=0, total_epochs=epochs, max_steps_per_epoch=None, epochs_run=epochs_run)
+    d = StepDriver(
+        normalizer=StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
+        lr_schedule=LRSchedule(None, opt, num_training_steps=10, last_epoch=-1),
+        dataloader=loader, steps_per_epoch=steps_per_epoch, global_step=epochs_run * steps_per_epoch,
+        state=state, reporter=StepReporter(logger), device=torch.device("cpu"),
+        ignore_index=IGNORE, clip_grad_norm=float("inf"), hooks=hooks,
+    )
+    return d, model, logger
+
+
+def _loss(model, batch):
+    logits = model(batch["x"])[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, V), batch["labels"][:, 1:].reshape(-1),
+                           ignore_index=IGNORE)
+
+
+def _train(d, model):
+    seen = []
+    for epoch in d.epochs():
+        for step in epoch:
+            for batch in step:
+                seen.append((epoch.index, d.global_step, step.num_tokens))
+                step.backward(_loss(model, batch))
+            step.finish()
+    return seen
+
+
+def test_micro_batches_group_into_steps_and_epochs_stop_at_steps_per_epoch():
+    d, model, logger = _driver(batch_size=2, ga=2, steps_per_epoch=2, epochs=2)
+    seen = _train(d, model)
+    # 2 epochs x 2 steps x 2 micro-batches; the 6th batch of each epoch is never drawn.
+    assert [(e, s) for e, s, _ in seen] == [(0, 0), (0, 0), (0, 1), (0, 1),
+                                            (1, 2), (1, 2), (1, 3), (1, 3)]
+    assert d.dataloader.sampler.epochs == [0, 1]
+    assert d.global_step == 4 and d.state.epochs_run == 2
+    assert [r["step"] for r in logger.rows] == [1, 2, 3, 4]
+    # Tokens counted on the CPU labels after the shift: example i has 1 + i % 4 of them.
+    assert [n for *_, n in seen[:2]] == [1 + 2, 3 + 4]
+
+
+def test_accumulated_steps_train_exactly_like_one_big_batch():
+    big, big_model, big_log = _driver(batch_size=4, ga=1, steps_per_epoch=3)
+    acc, acc_model, acc_log = _driver(batch_size=2, ga=2, steps_per_epoch=3)
+    assert big.normalizer.path is NormalizationPath.SKIP
+    assert acc.normalizer.path is NormalizationPath.RESCALE
+    _train(big, big_model)
+    _train(acc, acc_model)
+    for a, b in zip(big_model.parameters(), acc_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(big_log.rows, acc_log.rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["valid_tokens"] == b["valid_tokens"]
+
+
+def test_resumed_driver_starts_at_the_saved_epoch():
+    d, model, logger = _driver(batch_size=2, ga=1, steps_per_epoch=2, epochs=3, epochs_run=2)
+    seen = _train(d, model)
+    assert {e for e, *_ in seen} == {2}
+    assert [r["step"] for r in logger.rows] == [5, 6]
+
+
+class _Hook:
+    def __init__(self):
+        self.calls = []
+
+    def before_step(self, global_step):
+        self.calls.append(global_step)
+
+    def metrics(self):
+        return {"hooked": len(self.calls)}
+
+
+def test_hooks_run_before_each_step_and_add_metrics():
+    hook = _Hook()
+    d, model, logger = _driver(batch_size=2, ga=2, steps_per_epoch=3, hooks=[hook])
+    _train(d, model)
+    assert hook.calls == [0, 1, 2]
+    assert [r["hooked"] for r in logger.rows] == [1, 2, 3]
+
+
+def test_extras_are_logged_as_token_means():
+    d, model, logger = _driver(batch_size=2, ga=2, steps_per_epoch=1)
+    for epoch in d.epochs():
+        for step in epoch:
+            for batch in step:
+                loss = _loss(model, batch)
+                step.backward(loss, extras={"part": loss * 2})
+            step.finish()
+    row = logger.rows[0]
+    assert row["part"] == pytest.approx(2 * row["loss"], rel=1e-6)
+
+
+def test_loss_scaling_is_the_factor_backward_applies():
+    for ga, expect_scaled in ((1, False), (2, True)):
+        d, model, _ = _driver(batch_size=2, ga=ga, steps_per_epoch=1)
+        for epoch in d.epochs():
+            for step in epoch:
+                for batch in step:
+                    expected = float(step.num_tokens) if expect_scaled else 1.0
+                    assert step.loss_scaling == expected
+                    step.backward(_loss(model, batch))
+                step.finish()
+
+
+def test_forgetting_backward_or_finish_is_an_error():
+    d, model, _ = _driver(batch_size=2, ga=1, steps_per_epoch=2)
+    with pytest.raises(RuntimeError, match="without step.backward"):
+        for epoch in d.epochs():
+            for step in epoch:
+                for batch in step:
+                    pass
+    d, model, _ = _driver(batch_size=2, ga=1, steps_per_epoch=2)
+    with pytest.raises(RuntimeError, match="without step.finish"):
+        for epoch in d.epochs():
+            for step in epoch:
+                for batch in step:
+                    step.backward(_loss(model, batch))
+
+
+def test_the_path_is_logged_once_at_startup(monkeypatch):
+    lines = []
+    monkeypatch.setattr(driver_mod.log, "info", lambda msg, *a: lines.append(msg % a))
+    d, model, _ = _driver(batch_size=2, ga=1, steps_per_epoch=2)
+    _train(d, model)
+    assert len(lines) == 1 and lines[0].startswith("loss normalization: skip")

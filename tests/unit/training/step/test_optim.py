@@ -1,0 +1,93 @@
+"""tune_recipes.training.step.optim: optimizer construction, the in-backward optimizer, the LR
+schedule."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchtune import training
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tune_recipes.models.tiny import lora_tiny_llama3
+from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward, build_optimizer
+
+pytestmark = pytest.mark.unit
+SGD = OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.1})
+ADAMW = OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 0.01})
+COSINE = OmegaConf.create({"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                           "num_warmup_steps": 2})
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    m[0].bias.requires_grad_(False)
+    return m
+
+
+def _step(model, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_optimizer_in_backward_is_keyed_like_the_state_dict():
+    torch.manual_seed(0)
+    model = lora_tiny_llama3(["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora" in n)
+    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    opt = OptimizerInBackward(SGD, model)
+    assert set(opt.optim_map) <= set(model.state_dict())
+
+
+def test_optimizer_in_backward_equals_a_plain_optimizer():
+    plain_model, bwd_model = _mlp(), _mlp()
+    plain = build_optimizer(ADAMW, plain_model)
+    bwd = build_optimizer(ADAMW, bwd_model, optimizer_in_bwd=True)
+    assert len(bwd.optim_map) == 3  # trainable parameters only
+    for s in range(3):
+        _step(plain_model, plain, s)
+        _step(bwd_model, bwd, s)
+    for a, b in zip(plain_model.parameters(), bwd_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert b.grad is None  # freed inside backward
+
+
+def test_build_optimizer_resumes_state_and_skips_frozen_parameters():
+    model = _mlp()
+    opt = build_optimizer(ADAMW, model)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 3
+    _step(model, opt, 0)
+    again = build_optimizer(ADAMW, model, state_dict=opt.state_dict())
+    assert again.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"] == 1
+
+
+def test_in_backward_state_must_come_from_an_in_backward_run():
+    model = _mlp()
+    with pytest.raises(RuntimeError, match="resume with the same optimizer_in_bwd"):
+        build_optimizer(ADAMW, model, optimizer_in_bwd=True,
+                        state_dict=build_optimizer(ADAMW, model).state_dict())
+
+
+def test_lr_schedule_drives_every_in_backward_optimizer_and_resumes_mid_run():
+    model = _mlp()
+    opt = build_optimizer(ADAMW, model, optimizer_in_bwd=True)
+    sched = LRSchedule(COSINE, opt, num_training_steps=10, last_epoch=-1)
+    lrs = [sched.lr]
+    for _ in range(4):
+        sched.step()
+        lrs.append(sched.lr)
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(0.01)
+    assert {g["lr"] for g in opt.param_groups} == {lrs[-1]}
+    # A resumed run loads the optimizer state (it carries initial_lr), then positions the schedule.
+    again = build_optimizer(ADAMW, _mlp(), optimizer_in_bwd=True, state_dict=opt.state_dict())
+    resumed = LRSchedule(COSINE, again, num_training_steps=10, last_epoch=3)
+    assert resumed.lr == pytest.approx(lrs[4])
+
+
+def test_no_scheduler_keeps_the_optimizer_lr():
+    opt = build_optimizer(SGD, _mlp())
+    sched = LRSchedule(None, opt, num_training_steps=10, last_epoch=-1)
+    sched.step()
+    assert sched.lr == 0.1

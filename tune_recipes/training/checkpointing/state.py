@@ -1,0 +1,100 @@
+"""Where a run stands, and what a checkpoint holds, beyond the weights, to continue exactly."""
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig
+from torchtune import training
+
+from tune_recipes.config import ConfigError
+
+RNG_KEY = "rng_state"
+CUDA_RNG_KEY = "cuda_rng_state"
+
+
+@dataclass
+class SavedState:
+    """The recipe state a checkpoint holds (torchtune's key names, so stock tooling reads it)."""
+
+    optimizer: Optional[Dict[str, Any]]
+    seed: int
+    epochs_run: int
+    total_epochs: int
+    max_steps_per_epoch: Optional[int]
+    rng_state: Optional[torch.Tensor] = None
+    cuda_rng_state: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Dict[str, Any]) -> "SavedState":
+        missing = [k for k in (training.SEED_KEY, training.EPOCHS_KEY, training.TOTAL_EPOCHS_KEY)
+                   if k not in ckpt]
+        if missing:
+            raise ConfigError(
+                f"resume_from_checkpoint=True but the recipe state in output_dir lacks {missing}: "
+                "was it written by this recipe? Point checkpointer.recipe_checkpoint at the "
+                "right recipe_state.pt or set resume_from_checkpoint=False"
+            )
+        return cls(
+            optimizer=ckpt.get(training.OPT_KEY),
+            seed=ckpt[training.SEED_KEY],
+            epochs_run=ckpt[training.EPOCHS_KEY],
+            total_epochs=ckpt[training.TOTAL_EPOCHS_KEY],
+            max_steps_per_epoch=ckpt.get(training.MAX_STEPS_KEY),
+            rng_state=ckpt.get(RNG_KEY),
+            cuda_rng_state=ckpt.get(CUDA_RNG_KEY),
+        )
+
+
+@dataclass
+class RecipeState:
+    """The run's counters and seed, owned by the recipe and advanced by the step driver.
+
+    The data order depends only on (seed, epoch, rank), so with ``epochs_run`` and the RNG this
+    is all a resumed run needs besides weights and optimizer state. The dataloader's own state
+    is not saved: checkpoints are written at epoch boundaries, where it holds nothing more.
+    """
+
+    seed: int
+    total_epochs: int
+    max_steps_per_epoch: Optional[int]
+    epochs_run: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "RecipeState":
+        """Seeds every RNG (``seed``) and reads ``epochs`` and ``max_steps_per_epoch``."""
+        return cls(seed=training.set_seed(seed=cfg.seed), total_epochs=cfg.epochs,
+                   max_steps_per_epoch=cfg.get("max_steps_per_epoch", None))
+
+    def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """Checkpoint dict entries that let a run continue from here."""
+        out = {
+            training.SEED_KEY: self.seed,
+            training.EPOCHS_KEY: self.epochs_run,
+            training.TOTAL_EPOCHS_KEY: self.total_epochs,
+            training.MAX_STEPS_KEY: self.max_steps_per_epoch,
+            RNG_KEY: torch.get_rng_state(),
+        }
+        if optimizer_state is not None:
+            out[training.OPT_KEY] = optimizer_state
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out[CUDA_RNG_KEY] = torch.cuda.get_rng_state()
+        return out
+
+    def resume(self, saved: SavedState) -> None:
+        """Continue from ``saved``: its counters and RNG; its seed and steps-per-epoch win over
+        the config (changing them mid-run would change the data order)."""
+        if self.seed != saved.seed:
+            warnings.warn(f"config seed {self.seed} differs from the checkpoint's {saved.seed}; "
+                          "using the checkpoint's")
+            self.seed = saved.seed
+        if self.max_steps_per_epoch != saved.max_steps_per_epoch:
+            warnings.warn(f"config max_steps_per_epoch {self.max_steps_per_epoch} differs from "
+                          f"the checkpoint's {saved.max_steps_per_epoch}; using the checkpoint's")
+            self.max_steps_per_epoch = saved.max_steps_per_epoch
+        self.epochs_run = saved.epochs_run
+        if saved.rng_state is not None:
+            torch.set_rng_state(saved.rng_state)
+        if saved.cuda_rng_state is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(saved.cuda_rng_state)

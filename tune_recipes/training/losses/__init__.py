@@ -1,0 +1,1 @@
+"""(model, batch) -> the mean loss over the batch's unmasked tokens."""

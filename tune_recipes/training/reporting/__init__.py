@@ -1,0 +1,1 @@
+"""What a run shows and writes while it trains: progress bar and metrics."""

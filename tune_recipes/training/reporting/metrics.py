@@ -1,0 +1,61 @@
+"""Metrics a user can plot: one JSON object per line in ``<log_dir>/metrics.jsonl``."""
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Union
+
+import torch
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible, not dropped
+    return value
+
+
+class JsonlMetricLogger:
+    """Appends ``{"step": s, "time": t, <name>: value, ...}`` lines to ``log_dir/filename``.
+
+    Same interface as torchtune's metric loggers (``log``, ``log_dict``, ``log_config``,
+    ``close``), so any of them can be swapped in through the config. Lines are flushed as they
+    are written: a crash loses nothing already logged. Append mode keeps a resumed run's history
+    in the same file.
+    """
+
+    def __init__(self, log_dir: Union[str, Path], filename: str = "metrics.jsonl") -> None:
+        self.path = Path(log_dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", buffering=1)
+
+    def log(self, name: str, data: Any, step: int) -> None:
+        self.log_dict({name: data}, step)
+
+    def log_dict(self, payload: Mapping[str, Any], step: int) -> None:
+        row: Dict[str, Any] = {"step": int(step), "time": round(time.time(), 3)}
+        row.update({k: _plain(v) for k, v in payload.items()})
+        self._fh.write(json.dumps(row) + "\n")
+
+    def log_config(self, config) -> None:
+        from omegaconf import OmegaConf
+
+        out = self.path.parent / "config.yaml"
+        out.write_text(OmegaConf.to_yaml(config, resolve=True))
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def read_metrics(path: Union[str, Path], key: Optional[str] = None):
+    """Rows of a metrics.jsonl file (or just ``key``'s values, in step order)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if key is None:
+        return rows
+    return [r[key] for r in rows if key in r]

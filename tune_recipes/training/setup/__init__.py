@@ -1,0 +1,1 @@
+"""Building a run: where it runs, the model, sharding, data, QAT, and the step driver."""

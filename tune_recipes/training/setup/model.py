@@ -1,0 +1,84 @@
+"""Single-device models, ready to train (the distributed ones: ``setup.distributed``)."""
+
+from typing import Any, Callable, Dict, Optional
+
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config as tt_config, training
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tune_recipes.config import ConfigError
+from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
+from tune_recipes.training.checkpointing.io import LoRASpec
+
+
+def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
+                     compile_model: bool = False, enable_activation_checkpointing: bool = False,
+                     before_load: Optional[Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
+    """A model whose every parameter trains: built in ``dtype`` on ``device``, then
+    ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
+    names), compile / activation checkpointing, and ``state_dict`` loaded strictly."""
+    with training.set_default_dtype(dtype), device:
+        model = tt_config.instantiate(cfg_model)
+    if before_load is not None:
+        model = before_load(model)
+    if compile_model:
+        training.compile_model(model)
+    if enable_activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    model.load_state_dict(state_dict)
+    training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
+    return model
+
+
+def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
+                     base_state_dict: Dict[str, Any],
+                     lora_state_dict: Optional[Dict[str, Any]],
+                     compile_model: bool = False,
+                     enable_activation_checkpointing: bool = False):
+    """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
+    ``device``, only the adapters trainable, the base weights loaded, the adapters from
+    ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
+    both loads checked against the LoRA layout. Returns ``(model, LoRASpec)``."""
+    from torchtune.modules.peft import (
+        get_adapter_params,
+        set_trainable_params,
+        validate_missing_and_unexpected_for_lora,
+    )
+
+    resuming = bool(lora_state_dict)
+    with training.set_default_dtype(dtype), device:
+        model = tt_config.instantiate(cfg_model)
+    adapter_params = get_adapter_params(model)
+    if not adapter_params:
+        raise ConfigError(
+            f"model: {cfg_model._component_} has no LoRA adapters; use a lora_*/qlora_* "
+            "builder or the full_finetune_single_device recipe"
+        )
+    lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
+    set_trainable_params(model, adapter_params)
+    if compile_model:
+        training.compile_model(model)
+    if enable_activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
+    if not lora_state_dict:
+        # Seeded, build-independent adapter init: the same as the distributed recipes'.
+        lora_state_dict = adapter_init_state_dict(model, seed)
+    lora_missing, lora_unexpected = model.load_state_dict(lora_state_dict, strict=False)
+    if not resuming:
+        # DoRA magnitudes start from the loaded base weights (a resumed run loads them);
+        # the init dict holds only lora_a/lora_b, so its "missing" keys are expected.
+        initialize_dora_magnitudes(model)
+        lora_missing = None
+    validate_missing_and_unexpected_for_lora(
+        lora_attn_modules=lora.attn_modules,
+        apply_lora_to_mlp=lora.apply_to_mlp,
+        apply_lora_to_output=lora.apply_to_output,
+        base_missing=base_missing,
+        base_unexpected=base_unexpected,
+        lora_missing=lora_missing,
+        lora_unexpected=lora_unexpected,
+    )
+    training.validate_expected_param_dtype(adapter_params.items(), dtype=dtype)
+    return model, lora

@@ -1,0 +1,142 @@
+"""Setup steps every recipe performs the same way (one correct answer each)."""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config as tt_config, training
+
+from tune_recipes.config import ConfigError
+from tune_recipes.training.checkpointing.io import checkpointer_config_for_resume
+from tune_recipes.training.checkpointing.state import RecipeState, SavedState
+from tune_recipes.training.reporting.progress import StepReporter
+from tune_recipes.training.setup.data import build_dataloader, build_dataset
+from tune_recipes.training.setup.runtime import Runtime
+from tune_recipes.training.step.driver import StepDriver, StepHook
+from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
+from tune_recipes.training.step.optim import LRSchedule
+
+
+def training_dtype(cfg: DictConfig, device) -> torch.dtype:
+    """``dtype`` from the config (bf16 or fp32); fp16 would need loss scaling we do not do."""
+    dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=device)
+    if dtype == torch.float16:
+        raise ConfigError("dtype=fp16 is not supported: use bf16 or fp32")
+    return dtype
+
+
+def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any], Optional[SavedState]]:
+    """Instantiate the checkpointer (pointed at the newest epoch when
+    ``resume_from_checkpoint``), load, and return ``(checkpointer, checkpoint dict, saved
+    recipe state or None)``.
+
+    ``adapter=True`` (LoRA-type recipes): base weights come from ``checkpoint_dir`` and the
+    adapter from the newest epoch; a resume without an adapter is an error.
+    """
+    resume = cfg.get("resume_from_checkpoint", False)
+    cfg_checkpointer = cfg.checkpointer
+    if resume:
+        cfg_checkpointer = checkpointer_config_for_resume(
+            cfg.checkpointer, cfg.output_dir, full_weights=not adapter
+        )
+    checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=resume)
+    ckpt = checkpointer.load_checkpoint()
+    if not resume:
+        return checkpointer, ckpt, None
+    if adapter and training.ADAPTER_KEY not in ckpt:
+        raise ConfigError(
+            f"resume_from_checkpoint=True but no adapter checkpoint was found under "
+            f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
+        )
+    return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
+
+
+def build_reporter(cfg: DictConfig, device, is_main: bool = True) -> StepReporter:
+    """Metric logger (main process only; it also writes config.yaml) + progress bar."""
+    metric_logger = None
+    if is_main:
+        metric_logger = tt_config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+    return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
+                        cfg.get("log_peak_memory_stats", False), is_main=is_main)
+
+
+def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,
+                    max_steps_per_epoch: Optional[int], batch_size: int) -> int:
+    """Optimizer steps in one epoch of ``num_batches`` micro-batches (per rank)."""
+    steps = num_batches // gradient_accumulation_steps
+    if max_steps_per_epoch is not None:
+        steps = min(steps, max_steps_per_epoch)
+    if steps < 1:
+        raise ConfigError(
+            f"the dataset yields {num_batches} batches of batch_size={batch_size} per process, "
+            f"fewer than gradient_accumulation_steps={gradient_accumulation_steps}"
+        )
+    return steps
+
+
+@dataclass
+class DataAndSchedule:
+    dataloader: Any
+    steps_per_epoch: int
+    global_step: int
+    lr_schedule: Any
+
+
+def setup_data_and_schedule(
+    cfg: DictConfig, tokenizer, optimizer, state: RecipeState, *, ignore_index: int,
+    resume: Optional[SavedState] = None, world_size: int = 1, rank: int = 0,
+) -> DataAndSchedule:
+    """Dataset and dataloader (order from the seed, epoch and rank only), optimizer steps per
+    epoch, the global step a run starts at, and the LR schedule positioned at that step.
+
+    A resumed run's ``resume`` is applied to ``state`` first, here and nowhere else: its seed
+    (data order), ``max_steps_per_epoch`` and ``epochs_run`` must be in place before the
+    dataloader and schedule are built, and its RNG restored after model init consumed it.
+    """
+    if resume is not None:
+        state.resume(resume)
+    gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
+    dataloader = build_dataloader(
+        build_dataset(cfg.dataset, tokenizer), batch_size=cfg.batch_size, shuffle=cfg.shuffle,
+        seed=state.seed, pad_id=tokenizer.pad_id,
+        collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        ignore_index=ignore_index, world_size=world_size, rank=rank,
+    )
+    steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
+                            state.max_steps_per_epoch, cfg.batch_size)
+    global_step = state.epochs_run * steps
+    lr_schedule = LRSchedule(
+        cfg.get("lr_scheduler", None), optimizer, num_training_steps=state.total_epochs * steps,
+        last_epoch=global_step - 1,
+    )
+    return DataAndSchedule(dataloader, steps, global_step, lr_schedule)
+
+
+def setup_step_driver(
+    cfg: DictConfig, *, path: NormalizationPath, runtime: Runtime, state: RecipeState,
+    resume: Optional[SavedState], model: nn.Module, tokenizer, optimizer, ignore_index: int,
+    hooks: Sequence[StepHook] = (),
+) -> StepDriver:
+    """The last setup step of every recipe: apply a resumed state, build the data and the LR
+    schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
+    ``path`` over the model's trainable parameters."""
+    plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
+                                   resume=resume, world_size=runtime.world_size, rank=runtime.rank)
+    normalizer = StepLossNormalizer(
+        cfg.get("gradient_accumulation_steps", 1),
+        optimizer_in_bwd=path == NormalizationPath.IN_BACKWARD,
+        distributed=runtime.distributed, world_size=runtime.world_size,
+    )
+    if normalizer.path != path:
+        raise ValueError(f"path {path.value} does not match the run's flags ({normalizer.path.value})")
+    return StepDriver(
+        normalizer=normalizer, parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=optimizer, lr_schedule=plan.lr_schedule, dataloader=plan.dataloader,
+        steps_per_epoch=plan.steps_per_epoch, global_step=plan.global_step, state=state,
+        reporter=build_reporter(cfg, runtime.device, is_main=runtime.is_main),
+        device=runtime.device, ignore_index=ignore_index,
+        clip_grad_norm=cfg.get("clip_grad_norm", None), hooks=hooks,
+    )

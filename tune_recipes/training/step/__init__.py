@@ -1,0 +1,1 @@
+"""One optimizer step: batches, the normalization path, optimizers, the step driver."""

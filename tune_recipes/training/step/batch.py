@@ -1,0 +1,29 @@
+"""What the step does with one micro-batch before the model sees it."""
+
+from typing import Any, Dict
+
+import torch
+
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
+
+
+def count_valid_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
+    """Number of tokens the loss is taken over, for unshifted ``labels`` of shape [b, s].
+
+    Recipes shift labels left by one (token t predicts token t+1), so the first position never
+    counts. Call this on the labels while they are still on the CPU, as the dataloader made
+    them: the count is then a Python int and no device synchronisation is needed.
+    """
+    return int((labels[..., 1:] != ignore_index).sum())
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:
+    """labels[:, 1:] padded with ignore_index: position t is scored on token t+1, without
+    slicing the (large) logits."""
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items()}

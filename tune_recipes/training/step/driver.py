@@ -1,0 +1,175 @@
+"""The training loop of every recipe, once: epochs -> optimizer steps -> micro-batches.
+
+A recipe's ``train`` reads::
+
+    for epoch in driver.epochs():
+        for step in epoch:
+            for batch in step:                                  # on the device
+                step.backward(self._loss_step(batch, step))     # a mean over batch's tokens
+            step.finish()                                       # normalize, clip, step, LR, log
+        self.save_checkpoint(epoch.index)
+
+The driver owns everything with one correct answer: grouping ``gradient_accumulation_steps``
+micro-batches into a step, stopping an epoch after ``steps_per_epoch`` steps (which already
+honours ``max_steps_per_epoch``), counting each micro-batch's unmasked tokens on the CPU, the
+factor backward needs (``StepLossNormalizer``), the step boundary in one order
+(``complete_optimizer_step``), the global step, and the progress bar and metrics.
+
+Methods extend a step through hooks (``StepHook``: QAT switches fake quantization on before a
+step and logs whether it is on) and through ``step.backward(loss, extras=...)`` (distillation's
+two loss terms, logged as token means like the loss).
+"""
+
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
+
+import torch
+from torchtune.utils import get_logger
+
+from tune_recipes.training.step.batch import count_valid_tokens, to_device
+from tune_recipes.training.step.normalization import StepLossNormalizer, grad_norm_and_clip_
+
+log = get_logger("INFO")
+
+
+class StepHook(Protocol):
+    def before_step(self, global_step: int) -> None:
+        """Runs before the first micro-batch of the step numbered ``global_step`` (0-based)."""
+
+    def metrics(self) -> Dict[str, Any]:
+        """Extra values to log with the step."""
+
+
+def complete_optimizer_step(normalizer: StepLossNormalizer, parameters: Iterable[torch.nn.Parameter],
+                            optimizer, lr_schedule, clip_grad_norm: Optional[float]):
+    """The step boundary, in the one order every path uses:
+    normalize -> clip (or measure) -> optimizer.step -> zero_grad -> LR schedule.
+
+    Only the normalization depends on the path (skip / rescale / in-backward); clipping, the
+    optimizer step and zero_grad run on every path. Returns ``(loss_to_log, grad_norm, lr)``
+    where ``lr`` is the rate this step used.
+    """
+    params = list(parameters)
+    loss_to_log = normalizer.finish_step(params)
+    grad_norm = grad_norm_and_clip_(params, clip_grad_norm)
+    lr = lr_schedule.lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr_schedule.step()
+    return loss_to_log, grad_norm, lr
+
+
+class StepDriver:
+    """Runs the epochs of a training run; see the module docstring.
+
+    ``state`` is the run's ``RecipeState`` (``epochs_run``, ``total_epochs``): the driver
+    advances ``epochs_run`` at the end of each epoch, before the recipe saves its checkpoint.
+    ``parameters`` are the trainable ones (normalized and clipped at the step boundary).
+    """
+
+    def __init__(self, *, normalizer: StepLossNormalizer, parameters: Sequence[torch.nn.Parameter],
+                 optimizer, lr_schedule, dataloader, steps_per_epoch: int, global_step: int,
+                 state, reporter, device: torch.device, ignore_index: int,
+                 clip_grad_norm: Optional[float] = None, hooks: Sequence[StepHook] = ()) -> None:
+        self.normalizer = normalizer
+        self.parameters = list(parameters)
+        self.optimizer = optimizer
+        self.lr_schedule = lr_schedule
+        self.dataloader = dataloader
+        self.steps_per_epoch = steps_per_epoch
+        self.global_step = global_step
+        self.state = state
+        self.reporter = reporter
+        self.device = device
+        self.ignore_index = ignore_index
+        self.clip_grad_norm = clip_grad_norm
+        self.hooks: List[StepHook] = list(hooks)
+        if reporter.is_main:
+            log.info("loss normalization: %s", normalizer.path.describe())
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.normalizer.gradient_accumulation_steps
+
+    def epochs(self) -> Iterator["Epoch"]:
+        self.optimizer.zero_grad(set_to_none=True)
+        for epoch in range(self.state.epochs_run, self.state.total_epochs):
+            yield Epoch(self, epoch)
+
+    def close(self) -> None:
+        self.reporter.close()
+
+
+class Epoch:
+    """Iterating it yields the epoch's ``Step``s; when they are done, ``epochs_run`` counts it."""
+
+    def __init__(self, driver: StepDriver, index: int) -> None:
+        self.driver = driver
+        self.index = index
+
+    def __iter__(self) -> Iterator["Step"]:
+        d = self.driver
+        d.dataloader.sampler.set_epoch(self.index)
+        d.reporter.start_epoch(self.index, d.state.total_epochs, d.steps_per_epoch)
+        batches = enumerate(d.dataloader)
+        for _ in range(d.steps_per_epoch):
+            step = Step(d, self.index, batches)
+            yield step
+            if not step.finished:
+                raise RuntimeError("a training step ended without step.finish()")
+        d.reporter.end_epoch()
+        d.state.epochs_run = self.index + 1
+
+
+class Step:
+    """One optimizer step. Iterating it yields its micro-batches, on the device; call
+    ``backward`` once per micro-batch, then ``finish`` once."""
+
+    def __init__(self, driver: StepDriver, epoch: int, batches) -> None:
+        self.driver = driver
+        self.epoch = epoch
+        self._batches = batches
+        self.num_tokens = 0  # the current micro-batch's unmasked tokens (a CPU count)
+        self._where = ""
+        self._pending_backward = False
+        self.finished = False
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        d = self.driver
+        for hook in d.hooks:
+            hook.before_step(d.global_step)
+        for _ in range(d.gradient_accumulation_steps):
+            idx, batch = next(self._batches)
+            # Counted on the CPU labels: a Python int, no device sync.
+            self.num_tokens = count_valid_tokens(batch["labels"], d.ignore_index)
+            self._where = f"epoch {self.epoch}, step {d.global_step}, batch {idx}"
+            self._pending_backward = True
+            yield to_device(batch, d.device)
+            if self._pending_backward:
+                raise RuntimeError("a micro-batch ended without step.backward(loss)")
+
+    @property
+    def loss_scaling(self) -> float:
+        """The factor ``backward`` will multiply this micro-batch's mean loss by; a loss that
+        pre-computes its gradients in forward (the fused loss) takes it as ``scaling``."""
+        return self.driver.normalizer.backward_factor(self.num_tokens)
+
+    def backward(self, mean_loss: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Backward this micro-batch's mean loss with the factor its path needs. ``extras``:
+        other per-token means to log with the step (e.g. distillation's loss terms)."""
+        d = self.driver
+        d.normalizer.loss_to_backward(mean_loss, self.num_tokens, where=self._where,
+                                      extras=extras).backward()
+        d.reporter.add_tokens(self.num_tokens)
+        self._pending_backward = False
+
+    def finish(self) -> None:
+        """The step boundary: normalize, clip, optimizer step, zero_grad, LR; then log."""
+        d = self.driver
+        loss, grad_norm, lr = complete_optimizer_step(
+            d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm)
+        d.global_step += 1
+        metrics = dict(d.normalizer.extras)
+        for hook in d.hooks:
+            metrics.update(hook.metrics())
+        d.reporter.step_done(d.global_step, loss, lr, grad_norm, **metrics)
+        self.finished = True

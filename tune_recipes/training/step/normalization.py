@@ -1,0 +1,247 @@
+"""Exact token normalization of the loss of one optimizer step.
+
+The loss of a step is the mean cross-entropy over every unmasked token of all its micro-batches
+(and, distributed, of all ranks). Loss functions return the mean over one micro-batch, so a step
+made of several micro-batches cannot simply average those means: micro-batches hold different
+numbers of unmasked tokens. The exact recipe is
+
+    backward(mean_i * n_i) for every micro-batch i, then scale every gradient by 1 / sum(n_i)
+
+and this module is the one place that implements it, on one of three paths
+(``NormalizationPath``), chosen once per run by ``normalization_path``.
+
+Why the SKIP path is single-device only
+---------------------------------------
+On one device with one micro-batch per step, the multiply by n and the gradient pass by 1/n
+cancel exactly, so both are skipped (a full read-write pass over every gradient saved per step).
+Distributed, they do not cancel. ``n`` in the multiply is this rank's *local* token count; the
+gradient pass divides by the *global*, all-reduced count (times ``world_size``, which undoes the
+data-parallel gradient average). The two agree only when every rank saw the same number of
+unmasked tokens, which variable-length instruction data almost never gives. Skipping both would
+normalize each rank by its own count and up-weight the ranks that saw fewer tokens: a silent
+convergence shift, not a crash. Measured with two real gloo ranks
+(tests/unit/test_distributed_normalization.py): [5, 3] tokens move the gradient ~25%, [1, 64]
+by more than 100%; only balanced [4, 4] is exact. A single-device test cannot see this
+(world_size is 1 and every variant agrees), so the distributed recipes always take RESCALE.
+
+Gradient clipping, ``optimizer.step()`` and ``zero_grad()`` are never part of this gate: they
+run after ``finish_step`` on every path (``tune_recipes.training.step.driver``).
+"""
+
+from enum import Enum
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from tune_recipes.config import ConfigError
+
+
+class NormalizationPath(str, Enum):
+    """How one step's per-micro-batch mean losses become an exactly token-normalized step."""
+
+    #: One device, one micro-batch per step: no multiply, no rescale, clip and step anyway,
+    #: logged loss = the mean (denominator 1.0). The x n and / n would cancel exactly.
+    SKIP = "skip"
+    #: Gradient accumulation > 1, or any distributed run: backward(mean x local tokens), then
+    #: gradients x world_size / global tokens (one Python float) at the step boundary.
+    RESCALE = "rescale"
+    #: The optimizer steps inside backward (one device, GA 1): the loss must already be
+    #: normalized when backward runs, so the mean is backpropagated, as on SKIP.
+    IN_BACKWARD = "in_backward"
+
+    def describe(self) -> str:
+        return {
+            NormalizationPath.SKIP: "skip (one device, gradient_accumulation_steps=1: no token "
+                                    "multiply, no scale_grads; clip and step as always)",
+            NormalizationPath.RESCALE: "rescale (loss x micro-batch tokens, gradients x "
+                                       "world_size / step tokens at the step boundary)",
+            NormalizationPath.IN_BACKWARD: "in_backward (the optimizer steps inside backward on "
+                                           "the mean loss)",
+        }[self]
+
+
+def normalization_path(*, distributed: bool, gradient_accumulation_steps: int,
+                       optimizer_in_bwd: bool = False) -> NormalizationPath:
+    """The one decision: which path a run takes. Incompatible flags are a ConfigError."""
+    if gradient_accumulation_steps < 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+    if optimizer_in_bwd:
+        if gradient_accumulation_steps != 1:
+            raise ConfigError(
+                "optimizer_in_bwd=True steps the optimizer inside backward, so it cannot "
+                f"accumulate gradients: set gradient_accumulation_steps=1 "
+                f"(got {gradient_accumulation_steps}) or optimizer_in_bwd=False")
+        if distributed:
+            raise ConfigError(
+                "optimizer_in_bwd=True cannot normalize by the global token count, which is "
+                "only known after every rank's backward; set optimizer_in_bwd=False")
+        return NormalizationPath.IN_BACKWARD
+    if gradient_accumulation_steps == 1 and not distributed:
+        return NormalizationPath.SKIP
+    # Distributed: RESCALE even at GA 1 (see the module docstring).
+    return NormalizationPath.RESCALE
+
+
+def scale_grads_(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every existing gradient in place by ``factor``, passed on as a Python float.
+
+    A Python float, not a 0-dim device tensor: ``_foreach_mul_`` with a scalar runs about three
+    times faster than with a tensor operand on an H200 (docs/benchmarks.md).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, float(factor))
+
+
+def grad_norm_and_clip_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: Optional[float]
+) -> Optional[torch.Tensor]:
+    """Total gradient 2-norm, clipping to ``max_norm`` when it is finite.
+
+    ``max_norm=None`` does nothing and returns None; ``max_norm=inf`` only measures (no extra
+    multiply pass over the gradients), so the norm can be logged without clipping.
+    """
+    if max_norm is None:
+        return None
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return None
+    max_norm = float(max_norm)
+    if max_norm == float("inf"):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # FSDP2 gradients are DTensors; their norm is one too. Materialize the replicated value.
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+class StepLossNormalizer:
+    """Turns per-micro-batch mean losses into an exactly token-normalized step.
+
+    The step driver (``tune_recipes.training.step.driver``) is its one user in the recipes::
+
+        loss = loss_fn(...)                                   # mean over this micro-batch
+        normalizer.loss_to_backward(loss, n_tokens, where=...).backward()
+        ...                                                   # more micro-batches
+        loss_to_log = normalizer.finish_step(params)          # then clip, step, zero_grad, LR
+
+    Args:
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        optimizer_in_bwd: the optimizer steps inside backward (requires GA == 1).
+        distributed: gradients are averaged over ``world_size`` data-parallel ranks.
+        world_size: number of data-parallel ranks (1 when not distributed).
+    """
+
+    def __init__(self, gradient_accumulation_steps: int, optimizer_in_bwd: bool = False,
+                 distributed: bool = False, world_size: int = 1) -> None:
+        if not distributed and world_size != 1:
+            raise ConfigError(f"world_size={world_size} needs distributed=True")
+        self.path = normalization_path(distributed=distributed,
+                                       gradient_accumulation_steps=gradient_accumulation_steps,
+                                       optimizer_in_bwd=optimizer_in_bwd)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.distributed = distributed
+        self.world_size = world_size
+        self.extras: Dict[str, torch.Tensor] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._running_loss: Optional[torch.Tensor] = None
+        self._num_tokens = 0
+        self._micro_batches = 0
+        self._extra_sums: Dict[str, torch.Tensor] = {}
+
+    def backward_factor(self, num_tokens: int) -> float:
+        """The factor ``loss_to_backward`` multiplies this micro-batch's mean loss by (a loss
+        that pre-scales its gradients in forward takes it as ``scaling``)."""
+        return float(num_tokens) if self.path == NormalizationPath.RESCALE and num_tokens > 0 else 1.0
+
+    def loss_to_backward(
+        self, mean_loss: torch.Tensor, num_tokens: int, where: str = "", extras=None
+    ) -> torch.Tensor:
+        """Record one micro-batch and return the tensor to call ``backward()`` on.
+
+        ``mean_loss`` is the loss function's mean over this micro-batch's ``num_tokens``
+        unmasked tokens (a Python int, see ``count_valid_tokens``). ``where`` names the
+        position (e.g. "epoch 0, step 12") for the error message. ``extras`` maps names to
+        other per-token means to log (e.g. the two parts of a distillation loss); after
+        ``finish_step`` they are in ``self.extras``, token-weighted like the loss.
+        """
+        num_tokens = int(num_tokens)
+        if num_tokens <= 0 and not self.distributed:
+            raise RuntimeError(
+                f"Batch at {where or 'this step'} has no unmasked label token, so its mean loss "
+                "is 0/0. Every example was truncated before its response or fully masked: raise "
+                "tokenizer.max_seq_len, set train_on_input=True, or filter such examples from "
+                "the dataset."
+            )
+        self._micro_batches += 1
+        self._num_tokens += num_tokens
+        rescale = self.path == NormalizationPath.RESCALE
+        if rescale:
+            # A rank with no unmasked token still runs backward (collectives must match), but
+            # its mean is NaN: contribute an exact zero with zero gradients instead.
+            loss = mean_loss * num_tokens if num_tokens > 0 else mean_loss.nan_to_num(0.0) * 0.0
+        else:
+            loss = mean_loss  # SKIP / IN_BACKWARD: no multiply
+        detached = loss.detach()
+        self._running_loss = detached if self._running_loss is None else self._running_loss + detached
+        weight = float(num_tokens) if rescale else 1.0
+        for name, value in (extras or {}).items():
+            v = value.detach().float() * weight if num_tokens > 0 else torch.zeros((), device=value.device)
+            self._extra_sums[name] = v if name not in self._extra_sums else self._extra_sums[name] + v
+        return loss
+
+    def finish_step(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+        """Close the step's normalization. Returns the step's loss (a 0-dim tensor; call
+        ``.item()`` only when logging): the mean over all unmasked tokens of the step, identical
+        on every path and, distributed, on every rank."""
+        if self._micro_batches != self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"finish_step after {self._micro_batches} micro-batches, expected "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
+            )
+        names = sorted(self._extra_sums)
+        if self.path == NormalizationPath.RESCALE:
+            loss_sum, extra_sums, total_tokens = self._step_sums(names)
+            scale_grads_(parameters, self.world_size / total_tokens)
+            denominator = float(total_tokens)
+        else:
+            # SKIP / IN_BACKWARD: no multiply happened, so there is nothing to rescale; the
+            # running loss is already the step's mean (denominator 1.0). Clip and step still
+            # run after this, as on every path.
+            loss_sum, extra_sums = self._running_loss, [self._extra_sums[n] for n in names]
+            denominator = 1.0
+        self.extras = {n: e / denominator for n, e in zip(names, extra_sums)}
+        loss_to_log = loss_sum / denominator
+        self._reset()
+        return loss_to_log
+
+    def _step_sums(self, names: List[str]):
+        """(loss sum, extra sums, token count) of the step; distributed, over all ranks."""
+        running_loss = self._running_loss
+        extras = [self._extra_sums[n] for n in names]
+        total_tokens = self._num_tokens
+        if self.distributed:
+            # One all-reduce for all: [loss sum, token count, extras...], in fp64 so counts
+            # stay exact.
+            dev = running_loss.device
+            packed = torch.stack(
+                [running_loss.double(), torch.tensor(float(total_tokens), dtype=torch.float64,
+                                                     device=dev)]
+                + [e.double().to(dev) for e in extras]
+            )
+            dist.all_reduce(packed)
+            running_loss = packed[0]
+            extras = list(packed[2:])
+            # The only host sync of the step: the count becomes a Python number so the
+            # gradient pass multiplies by a scalar, not a device tensor.
+            total_tokens = int(packed[1].item())
+        if total_tokens <= 0:
+            raise RuntimeError(
+                "No rank had an unmasked label token in this step; raise "
+                "tokenizer.max_seq_len, set train_on_input=True, or filter the data."
+            )
+        return running_loss, extras, total_tokens
