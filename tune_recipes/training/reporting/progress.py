@@ -50,8 +50,14 @@ class StepReporter:
     def __init__(self, metric_logger, log_every_n_steps: int = 1, device: Optional[torch.device] = None,
                  log_peak_memory_stats: bool = False, is_main: bool = True,
                  synchronize: Optional[Callable[[], None]] = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 show_progress: Optional[bool] = None, plot_dir: Optional[str] = None) -> None:
         self.metric_logger = metric_logger
+        # The bar (with loss, tokens/s and tqdm's ETA) only on an interactive terminal: piped
+        # or logged output would fill with carriage-return redraws.
+        self.show_progress = sys.stdout.isatty() if show_progress is None else show_progress
+        # Where close() draws metrics.png from metrics.jsonl (None: no picture).
+        self.plot_dir = plot_dir
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         self.device = device or torch.device("cpu")
         self.log_peak_memory_stats = log_peak_memory_stats
@@ -68,7 +74,7 @@ class StepReporter:
         return self._clock()
 
     def start_epoch(self, epoch: int, total_epochs: int, steps: int) -> None:
-        if self.is_main:
+        if self.is_main and self.show_progress:
             self._pbar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{total_epochs}",
                               dynamic_ncols=True, file=sys.stdout)
         self._tokens, self._window_steps = 0, 0
@@ -100,7 +106,9 @@ class StepReporter:
             metrics.update(extra)
             self.metric_logger.log_dict(metrics, step=global_step)
             if self._pbar is not None:
-                self._pbar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", refresh=False)
+                self._pbar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
+                                       tok_s=f"{metrics['tokens_per_second_per_gpu']:,.0f}",
+                                       refresh=False)
             # The next window starts where this one was measured: logging time is counted in
             # the next window, so the windows add up to the whole run's wall time.
             self._tokens, self._window_steps, self._t0 = 0, 0, now
@@ -116,3 +124,14 @@ class StepReporter:
         self.end_epoch()
         if self.metric_logger is not None:
             self.metric_logger.close()
+        if self.is_main and self.plot_dir is not None:
+            self._plot()
+
+    def _plot(self) -> None:
+        # A picture is a convenience: a run that trained must not fail for want of one.
+        try:
+            from tune_recipes.plotting import plot_runs
+
+            print(f"wrote {plot_runs([self.plot_dir])}  (redraw or compare: tune plot DIR ...)")
+        except Exception as e:  # matplotlib missing, a logger that writes no metrics.jsonl
+            print(f"note: no metrics.png ({type(e).__name__}: {e})", file=sys.stderr)

@@ -59,8 +59,12 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True) -> StepReporte
     if is_main:
         metric_logger = tt_config.instantiate(cfg.metric_logger)
         metric_logger.log_config(cfg)
+    # log_level (torchtune's key): WARNING or quieter turns the progress bar off too.
+    quiet = str(cfg.get("log_level", "INFO")).upper() in ("WARNING", "WARN", "ERROR", "CRITICAL")
     return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
-                        cfg.get("log_peak_memory_stats", False), is_main=is_main)
+                        cfg.get("log_peak_memory_stats", False), is_main=is_main,
+                        show_progress=False if quiet else None,
+                        plot_dir=str(cfg.output_dir) if "output_dir" in cfg else None)
 
 
 def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,

@@ -85,3 +85,59 @@ def test_cuda_reporter_synchronizes_by_default(monkeypatch):
     rep.start_epoch(0, 1, 1)
     rep.step_done(1, torch.tensor(1.0), lr=0.0)
     assert len(calls) >= 2  # the window's start and its end
+
+
+def _steps(rep, n=3):
+    rep.start_epoch(0, 1, n)
+    for step in range(1, n + 1):
+        rep.add_tokens(100)
+        rep.step_done(step, torch.tensor(2.0), lr=1e-3)
+
+
+def test_progress_bar_shows_loss_and_tokens_per_second_on_a_terminal(capsys):
+    rep = StepReporter(_Log(), show_progress=True)
+    rep.start_epoch(0, 1, 3)
+    rep.add_tokens(100)
+    rep.step_done(1, torch.tensor(2.0), lr=1e-3)
+    postfix = rep._pbar.postfix
+    assert "loss=2.0000" in postfix and "tok_s=" in postfix
+    rep.close()
+
+
+def test_no_progress_bar_when_not_a_terminal_or_quiet(capsys):
+    # pytest captures stdout, so it is not a TTY: the default shows no bar.
+    rep = StepReporter(_Log())
+    _steps(rep)
+    rep.close()
+    assert "epoch 1/1" not in capsys.readouterr().out
+
+
+def test_log_level_warning_turns_the_bar_off(tmp_path):
+    from omegaconf import OmegaConf
+
+    from tune_recipes.training.setup.recipe import build_reporter
+
+    cfg = OmegaConf.create({
+        "output_dir": str(tmp_path), "log_level": "WARNING",
+        "metric_logger": {"_component_": "tune_recipes.training.metrics.JsonlMetricLogger",
+                          "log_dir": str(tmp_path)}})
+    assert build_reporter(cfg, torch.device("cpu")).show_progress is False
+    cfg.log_level = "INFO"
+    assert build_reporter(cfg, torch.device("cpu")).plot_dir == str(tmp_path)
+
+
+def test_close_draws_metrics_png_from_the_run_log(tmp_path):
+    from tune_recipes.training.metrics import JsonlMetricLogger
+
+    rep = StepReporter(JsonlMetricLogger(tmp_path), plot_dir=str(tmp_path))
+    _steps(rep)
+    rep.close()
+    png = tmp_path / "metrics.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_plot_does_not_fail_the_run(tmp_path, capsys):
+    rep = StepReporter(_Log(), plot_dir=str(tmp_path / "no_metrics_here"))
+    _steps(rep)
+    rep.close()  # no metrics.jsonl: a note, no exception
+    assert "no metrics.png" in capsys.readouterr().err
