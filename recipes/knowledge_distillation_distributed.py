@@ -46,7 +46,8 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only",
-    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level",
+    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
+    "batch_size_val", "run_val_every_n_steps",
 }
 
 
@@ -96,6 +97,7 @@ class KDRecipeDistributed:
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index,
+            eval_loss=self._kd.validation_loss,
         )
 
     def save_checkpoint(self, epoch: int) -> None:

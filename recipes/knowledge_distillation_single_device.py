@@ -45,7 +45,8 @@ CONFIG_KEYS = {
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
-    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level",
+    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
+    "batch_size_val", "run_val_every_n_steps",
 }
 
 
@@ -84,6 +85,7 @@ class KDRecipeSingleDevice:
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index,
+            eval_loss=self._kd.validation_loss,
         )
 
     def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:

@@ -41,7 +41,8 @@ CONFIG_KEYS = {
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level", "dataset_val",
+    "batch_size_val", "run_val_every_n_steps",
 }
 
 
@@ -76,6 +77,7 @@ class LoRAFinetuneRecipeSingleDevice:
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index,
+            eval_loss=self._lm_loss.validation_loss,
         )
 
     # ------------------------------------------------------------------ checkpoint

@@ -53,7 +53,8 @@ CONFIG_KEYS = {
     "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss", "clip_grad_norm",
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
-    "collate_fn", "save_adapter_weights_only", "quantizer", "fake_quant_after_n_steps", "log_level",
+    "collate_fn", "save_adapter_weights_only", "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val",
+    "batch_size_val", "run_val_every_n_steps",
 }
 
 
@@ -99,6 +100,7 @@ class QATLoRAFinetuneRecipeDistributed:
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index, hooks=[fake_quant],
+            eval_loss=self._lm_loss.validation_loss,
         )
 
     def _swap_for_qat(self, meta_model) -> None:

@@ -1,6 +1,6 @@
 """The library's shape: layers import only downwards, and every module has its unit tests.
 
-Layers, bottom to top: constants, config, modules, training.reporting, training.step,
+Layers, bottom to top: constants, config, plotting, modules, training.reporting, training.step,
 training.losses, training.checkpointing, training.setup. A module may import its own package
 and anything below it; recipes sit on top and nothing imports them.
 """
@@ -16,6 +16,7 @@ PKG = ROOT / "tune_recipes"
 LAYERS = [
     "tune_recipes.constants",
     "tune_recipes.config",
+    "tune_recipes.plotting",
     "tune_recipes.modules",
     "tune_recipes.training.reporting",
     "tune_recipes.training.step",
@@ -59,6 +60,7 @@ TESTS = {
     "training/step/normalization.py": "training/step/test_normalization.py",
     "training/step/optim.py": "training/step/test_optim.py",
     "training/step/driver.py": "training/step/test_driver.py",
+    "training/step/validation.py": "training/step/test_validation.py",
     "training/losses/__init__.py": "training/losses/test_lm_loss.py",
     "training/losses/lm_loss.py": "training/losses/test_lm_loss.py",
     "training/losses/kd.py": "training/losses/test_kd.py",

@@ -68,14 +68,17 @@ class AlpacaToShortChat(Transform):
         return {"messages": messages}
 
 
-def tiny_alpaca_dataset(tokenizer, train_on_input: bool = False, packed: bool = False):
+def tiny_alpaca_dataset(tokenizer, train_on_input: bool = False, packed: bool = False,
+                        split: str = "train"):
     """The shipped 400-example instruction dataset (alpaca format, written by
     ``scripts/make_tiny_assets.py``), tokenized in the Llama-3 chat format. ``packed=True``
-    packs examples into ``tokenizer.max_seq_len``-long sequences, as torchtune's datasets do."""
+    packs examples into ``tokenizer.max_seq_len``-long sequences, as torchtune's datasets do.
+    ``split`` takes Hugging Face slicing (``"train[:40]"``, ``"train[-40:]"``), e.g. to hold out
+    a validation set."""
     ds = SFTDataset(
         source="json",
         data_files=str(TINY_DATA_PATH),
-        split="train",
+        split=split,
         message_transform=AlpacaToShortChat(train_on_input),
         model_transform=tokenizer,
     )

@@ -54,3 +54,12 @@ class DistillationLoss:
             kd = self.kd_loss(s, teacher_logits.reshape(-1, teacher_logits.size(-1)), flat)
         loss = (1.0 - self.kd_ratio) * ce + self.kd_ratio * kd
         return loss, {"class_loss": ce, "kd_loss": kd}
+
+    def validation_loss(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
+        """The student's cross-entropy alone: the validation loss of a distilled model is its
+        own language-modelling loss, comparable with any other fine-tune's."""
+        labels = shift_labels(batch.pop("labels"), self.ignore_index)
+        logits = self.student(**batch)
+        if isinstance(logits, list):
+            return self.ce_loss(logits, labels)
+        return self.ce_loss(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))

@@ -47,3 +47,7 @@ class CausalLMLoss:
         if isinstance(out, list):
             return self.loss_fn(out, labels)
         return self.loss_fn(out.reshape(-1, out.size(-1)), labels.reshape(-1))
+
+    def validation_loss(self, batch: Dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor:
+        """The mean loss for validation (call under no_grad; nothing is pre-scaled)."""
+        return self(batch, scaling=1.0, num_tokens=num_tokens)

@@ -1,5 +1,6 @@
 """Progress bar and per-step metrics, the same in every recipe."""
 
+import contextlib
 import sys
 import time
 from typing import Callable, Dict, Optional
@@ -114,6 +115,21 @@ class StepReporter:
             self._tokens, self._window_steps, self._t0 = 0, 0, now
         if self._pbar is not None:
             self._pbar.update(1)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (validation) is left out of the training throughput window."""
+        t0 = self._read_clock()
+        try:
+            yield
+        finally:
+            self._t0 += self._read_clock() - t0
+
+    def log_validation(self, global_step: int, val_loss: float) -> None:
+        if self.is_main and self.metric_logger is not None:
+            self.metric_logger.log_dict({"val_loss": val_loss}, step=global_step)
+        if self._pbar is not None:
+            self._pbar.write(f"step {global_step}: val_loss {val_loss:.4f}")
 
     def end_epoch(self) -> None:
         if self._pbar is not None:

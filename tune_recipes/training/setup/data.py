@@ -20,6 +20,32 @@ def build_dataset(cfg_dataset, tokenizer) -> Dataset:
     return tt_config.instantiate(cfg_dataset, tokenizer)
 
 
+def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int):
+    """The batch collation for ``dataset``: packed sequences, or padding by ``collate_fn``."""
+    if getattr(dataset, "packed", False):
+        return padded_collate_packed
+    if "left_pad_sequence" in collate_fn:
+        raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
+    fn = resolve_component(collate_fn, "collate_fn")
+    return partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
+
+
+def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size: int = 1,
+                                rank: int = 0):
+    """``dataset_val`` in a fixed order, each example on exactly one rank, nothing dropped;
+    None when the config has no ``dataset_val``."""
+    if cfg.get("dataset_val") is None:
+        return None
+    from tune_recipes.training.step.validation import shard_for_rank
+
+    dataset = build_dataset(cfg.dataset_val, tokenizer)
+    collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
+                           collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"))
+    return DataLoader(shard_for_rank(dataset, world_size, rank),
+                      batch_size=cfg.get("batch_size_val", None) or cfg.batch_size,
+                      shuffle=False, collate_fn=collate, drop_last=False)
+
+
 def build_dataloader(
     dataset: Dataset,
     *,
@@ -36,14 +62,7 @@ def build_dataloader(
     """A dataloader whose order depends only on (seed, epoch, rank), so a resumed run sees
     exactly the batches an uninterrupted one would. Checkpoints are written at epoch
     boundaries, so no dataloader state needs saving (a mid-epoch resume would need it)."""
-    packed = getattr(dataset, "packed", False)
-    if packed:
-        collate = padded_collate_packed
-    else:
-        if "left_pad_sequence" in collate_fn:
-            raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
-        fn = resolve_component(collate_fn, "collate_fn")
-        collate = partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
+    collate = make_collate(dataset, pad_id=pad_id, collate_fn=collate_fn, ignore_index=ignore_index)
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )

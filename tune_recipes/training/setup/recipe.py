@@ -12,11 +12,16 @@ from tune_recipes.config import ConfigError
 from tune_recipes.training.checkpointing.io import checkpointer_config_for_resume
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
 from tune_recipes.training.reporting.progress import StepReporter
-from tune_recipes.training.setup.data import build_dataloader, build_dataset
+from tune_recipes.training.setup.data import (
+    build_dataloader,
+    build_dataset,
+    build_validation_dataloader,
+)
 from tune_recipes.training.setup.runtime import Runtime
 from tune_recipes.training.step.driver import StepDriver, StepHook
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule
+from tune_recipes.training.step.validation import Validator
 
 
 def training_dtype(cfg: DictConfig, device) -> torch.dtype:
@@ -122,7 +127,7 @@ def setup_data_and_schedule(
 def setup_step_driver(
     cfg: DictConfig, *, path: NormalizationPath, runtime: Runtime, state: RecipeState,
     resume: Optional[SavedState], model: nn.Module, tokenizer, optimizer, ignore_index: int,
-    hooks: Sequence[StepHook] = (),
+    hooks: Sequence[StepHook] = (), eval_loss=None,
 ) -> StepDriver:
     """The last setup step of every recipe: apply a resumed state, build the data and the LR
     schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
@@ -136,11 +141,20 @@ def setup_step_driver(
     )
     if normalizer.path != path:
         raise ValueError(f"path {path.value} does not match the run's flags ({normalizer.path.value})")
+    validator = None
+    val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
+                                             world_size=runtime.world_size, rank=runtime.rank)
+    if val_loader is not None:
+        if eval_loss is None:
+            raise ConfigError("dataset_val: this recipe has no validation loss")
+        validator = Validator(model, eval_loss, val_loader, ignore_index=ignore_index,
+                              device=runtime.device, distributed=runtime.distributed,
+                              every_n_steps=cfg.get("run_val_every_n_steps", None))
     return StepDriver(
         normalizer=normalizer, parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=optimizer, lr_schedule=plan.lr_schedule, dataloader=plan.dataloader,
         steps_per_epoch=plan.steps_per_epoch, global_step=plan.global_step, state=state,
         reporter=build_reporter(cfg, runtime.device, is_main=runtime.is_main),
         device=runtime.device, ignore_index=ignore_index,
-        clip_grad_norm=cfg.get("clip_grad_norm", None), hooks=hooks,
+        clip_grad_norm=cfg.get("clip_grad_norm", None), hooks=hooks, validator=validator,
     )

@@ -69,7 +69,8 @@ class StepDriver:
     def __init__(self, *, normalizer: StepLossNormalizer, parameters: Sequence[torch.nn.Parameter],
                  optimizer, lr_schedule, dataloader, steps_per_epoch: int, global_step: int,
                  state, reporter, device: torch.device, ignore_index: int,
-                 clip_grad_norm: Optional[float] = None, hooks: Sequence[StepHook] = ()) -> None:
+                 clip_grad_norm: Optional[float] = None, hooks: Sequence[StepHook] = (),
+                 validator=None) -> None:
         self.normalizer = normalizer
         self.parameters = list(parameters)
         self.optimizer = optimizer
@@ -83,6 +84,10 @@ class StepDriver:
         self.ignore_index = ignore_index
         self.clip_grad_norm = clip_grad_norm
         self.hooks: List[StepHook] = list(hooks)
+        # Validation loss (training/step/validation.py): every run_val_every_n_steps and at
+        # each epoch end; None without dataset_val.
+        self.validator = validator
+        self._validated_at: Optional[int] = None
         if reporter.is_main:
             log.info("loss normalization: %s", normalizer.path.describe())
 
@@ -94,6 +99,15 @@ class StepDriver:
         self.optimizer.zero_grad(set_to_none=True)
         for epoch in range(self.state.epochs_run, self.state.total_epochs):
             yield Epoch(self, epoch)
+
+    def validate(self) -> None:
+        """Run the validation set now (once per global step) and log ``val_loss``."""
+        if self.validator is None or self._validated_at == self.global_step:
+            return
+        with self.reporter.paused():
+            val_loss = self.validator()
+        self._validated_at = self.global_step
+        self.reporter.log_validation(self.global_step, val_loss)
 
     def close(self) -> None:
         self.reporter.close()
@@ -116,6 +130,7 @@ class Epoch:
             yield step
             if not step.finished:
                 raise RuntimeError("a training step ended without step.finish()")
+        d.validate()
         d.reporter.end_epoch()
         d.state.epochs_run = self.index + 1
 
@@ -173,3 +188,5 @@ class Step:
             metrics.update(hook.metrics())
         d.reporter.step_done(d.global_step, loss, lr, grad_norm, **metrics)
         self.finished = True
+        if d.validator is not None and d.validator.due(d.global_step):
+            d.validate()

@@ -62,7 +62,10 @@ def _worker(rank, world, port, counts, mode, q):
         p.grad /= world
     logged = norm.finish_step(model.parameters()).item() if mode == "library" else None
     if rank == 0:
-        q.put((_flat_grad(model), logged))
+        # A plain list, not a tensor: a tensor crosses the queue as a shared-memory handle that
+        # dies with this process, and the parent read it after exit at random
+        # (ConnectionResetError under load).
+        q.put((_flat_grad(model).tolist(), logged))
     dist.destroy_process_group()
 
 
@@ -79,11 +82,11 @@ def _two_ranks(counts, mode):
     procs = [ctx.Process(target=_worker, args=(r, 2, port, counts, mode, q)) for r in range(2)]
     for p in procs:
         p.start()
-    result = q.get(timeout=120)
+    grad, logged = q.get(timeout=120)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return result
+    return torch.tensor(grad, dtype=torch.float32), logged
 
 
 def _reference(counts):
