@@ -20,7 +20,9 @@ def tune_cmd() -> List[str]:
 
 def tune(*args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "2")
+    # Two pytest workers share the CI machine's 2 cores: one thread per recipe process, or
+    # the workers' thread pools oversubscribe the cores and spin.
+    env.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
     proc = subprocess.run([*tune_cmd(), *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
     if check and proc.returncode != 0:
