@@ -1,6 +1,7 @@
 """Checkpoint I/O glue around torchtune's checkpointers."""
 
 import json
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,34 @@ from tune_recipes.config import ConfigError
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint in ``output_dir`` cannot be used (unsafe, truncated, unreadable, or not
+    the one it should be). A ConfigError, so recipes report it in one line (exit 2)."""
+
+
+def load_recipe_state(path: Path) -> Dict[str, object]:
+    """The recipe state at ``path``, unpickled with ``weights_only=True``: tensors, numbers,
+    strings, lists and dicts only.
+
+    NOTE: never ``weights_only=False`` here. ``output_dir`` may hold a file someone else wrote
+    (a shared disk, a downloaded run); a full unpickle runs whatever code the file names before
+    anything can check it.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain values; refusing to unpickle it "
+            f"(it could run code). Delete it or resume from a checkpoint you wrote ({first})"
+        ) from None
+    except Exception as e:  # truncated (a kill mid-write), not a torch file, unreadable
+        raise CheckpointError(
+            f"cannot read the recipe state {path}: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}"
+        ) from None
 
 
 def latest_epoch_dir(output_dir: Path) -> Optional[Path]:
@@ -46,7 +75,7 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
             f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ checkpoint with a "
             f"{RECIPE_STATE_FILE} beside it; run without resume_from_checkpoint first"
         )
-    state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+    state = load_recipe_state(state_path)
     epochs_run = state.get("epochs_run")
     epoch = int(_EPOCH_DIR.match(epoch_dir.name).group(1))
     if epochs_run != epoch + 1:
