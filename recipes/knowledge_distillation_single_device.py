@@ -46,6 +46,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",
+    "on_nonfinite",
 }
 
 

@@ -3,12 +3,18 @@
 Tiny full fine-tunes on the CPU; each test states the fault it injects and what must hold.
 """
 
+import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import run_recipe, weights
+from helpers import assert_same_weights, losses, run_recipe, weights
+from tune_recipes.training.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 FULL = ("full_finetune_single_device", "tiny/full_single_device")
@@ -40,3 +46,86 @@ def test_resume_refuses_a_malicious_recipe_state_and_runs_nothing(tmp_path):
     assert str(state_path) in last and "refusing to unpickle" in last, last
     assert "Traceback" not in proc.stderr
     assert not marker.exists()
+
+
+def test_a_huge_lr_stops_at_the_first_nan_step_without_saving(tmp_path):
+    """The issue's example: optimizer.lr=1e10 used to train on NaN and save a NaN checkpoint."""
+    out = tmp_path / "run"
+    proc = run_recipe(*FULL, out, ["max_steps_per_epoch=6", "optimizer.lr=1e10"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "non-finite loss or gradient norm at epoch 0, step " in last, last
+    assert "Traceback" not in proc.stderr
+    assert not (out / "epoch_0").exists()
+    # The step it names is the first logged non-finite one.
+    rows = read_metrics(out / "metrics.jsonl")
+    first_bad = next(r["step"] for r in rows
+                     if not all(math.isfinite(float(r[k])) for k in ("loss", "grad_norm")))
+    assert f"step {first_bad} (" in last and rows[-1]["step"] == first_bad
+
+
+def test_skip_drops_nan_steps_counts_them_and_saves_finite_weights(tmp_path):
+    out = tmp_path / "run"
+    run_recipe(*FULL, out, ["max_steps_per_epoch=6", "optimizer.lr=1e10", "on_nonfinite=skip"])
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[-1]["skipped_steps"] > 0
+    assert all(torch.isfinite(v).all() for v in weights(out, 0).values())
+
+
+# Runs the CLI in-process after wrapping one kind of write: its ``nth`` call writes a partial
+# file (or nothing) and the process SIGKILLs itself, as a power cut or the OOM killer would.
+_KILL_DURING_WRITE = r'''
+import os, signal, sys
+import torch
+import tune_recipes.training.checkpointing.writer as writer
+import torchtune.training.checkpointing._checkpointer as tt
+from tune_recipes._cli.main import main
+
+kind, nth, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+calls = [0]
+
+def killing(write):
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            if kind != "publish":
+                with open(args[1], "wb") as f:
+                    f.write(b"half a file")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(*args, **kwargs)
+    return wrapped
+
+if kind == "weights":
+    tt.save_file = killing(tt.save_file)
+elif kind == "state":
+    torch.save = killing(torch.save)
+else:  # between publishing epoch_<n>/ and replacing recipe_state/recipe_state.pt
+    writer.replace_file_atomically = killing(writer.replace_file_atomically)
+sys.exit(main(argv))
+'''
+THREE_EPOCHS = ["max_steps_per_epoch=2", "epochs=3", "lr_scheduler.num_warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def three_epochs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run_recipe(*FULL, out, THREE_EPOCHS)
+    return out
+
+
+@pytest.mark.parametrize("kind, resumes_after", [("weights", 0), ("state", 0), ("publish", 1)])
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_newest_complete_one(
+        tmp_path, three_epochs, kind, resumes_after):
+    out = tmp_path / "run"
+    args = ["run", *FULL[:1], "--config", FULL[1], f"output_dir={out}", *THREE_EPOCHS]
+    # The 2nd write of that kind is epoch 1's save.
+    proc = subprocess.run([sys.executable, "-c", _KILL_DURING_WRITE, kind, "2", *args],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    complete = sorted(p.name for p in out.glob("epoch_*"))
+    assert complete == [f"epoch_{i}" for i in range(resumes_after + 1)], complete
+    proc = run_recipe(*FULL, out, [*THREE_EPOCHS, "resume_from_checkpoint=True"])
+    assert_same_weights(weights(out, 2), weights(three_epochs, 2), rtol=0, atol=0)
+    # The resumed steps repeat the uninterrupted run's losses exactly.
+    by_step = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+    assert [by_step[s] for s in (5, 6)] == losses(three_epochs)[4:6]

@@ -59,6 +59,7 @@ TESTS = {
     "training/step/normalization.py": "training/step/test_normalization.py",
     "training/step/optim.py": "training/step/test_optim.py",
     "training/step/driver.py": "training/step/test_driver.py",
+    "training/step/nonfinite.py": "training/step/test_nonfinite.py",
     "training/losses/__init__.py": "training/losses/test_lm_loss.py",
     "training/losses/lm_loss.py": "training/losses/test_lm_loss.py",
     "training/losses/kd.py": "training/losses/test_kd.py",

@@ -14,6 +14,8 @@ from tune_recipes.config import ConfigError
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
+# Each intermediate epoch folder holds its own copy: a folder and its state appear together.
+EPOCH_STATE_FILE = "recipe_state.pt"
 
 
 class CheckpointError(ConfigError):
@@ -70,6 +72,8 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     out = Path(output_dir)
     epoch_dir = latest_epoch_dir(out)
     state_path = out / RECIPE_STATE_FILE
+    if epoch_dir is not None and (epoch_dir / EPOCH_STATE_FILE).is_file():
+        state_path = epoch_dir / EPOCH_STATE_FILE  # written with the folder (crash-safe)
     if epoch_dir is None or not state_path.is_file():
         raise ConfigError(
             f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ checkpoint with a "
@@ -84,6 +88,9 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
             f"newest checkpoint is {epoch_dir}; remove the newer epoch folder or the stale state"
         )
     cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    # The state checked above is the one torchtune loads (relative to output_dir).
+    if not cfg.get("recipe_checkpoint"):
+        cfg.recipe_checkpoint = str(state_path.relative_to(out))
     if full_weights:
         files = _model_files(epoch_dir)
         if not files:

@@ -139,4 +139,5 @@ def setup_step_driver(
         reporter=build_reporter(cfg, runtime.device, is_main=runtime.is_main),
         device=runtime.device, ignore_index=ignore_index,
         clip_grad_norm=cfg.get("clip_grad_norm", None), hooks=hooks,
+        on_nonfinite=cfg.get("on_nonfinite", "raise"),
     )
