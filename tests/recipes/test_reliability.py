@@ -3,17 +3,20 @@
 Tiny full fine-tunes on the CPU; each test states the fault it injects and what must hold.
 """
 
+import json
 import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from helpers import assert_same_weights, losses, run_recipe, weights
+from helpers import assert_same_weights, losses, run_recipe, tune_cmd, weights
 from tune_recipes.training.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -126,6 +129,36 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_newest_complete_one(
     assert complete == [f"epoch_{i}" for i in range(resumes_after + 1)], complete
     proc = run_recipe(*FULL, out, [*THREE_EPOCHS, "resume_from_checkpoint=True"])
     assert_same_weights(weights(out, 2), weights(three_epochs, 2), rtol=0, atol=0)
-    # The resumed steps repeat the uninterrupted run's losses exactly.
-    by_step = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
-    assert [by_step[s] for s in (5, 6)] == losses(three_epochs)[4:6]
+    # Every step logged once, with the uninterrupted run's losses exactly.
+    assert read_metrics(out / "metrics.jsonl", "step") == list(range(1, 7))
+    assert losses(out) == losses(three_epochs)
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    # A live process owns it (this test's own pid); a dead one's lock would be taken over.
+    (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    proc = run_recipe(*FULL, out, ["max_steps_per_epoch=1"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"is in use by another run (pid {os.getpid()}" in proc.stderr.strip().splitlines()[-1]
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    out = tmp_path / "run"
+    cmd = [*tune_cmd(), "run", *FULL[:1], "--config", FULL[1], f"output_dir={out}",
+           "max_steps_per_epoch=1", "epochs=200"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+    deadline = time.time() + 300
+    while not (out / "epoch_0").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step "), last
+    assert f"last checkpoint {out}/epoch_" in last and "resume_from_checkpoint=True" in last, last
+    assert not (out / ".lock").exists()

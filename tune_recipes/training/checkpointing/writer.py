@@ -38,6 +38,7 @@ def publish_dir(staged: Path, final: Path, trash: Path) -> None:
     os.rename(staged, final)
     shutil.rmtree(trash, ignore_errors=True)
 from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.nonfinite import NonFiniteError
 
 
@@ -130,6 +131,7 @@ class CheckpointWriter:
                 # The epoch's own copy travels with its folder: resume reads it from there.
                 os.replace(staging / RECIPE_STATE_FILE, staging / name / EPOCH_STATE_FILE)
             publish_dir(staging / name, out / name, staging / "replaced")
+            run_status.checkpoint_saved(out / name)
             if intermediate:
                 # Where torchtune's tools look for it.
                 replace_file_atomically(out / name / EPOCH_STATE_FILE, out / RECIPE_STATE_FILE)

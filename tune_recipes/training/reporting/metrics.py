@@ -41,6 +41,25 @@ class JsonlMetricLogger:
                 "writable?"
             ) from None
 
+    def drop_rows_after(self, step: int) -> None:
+        """Keep only rows logged at or before ``step``: a resumed run continues from its
+        checkpoint's step, and the rows a killed run logged after it would appear twice.
+        Rewritten to a temporary file and renamed, so a kill here loses nothing."""
+        self._fh.close()
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by a kill
+            if row_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+        self._fh = open(self.path, "a", buffering=1)
+
     def log(self, name: str, data: Any, step: int) -> None:
         self.log_dict({name: data}, step)
 

@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequ
 import torch
 from torchtune.utils import get_logger
 
+from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.batch import count_valid_tokens, to_device
 from tune_recipes.training.step.nonfinite import NonFiniteGuard, check_clip_grad_norm, check_mode
 from tune_recipes.training.step.normalization import (
@@ -199,6 +200,7 @@ class Step:
             d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
             guard=d.guard, step=number, where=where)
         d.global_step += 1
+        run_status.step_finished(d.global_step)
         metrics = dict(d.normalizer.extras)
         for hook in d.hooks:
             metrics.update(hook.metrics())

@@ -53,3 +53,15 @@ def test_an_unwritable_log_dir_is_one_clear_error_not_an_attribute_error(tmp_pat
         ro.chmod(0o500)
         with pytest.raises(ConfigError, match="Permission denied; is output_dir writable"):
             JsonlMetricLogger(ro)
+
+
+def test_a_resumed_run_drops_the_rows_after_its_checkpoint(tmp_path):
+    logger = JsonlMetricLogger(tmp_path)
+    for step in (1, 2, 3, 4):
+        logger.log("loss", float(step), step)
+    logger._fh.write('{"step": 5, "lo')  # torn by a kill
+    logger.drop_rows_after(2)
+    logger.log("loss", 30.0, 3)
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl", "step") == [1, 2, 3]
+    assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [1.0, 2.0, 30.0]
