@@ -38,17 +38,21 @@ def test_resume_refuses_a_malicious_recipe_state_and_runs_nothing(tmp_path):
     out = tmp_path / "run"
     run_recipe(*FULL, out, TWO_EPOCHS)
     shutil.rmtree(out / "epoch_1")
-    state_path = out / "recipe_state" / "recipe_state.pt"
-    state = torch.load(state_path, weights_only=True)
     marker = tmp_path / "pwned"
-    state["evil"] = _RunsCode(marker)
-    torch.save(state, state_path)
-    proc = run_recipe(*FULL, out, [*TWO_EPOCHS, "resume_from_checkpoint=True"], check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert str(state_path) in last and "refusing to unpickle" in last, last
-    assert "Traceback" not in proc.stderr
-    assert not marker.exists()
+    # The epoch folder's own state (what resume reads), then a run without it (older layout:
+    # recipe_state/recipe_state.pt).
+    for state_path in (out / "epoch_0" / "recipe_state.pt", out / "recipe_state" / "recipe_state.pt"):
+        state = torch.load(state_path, weights_only=True)
+        state["evil"] = _RunsCode(marker)
+        torch.save(state, state_path)
+        proc = run_recipe(*FULL, out, [*TWO_EPOCHS, "resume_from_checkpoint=True"], check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert str(state_path) in last and "refusing to unpickle" in last, last
+        assert "Traceback" not in proc.stderr
+        assert not marker.exists()
+        if state_path.parent.name == "epoch_0":
+            state_path.unlink()
 
 
 def test_a_huge_lr_stops_at_the_first_nan_step_without_saving(tmp_path):
