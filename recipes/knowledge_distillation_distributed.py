@@ -47,7 +47,7 @@ CONFIG_KEYS = {
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps",
+    "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
 }
 
 

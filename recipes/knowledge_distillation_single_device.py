@@ -46,7 +46,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps",
+    "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
 }
 
 

@@ -41,8 +41,8 @@ CONFIG_KEYS = {
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
+    "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
 }
 
 

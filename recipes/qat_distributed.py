@@ -43,7 +43,7 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps",
+    "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
 }
 
 

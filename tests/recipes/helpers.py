@@ -33,8 +33,10 @@ def tune(*args: str, check: bool = True, timeout: int = 600) -> subprocess.Compl
     return proc
 
 
-def run_recipe(recipe: str, config: str, output_dir: Path, overrides: Sequence[str] = ()):
-    return tune("run", recipe, "--config", config, f"output_dir={output_dir}", *overrides)
+def run_recipe(recipe: str, config: str, output_dir: Path, overrides: Sequence[str] = (),
+               check: bool = True):
+    return tune("run", recipe, "--config", config, f"output_dir={output_dir}", *overrides,
+                check=check)
 
 
 def losses(output_dir: Path) -> List[float]:

@@ -19,7 +19,14 @@ def run_script(path: Path, args: List[str]) -> None:
     the script's folder comes first on ``sys.path``."""
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(Path(path).parent))
-    runpy.run_path(str(path), run_name="__main__")
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except KeyboardInterrupt:
+        # Ctrl-C: one line (where the run stood and how to resume), not a traceback.
+        from tune_recipes.training.reporting.run_status import interrupted_message
+
+        print(f"\n{interrupted_message(Path(path), list(args))}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Checkpoint I/O glue around torchtune's checkpointers."""
 
 import json
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,36 @@ from tune_recipes.config import ConfigError
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
+# Each intermediate epoch folder holds its own copy: a folder and its state appear together.
+EPOCH_STATE_FILE = "recipe_state.pt"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint in ``output_dir`` cannot be used (unsafe, truncated, unreadable, or not
+    the one it should be). A ConfigError, so recipes report it in one line (exit 2)."""
+
+
+def load_recipe_state(path: Path) -> Dict[str, object]:
+    """The recipe state at ``path``, unpickled with ``weights_only=True``: tensors, numbers,
+    strings, lists and dicts only.
+
+    NOTE: never ``weights_only=False`` here. ``output_dir`` may hold a file someone else wrote
+    (a shared disk, a downloaded run); a full unpickle runs whatever code the file names before
+    anything can check it.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain values; refusing to unpickle it "
+            f"(it could run code). Delete it or resume from a checkpoint you wrote ({first})"
+        ) from None
+    except Exception as e:  # truncated (a kill mid-write), not a torch file, unreadable
+        raise CheckpointError(
+            f"cannot read the recipe state {path}: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}"
+        ) from None
 
 
 def latest_epoch_dir(output_dir: Path) -> Optional[Path]:
@@ -41,12 +72,14 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     out = Path(output_dir)
     epoch_dir = latest_epoch_dir(out)
     state_path = out / RECIPE_STATE_FILE
+    if epoch_dir is not None and (epoch_dir / EPOCH_STATE_FILE).is_file():
+        state_path = epoch_dir / EPOCH_STATE_FILE  # written with the folder (crash-safe)
     if epoch_dir is None or not state_path.is_file():
         raise ConfigError(
             f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ checkpoint with a "
             f"{RECIPE_STATE_FILE} beside it; run without resume_from_checkpoint first"
         )
-    state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+    state = load_recipe_state(state_path)
     epochs_run = state.get("epochs_run")
     epoch = int(_EPOCH_DIR.match(epoch_dir.name).group(1))
     if epochs_run != epoch + 1:
@@ -55,6 +88,9 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
             f"newest checkpoint is {epoch_dir}; remove the newer epoch folder or the stale state"
         )
     cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    # The state checked above is the one torchtune loads (relative to output_dir).
+    if not cfg.get("recipe_checkpoint"):
+        cfg.recipe_checkpoint = str(state_path.relative_to(out))
     if full_weights:
         files = _model_files(epoch_dir)
         if not files:

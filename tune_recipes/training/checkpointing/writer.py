@@ -1,5 +1,7 @@
 """Every recipe's ``save_checkpoint``: full or LoRA-type, one device or FSDP, in one place."""
 
+import os
+import shutil
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -9,11 +11,49 @@ from torch import nn
 from torchtune import training
 
 from tune_recipes.training.checkpointing.io import (
+    EPOCH_STATE_FILE,
+    RECIPE_STATE_FILE,
+    CheckpointError,
     LoRASpec,
     complete_peft_adapter_config,
     lora_checkpoint_entries,
 )
+
+STAGING_DIR = ".saving"  # under output_dir; NOTE: not "epoch_*": torchtune globs ^epoch_(\d+)
+
+
+def replace_file_atomically(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` so that ``dst`` is always either the old or the new file."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def publish_dir(staged: Path, final: Path, trash: Path) -> None:
+    """Rename the complete ``staged`` folder to ``final`` (an existing one is moved to
+    ``trash`` first and deleted after): ``final`` never holds a partial checkpoint."""
+    if final.exists():
+        os.rename(final, trash)
+    os.rename(staged, final)
+    shutil.rmtree(trash, ignore_errors=True)
 from tune_recipes.training.checkpointing.state import RecipeState
+from tune_recipes.training.reporting import run_status
+from tune_recipes.training.step.nonfinite import NonFiniteError
+
+
+def refuse_nonfinite_weights(state_dict: Dict[str, torch.Tensor], epoch: int) -> None:
+    """Never write NaN/inf weights. The step driver's ``on_nonfinite`` check normally stops a
+    run first; this is the last line, one pass over the weights at save time."""
+    bad = [k for k, v in state_dict.items()
+           # Plain tensors only: quantized/NF4 subclasses may not implement isfinite.
+           if type(v) in (torch.Tensor, nn.Parameter) and v.is_floating_point()
+           and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise NonFiniteError(
+            f"the weights to save for epoch {epoch} hold NaN/inf ({len(bad)} tensors, e.g. "
+            f"{bad[0]}); not writing them"
+        )
 
 
 class CheckpointWriter:
@@ -53,19 +93,55 @@ class CheckpointWriter:
         model_sd = self._model_state_dict(model)
         opt_sd = self._optimizer_state_dict(model, optimizer) if intermediate else None
         if self.is_main:
+            refuse_nonfinite_weights(model_sd, epoch)
             if self.lora is not None:
                 ckpt = lora_checkpoint_entries(model_sd, self.lora, self.adapter_only)
             else:
                 ckpt = {training.MODEL_KEY: model_sd}
             if intermediate:
                 ckpt.update(state.checkpoint_entries(opt_sd))
-            self.checkpointer.save_checkpoint(ckpt, epoch=epoch, intermediate_checkpoint=intermediate,
-                                              adapter_only=self.adapter_only)
-            if self.lora is not None:
-                complete_peft_adapter_config(self.output_dir / f"epoch_{epoch}",
-                                             self.base_checkpoint_dir)
+            self._write(ckpt, epoch, intermediate)
         if self.distributed:
             dist.barrier()
+
+    def _write(self, ckpt: Dict[str, object], epoch: int, intermediate: bool) -> None:
+        """Crash-safe: the checkpointer writes into ``output_dir/.saving/``; only a complete
+        ``epoch_<n>/`` (weights, adapter, and for an intermediate epoch its own
+        ``recipe_state.pt``) is renamed into ``output_dir``, then ``recipe_state/`` is replaced
+        atomically. A kill at any point leaves the previous checkpoints as they were."""
+        # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
+        # at the staging folder for one call is what makes their writes atomic here.
+        real_output_dir = self.checkpointer._output_dir
+        out = Path(real_output_dir)
+        staging = out / STAGING_DIR
+        name = f"epoch_{epoch}"
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a killed save
+            staging.mkdir(parents=True)
+            self.checkpointer._output_dir = staging
+            try:
+                self.checkpointer.save_checkpoint(ckpt, epoch=epoch,
+                                                  intermediate_checkpoint=intermediate,
+                                                  adapter_only=self.adapter_only)
+            finally:
+                self.checkpointer._output_dir = real_output_dir
+            if self.lora is not None:
+                complete_peft_adapter_config(staging / name, self.base_checkpoint_dir)
+            if intermediate:
+                # The epoch's own copy travels with its folder: resume reads it from there.
+                os.replace(staging / RECIPE_STATE_FILE, staging / name / EPOCH_STATE_FILE)
+            publish_dir(staging / name, out / name, staging / "replaced")
+            run_status.checkpoint_saved(out / name)
+            if intermediate:
+                # Where torchtune's tools look for it.
+                replace_file_atomically(out / name / EPOCH_STATE_FILE, out / RECIPE_STATE_FILE)
+            shutil.rmtree(staging, ignore_errors=True)
+        except OSError as e:
+            where = e.filename or staging
+            raise CheckpointError(
+                f"cannot write the epoch {epoch} checkpoint: {e.strerror or e} ({where}); "
+                f"earlier checkpoints in {out} are intact"
+            ) from None
 
     def _model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         if self.distributed:

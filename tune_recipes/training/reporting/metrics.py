@@ -2,11 +2,14 @@
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
+
+from tune_recipes.config import ConfigError
 
 
 def _plain(value: Any) -> Any:
@@ -27,8 +30,34 @@ class JsonlMetricLogger:
     """
 
     def __init__(self, log_dir: Union[str, Path], filename: str = "metrics.jsonl") -> None:
+        self._fh = None  # NOTE: first, so close()/__del__ work when the open below fails
         self.path = Path(log_dir) / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", buffering=1)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot write the metrics file {self.path}: {e.strerror or e}; is output_dir "
+                "writable?"
+            ) from None
+
+    def drop_rows_after(self, step: int) -> None:
+        """Keep only rows logged at or before ``step``: a resumed run continues from its
+        checkpoint's step, and the rows a killed run logged after it would appear twice.
+        Rewritten to a temporary file and renamed, so a kill here loses nothing."""
+        self._fh.close()
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by a kill
+            if row_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
         self._fh = open(self.path, "a", buffering=1)
 
     def log(self, name: str, data: Any, step: int) -> None:
@@ -43,10 +72,12 @@ class JsonlMetricLogger:
         from omegaconf import OmegaConf
 
         out = self.path.parent / "config.yaml"
-        out.write_text(OmegaConf.to_yaml(config, resolve=True))
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(OmegaConf.to_yaml(config, resolve=True))
+        os.replace(tmp, out)  # never a half-written config.yaml
 
     def close(self) -> None:
-        if not self._fh.closed:
+        if self._fh is not None and not self._fh.closed:
             self._fh.close()
 
     def __del__(self) -> None:

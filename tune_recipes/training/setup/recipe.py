@@ -1,5 +1,6 @@
 """Setup steps every recipe performs the same way (one correct answer each)."""
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -10,6 +11,7 @@ from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError
 from tune_recipes.training.checkpointing.io import checkpointer_config_for_resume
+from tune_recipes.training.checkpointing.lock import OutputDirLock
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
 from tune_recipes.training.reporting.progress import StepReporter
 from tune_recipes.training.setup.data import (
@@ -40,6 +42,9 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     ``adapter=True`` (LoRA-type recipes): base weights come from ``checkpoint_dir`` and the
     adapter from the newest epoch; a resume without an adapter is an error.
     """
+    if int(os.environ.get("RANK", "0")) == 0:
+        # First, before anything is written: one run per output_dir (released at exit).
+        OutputDirLock(cfg.output_dir).acquire()
     resume = cfg.get("resume_from_checkpoint", False)
     cfg_checkpointer = cfg.checkpointer
     if resume:
@@ -58,12 +63,17 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
 
 
-def build_reporter(cfg: DictConfig, device, is_main: bool = True) -> StepReporter:
-    """Metric logger (main process only; it also writes config.yaml) + progress bar."""
+def build_reporter(cfg: DictConfig, device, is_main: bool = True,
+                   resume_step: Optional[int] = None) -> StepReporter:
+    """Metric logger (main process only; it also writes config.yaml) + progress bar.
+    ``resume_step``: a resumed run's first step; rows a killed run logged after it are
+    dropped (our JSONL logger), so no step is logged twice."""
     metric_logger = None
     if is_main:
         metric_logger = tt_config.instantiate(cfg.metric_logger)
         metric_logger.log_config(cfg)
+        if resume_step is not None and hasattr(metric_logger, "drop_rows_after"):
+            metric_logger.drop_rows_after(resume_step)
     # log_level (torchtune's key): WARNING or quieter turns the progress bar off too.
     quiet = str(cfg.get("log_level", "INFO")).upper() in ("WARNING", "WARN", "ERROR", "CRITICAL")
     return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
@@ -154,7 +164,9 @@ def setup_step_driver(
         normalizer=normalizer, parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=optimizer, lr_schedule=plan.lr_schedule, dataloader=plan.dataloader,
         steps_per_epoch=plan.steps_per_epoch, global_step=plan.global_step, state=state,
-        reporter=build_reporter(cfg, runtime.device, is_main=runtime.is_main),
+        reporter=build_reporter(cfg, runtime.device, is_main=runtime.is_main,
+                                resume_step=plan.global_step if resume is not None else None),
         device=runtime.device, ignore_index=ignore_index,
         clip_grad_norm=cfg.get("clip_grad_norm", None), hooks=hooks, validator=validator,
+        on_nonfinite=cfg.get("on_nonfinite", "raise"),
     )

@@ -25,8 +25,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequ
 import torch
 from torchtune.utils import get_logger
 
+from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.batch import count_valid_tokens, to_device
-from tune_recipes.training.step.normalization import StepLossNormalizer, grad_norm_and_clip_
+from tune_recipes.training.step.nonfinite import NonFiniteGuard, check_clip_grad_norm, check_mode
+from tune_recipes.training.step.normalization import (
+    NormalizationPath,
+    StepLossNormalizer,
+    grad_norm_and_clip_,
+)
 
 log = get_logger("INFO")
 
@@ -40,19 +46,22 @@ class StepHook(Protocol):
 
 
 def complete_optimizer_step(normalizer: StepLossNormalizer, parameters: Iterable[torch.nn.Parameter],
-                            optimizer, lr_schedule, clip_grad_norm: Optional[float]):
+                            optimizer, lr_schedule, clip_grad_norm: Optional[float],
+                            guard: Optional[NonFiniteGuard] = None, step: int = 0, where: str = ""):
     """The step boundary, in the one order every path uses:
-    normalize -> clip (or measure) -> optimizer.step -> zero_grad -> LR schedule.
+    normalize -> clip (or measure) -> [non-finite check] -> optimizer.step -> zero_grad -> LR.
 
     Only the normalization depends on the path (skip / rescale / in-backward); clipping, the
-    optimizer step and zero_grad run on every path. Returns ``(loss_to_log, grad_norm, lr)``
-    where ``lr`` is the rate this step used.
+    optimizer step and zero_grad run on every path. ``guard`` (``on_nonfinite``) records
+    whether the step (number ``step``, at ``where``) is finite and, in skip mode, drops its
+    update. Returns ``(loss_to_log, grad_norm, lr)`` where ``lr`` is the rate this step used.
     """
     params = list(parameters)
     loss_to_log = normalizer.finish_step(params)
     grad_norm = grad_norm_and_clip_(params, clip_grad_norm)
     lr = lr_schedule.lr
-    optimizer.step()
+    if guard is None or guard.allow_update(loss_to_log, grad_norm, params, step, where):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_schedule.step()
     return loss_to_log, grad_norm, lr
@@ -70,7 +79,7 @@ class StepDriver:
                  optimizer, lr_schedule, dataloader, steps_per_epoch: int, global_step: int,
                  state, reporter, device: torch.device, ignore_index: int,
                  clip_grad_norm: Optional[float] = None, hooks: Sequence[StepHook] = (),
-                 validator=None) -> None:
+                 validator=None, on_nonfinite: str = "raise") -> None:
         self.normalizer = normalizer
         self.parameters = list(parameters)
         self.optimizer = optimizer
@@ -82,7 +91,9 @@ class StepDriver:
         self.reporter = reporter
         self.device = device
         self.ignore_index = ignore_index
-        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_norm = check_clip_grad_norm(clip_grad_norm)
+        self.guard = NonFiniteGuard(check_mode(
+            on_nonfinite, optimizer_in_bwd=normalizer.path == NormalizationPath.IN_BACKWARD))
         self.hooks: List[StepHook] = list(hooks)
         # Validation loss (training/step/validation.py): every run_val_every_n_steps and at
         # each epoch end; None without dataset_val.
@@ -109,6 +120,16 @@ class StepDriver:
         self._validated_at = self.global_step
         self.reporter.log_validation(self.global_step, val_loss)
 
+    def check_finite(self) -> None:
+        """Stop (``NonFiniteError``) if any step so far had a non-finite loss or gradient norm;
+        one host sync. The driver calls it at logged steps and epoch ends; call it before
+        saving anything else."""
+        try:
+            self.guard.check()
+        except Exception:
+            self.reporter.end_epoch()  # close the progress bar: the error gets its own line
+            raise
+
     def close(self) -> None:
         self.reporter.close()
 
@@ -130,6 +151,8 @@ class Epoch:
             yield step
             if not step.finished:
                 raise RuntimeError("a training step ended without step.finish()")
+        # Before the recipe saves this epoch: a non-finite step must stop the run first.
+        d.check_finite()
         d.validate()
         d.reporter.end_epoch()
         d.state.epochs_run = self.index + 1
@@ -145,6 +168,7 @@ class Step:
         self._batches = batches
         self.num_tokens = 0  # the current micro-batch's unmasked tokens (a CPU count)
         self._where = ""
+        self._first_batch: Optional[int] = None
         self._pending_backward = False
         self.finished = False
 
@@ -154,6 +178,8 @@ class Step:
             hook.before_step(d.global_step)
         for _ in range(d.gradient_accumulation_steps):
             idx, batch = next(self._batches)
+            if self._first_batch is None:
+                self._first_batch = idx
             # Counted on the CPU labels: a Python int, no device sync.
             self.num_tokens = count_valid_tokens(batch["labels"], d.ignore_index)
             self._where = f"epoch {self.epoch}, step {d.global_step}, batch {idx}"
@@ -180,13 +206,25 @@ class Step:
     def finish(self) -> None:
         """The step boundary: normalize, clip, optimizer step, zero_grad, LR; then log."""
         d = self.driver
+        number = d.global_step + 1  # as logged in metrics.jsonl
+        last = self._first_batch + d.gradient_accumulation_steps - 1
+        batches = f"batch {last}" if last == self._first_batch else f"batches {self._first_batch}-{last}"
+        where = f"epoch {self.epoch}, step {number} ({batches} of the epoch)"
         loss, grad_norm, lr = complete_optimizer_step(
-            d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm)
+            d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
+            guard=d.guard, step=number, where=where)
         d.global_step += 1
+        run_status.step_finished(d.global_step)
         metrics = dict(d.normalizer.extras)
         for hook in d.hooks:
             metrics.update(hook.metrics())
+        if d.guard.mode == "skip":
+            metrics["skipped_steps"] = d.guard.skipped_steps
         d.reporter.step_done(d.global_step, loss, lr, grad_norm, **metrics)
+        if d.global_step % d.reporter.log_every_n_steps == 0:
+            # The logged step already read the loss back: checking the flag here adds no sync
+            # on the main rank (the others wait at the same step, so all ranks stop together).
+            d.check_finite()
         self.finished = True
         if d.validator is not None and d.validator.due(d.global_step):
             d.validate()

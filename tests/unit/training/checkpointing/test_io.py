@@ -100,3 +100,47 @@ def test_lora_entries_hold_adapter_merged_model_and_peft_config():
     only = lora_checkpoint_entries({k: v.clone() for k, v in model.state_dict().items()}, spec,
                                    adapter_only=True)
     assert training.MODEL_KEY not in only
+
+
+class _RunsCode:
+    """Unpickling this runs a shell command (what a crafted recipe_state.pt would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_malicious_recipe_state_is_refused_and_nothing_runs(tmp_path):
+    from tune_recipes.training.checkpointing.io import CheckpointError, load_recipe_state
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "recipe_state" / "recipe_state.pt"
+    path.parent.mkdir()
+    torch.save({"epochs_run": 1, "x": _RunsCode(marker)}, path)
+    with pytest.raises(CheckpointError, match=f"{path}.*refusing to unpickle"):
+        load_recipe_state(path)
+    assert not marker.exists()
+    # The resume lookup reads it the same way.
+    (tmp_path / "epoch_0").mkdir()
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    assert not marker.exists()
+
+
+def test_a_truncated_recipe_state_names_the_file(tmp_path):
+    from tune_recipes.training.checkpointing.io import CheckpointError, load_recipe_state
+
+    path = tmp_path / "recipe_state.pt"
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"cannot read the recipe state {path}"):
+        load_recipe_state(path)
+    # What the recipes save (tensors, numbers, None, nested dicts) loads with weights_only.
+    state = {"seed": 1, "epochs_run": 1, "max_steps_per_epoch": None, "rng_state": torch.get_rng_state(),
+             "optimizer": torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).state_dict()}
+    torch.save(state, path)
+    assert load_recipe_state(path)["epochs_run"] == 1

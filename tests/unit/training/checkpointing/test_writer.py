@@ -2,6 +2,7 @@
 the distributed path runs in tests/recipes)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +18,27 @@ pytestmark = pytest.mark.unit
 
 
 class _Checkpointer:
-    def __init__(self):
+    """Writes like torchtune's checkpointers: everything under ``_output_dir``."""
+
+    def __init__(self, output_dir, fail_with=None):
+        self._output_dir = Path(output_dir)
         self.saved = []
+        self.fail_with = fail_with
 
     def save_checkpoint(self, ckpt, epoch, intermediate_checkpoint, adapter_only):
         self.saved.append((ckpt, epoch, intermediate_checkpoint, adapter_only))
+        d = self._output_dir / f"epoch_{epoch}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "model.safetensors").write_bytes(b"half")
+        if self.fail_with is not None:
+            raise self.fail_with
+        (d / "model.safetensors").write_bytes(b"weights %d" % epoch)
+        if training.ADAPTER_CONFIG in ckpt:
+            (d / "adapter_config.json").write_text("{}")
+        if intermediate_checkpoint:
+            (self._output_dir / "recipe_state").mkdir(exist_ok=True)
+            torch.save({training.EPOCHS_KEY: ckpt[training.EPOCHS_KEY]},
+                       self._output_dir / "recipe_state" / "recipe_state.pt")
 
 
 def _lora_model():
@@ -43,7 +60,7 @@ def test_lora_save_never_writes_the_merge_into_the_live_weights(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     (tmp_path / "epoch_0").mkdir()
     (tmp_path / "epoch_0" / "adapter_config.json").write_text("{}")
-    ckpt = _Checkpointer()
+    ckpt = _Checkpointer(tmp_path)
     writer = CheckpointWriter(ckpt, output_dir=str(tmp_path), lora=_spec(), base_checkpoint_dir="/base")
     writer.save(model, torch.optim.SGD(model.parameters(), lr=0.1),
                 RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=None, epochs_run=1), epoch=0)
@@ -63,7 +80,7 @@ def test_intermediate_full_save_carries_state_and_optimizer(tmp_path):
     torch.manual_seed(0)
     model = tiny_llama3()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = _Checkpointer()
+    ckpt = _Checkpointer(tmp_path)
     state = RecipeState(seed=3, total_epochs=2, max_steps_per_epoch=None, epochs_run=1)
     CheckpointWriter(ckpt, output_dir=str(tmp_path)).save(model, opt, state, epoch=0)
     saved, epoch, intermediate, adapter_only = ckpt.saved[0]
@@ -72,3 +89,56 @@ def test_intermediate_full_save_carries_state_and_optimizer(tmp_path):
     assert saved[training.OPT_KEY] == opt.state_dict()
     assert saved[training.MODEL_KEY].keys() == model.state_dict().keys()
     assert training.ADAPTER_KEY not in saved
+
+
+def test_nan_weights_are_never_written(tmp_path):
+    from tune_recipes.training.checkpointing.writer import CheckpointWriter
+    from tune_recipes.training.step.nonfinite import NonFiniteError
+
+    class _Never:
+        def save_checkpoint(self, *a, **k):
+            raise AssertionError("a NaN checkpoint was written")
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    writer = CheckpointWriter(_Never(), output_dir=str(tmp_path))
+    state = RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=None)
+    with pytest.raises(NonFiniteError, match="epoch 0 hold NaN/inf.*weight"):
+        writer.save(model, torch.optim.SGD(model.parameters(), lr=1), state, epoch=0)
+
+
+
+def test_saves_are_published_whole_with_their_state(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = CheckpointWriter(_Checkpointer(tmp_path), output_dir=str(tmp_path))
+    for epoch in (0, 1):
+        state = RecipeState(seed=3, total_epochs=3, max_steps_per_epoch=None, epochs_run=epoch + 1)
+        writer.save(model, opt, state, epoch=epoch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0", "epoch_1", "recipe_state"]
+    assert torch.load(tmp_path / "epoch_1" / "recipe_state.pt")[training.EPOCHS_KEY] == 2
+    assert torch.load(tmp_path / "recipe_state" / "recipe_state.pt")[training.EPOCHS_KEY] == 2
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device", "/out/model.safetensors"),
+                                   PermissionError(13, "Permission denied", "/out/x")])
+def test_a_failed_save_names_the_path_and_keeps_earlier_checkpoints(tmp_path, error):
+    from tune_recipes.training.checkpointing.io import CheckpointError
+
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = _Checkpointer(tmp_path)
+    writer = CheckpointWriter(ckpt, output_dir=str(tmp_path))
+    writer.save(model, opt, RecipeState(seed=3, total_epochs=3, max_steps_per_epoch=None,
+                                        epochs_run=1), epoch=0)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    ckpt.fail_with = error
+    with pytest.raises(CheckpointError, match=f"{error.strerror} \\({error.filename}\\).*intact"):
+        writer.save(model, opt, RecipeState(seed=3, total_epochs=3, max_steps_per_epoch=None,
+                                            epochs_run=2), epoch=1)
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()
+             and ".saving" not in p.parts}
+    assert after == before

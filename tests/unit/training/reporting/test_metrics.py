@@ -35,3 +35,33 @@ def test_the_configs_component_path_still_resolves():
     from tune_recipes.config import resolve_component
 
     assert resolve_component("tune_recipes.training.metrics.JsonlMetricLogger") is JsonlMetricLogger
+
+
+def test_an_unwritable_log_dir_is_one_clear_error_not_an_attribute_error(tmp_path):
+    import os
+
+    from tune_recipes.config import ConfigError
+    from tune_recipes.training.reporting.metrics import JsonlMetricLogger
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the folder should be: fails for root too
+    with pytest.raises(ConfigError, match=f"cannot write the metrics file {blocker}/metrics.jsonl"):
+        JsonlMetricLogger(blocker)
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(ConfigError, match="Permission denied; is output_dir writable"):
+            JsonlMetricLogger(ro)
+
+
+def test_a_resumed_run_drops_the_rows_after_its_checkpoint(tmp_path):
+    logger = JsonlMetricLogger(tmp_path)
+    for step in (1, 2, 3, 4):
+        logger.log("loss", float(step), step)
+    logger._fh.write('{"step": 5, "lo')  # torn by a kill
+    logger.drop_rows_after(2)
+    logger.log("loss", 30.0, 3)
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl", "step") == [1, 2, 3]
+    assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [1.0, 2.0, 30.0]

@@ -54,7 +54,8 @@ class _Sampler(DistributedSampler):
         super().set_epoch(epoch)
 
 
-def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hooks=()):
+def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hooks=(),
+            log_every=1, on_nonfinite="raise", clip=float("inf")):
     torch.manual_seed(0)
     model = torch.nn.Linear(D, V)
     ds = _Rows()
@@ -66,8 +67,8 @@ def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hoo
         normalizer=StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
         lr_schedule=LRSchedule(None, opt, num_training_steps=10, last_epoch=-1),
         dataloader=loader, steps_per_epoch=steps_per_epoch, global_step=epochs_run * steps_per_epoch,
-        state=state, reporter=StepReporter(logger), device=torch.device("cpu"),
-        ignore_index=IGNORE, clip_grad_norm=float("inf"), hooks=hooks,
+        state=state, reporter=StepReporter(logger, log_every), device=torch.device("cpu"),
+        ignore_index=IGNORE, clip_grad_norm=clip, hooks=hooks, on_nonfinite=on_nonfinite,
     )
     return d, model, logger
 
@@ -78,13 +79,16 @@ def _loss(model, batch):
                            ignore_index=IGNORE)
 
 
-def _train(d, model):
+def _train(d, model, nan_at_step=None):
     seen = []
     for epoch in d.epochs():
         for step in epoch:
             for batch in step:
                 seen.append((epoch.index, d.global_step, step.num_tokens))
-                step.backward(_loss(model, batch))
+                loss = _loss(model, batch)
+                if d.global_step + 1 == nan_at_step:  # 1-based, as logged
+                    loss = loss * float("nan")
+                step.backward(loss)
             step.finish()
     return seen
 
@@ -188,3 +192,58 @@ def test_the_path_is_logged_once_at_startup(monkeypatch):
     d, model, _ = _driver(batch_size=2, ga=1, steps_per_epoch=2)
     _train(d, model)
     assert len(lines) == 1 and lines[0].startswith("loss normalization: skip")
+
+
+# ---------------------------------------------------------------- on_nonfinite (issue 13)
+from tune_recipes.config import ConfigError  # noqa: E402
+from tune_recipes.training.step.nonfinite import NonFiniteError  # noqa: E402
+
+
+def test_a_nan_step_stops_the_run_and_names_epoch_step_and_batches():
+    d, model, logger = _driver(batch_size=2, ga=2, steps_per_epoch=3, epochs=2)
+    with pytest.raises(NonFiniteError, match=r"epoch 1, step 5 \(batches 2-3 of the epoch\)"):
+        _train(d, model, nan_at_step=5)
+    assert d.global_step == 5  # stopped at the bad step, not later
+
+
+def test_the_flag_is_read_only_at_logged_steps_and_epoch_ends_but_names_the_first_bad_step(monkeypatch):
+    d, model, logger = _driver(batch_size=2, ga=1, steps_per_epoch=5, log_every=10)
+    reads = []
+    real_check = d.guard.check
+    monkeypatch.setattr(d.guard, "check", lambda: (reads.append(d.global_step), real_check()))
+    # raise mode never turns the flag into a Python bool per step (that would sync).
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("host sync"))
+    with pytest.raises(NonFiniteError, match=r"epoch 0, step 2 \(batch 1 of the epoch"):
+        _train(d, model, nan_at_step=2)
+    # Steps 3..5 ran; the one read of the flag was at the epoch end.
+    assert d.global_step == 5 and reads == [5]
+
+
+def test_skip_drops_the_bad_update_and_counts_it():
+    d, model, logger = _driver(batch_size=2, ga=2, steps_per_epoch=3, on_nonfinite="skip",
+                               clip=None)
+    _train(d, model, nan_at_step=3)
+    assert [r["skipped_steps"] for r in logger.rows] == [0, 0, 1]
+    assert d.global_step == 3 and d.guard.skipped_steps == 1
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+
+
+def test_skip_of_the_only_step_leaves_the_weights_untouched():
+    d, model, logger = _driver(batch_size=2, ga=1, steps_per_epoch=1, on_nonfinite="skip")
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(d, model, nan_at_step=1)
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    assert logger.rows[0]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(clip=-1.0), "clip_grad_norm=-1.0 must be > 0"),
+    (dict(clip=0), "clip_grad_norm=0 must be > 0"),
+    (dict(clip="abc"), "clip_grad_norm='abc'"),
+    (dict(on_nonfinite="ignore"), "on_nonfinite='ignore': expected one of raise, skip"),
+])
+def test_bad_nonfinite_settings_are_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        _driver(batch_size=2, ga=1, steps_per_epoch=1, **kwargs)

@@ -1,0 +1,168 @@
+"""Reliability end to end (issue 13): unsafe checkpoints refused, non-finite steps caught.
+
+Tiny full fine-tunes on the CPU; each test states the fault it injects and what must hold.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import assert_same_weights, losses, run_recipe, tune_cmd, weights
+from tune_recipes.training.metrics import read_metrics
+
+pytestmark = pytest.mark.integration
+FULL = ("full_finetune_single_device", "tiny/full_single_device")
+TWO_EPOCHS = ["max_steps_per_epoch=2", "epochs=2"]
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_resume_refuses_a_malicious_recipe_state_and_runs_nothing(tmp_path):
+    out = tmp_path / "run"
+    run_recipe(*FULL, out, TWO_EPOCHS)
+    shutil.rmtree(out / "epoch_1")
+    marker = tmp_path / "pwned"
+    # The epoch folder's own state (what resume reads), then a run without it (older layout:
+    # recipe_state/recipe_state.pt).
+    for state_path in (out / "epoch_0" / "recipe_state.pt", out / "recipe_state" / "recipe_state.pt"):
+        state = torch.load(state_path, weights_only=True)
+        state["evil"] = _RunsCode(marker)
+        torch.save(state, state_path)
+        proc = run_recipe(*FULL, out, [*TWO_EPOCHS, "resume_from_checkpoint=True"], check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert str(state_path) in last and "refusing to unpickle" in last, last
+        assert "Traceback" not in proc.stderr
+        assert not marker.exists()
+        if state_path.parent.name == "epoch_0":
+            state_path.unlink()
+
+
+def test_a_huge_lr_stops_at_the_first_nan_step_without_saving(tmp_path):
+    """The issue's example: optimizer.lr=1e10 used to train on NaN and save a NaN checkpoint."""
+    out = tmp_path / "run"
+    proc = run_recipe(*FULL, out, ["max_steps_per_epoch=6", "optimizer.lr=1e10"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "non-finite loss or gradient norm at epoch 0, step " in last, last
+    assert "Traceback" not in proc.stderr
+    assert not (out / "epoch_0").exists()
+    # The step it names is the first logged non-finite one.
+    rows = read_metrics(out / "metrics.jsonl")
+    first_bad = next(r["step"] for r in rows
+                     if not all(math.isfinite(float(r[k])) for k in ("loss", "grad_norm")))
+    assert f"step {first_bad} (" in last and rows[-1]["step"] == first_bad
+
+
+def test_skip_drops_nan_steps_counts_them_and_saves_finite_weights(tmp_path):
+    out = tmp_path / "run"
+    run_recipe(*FULL, out, ["max_steps_per_epoch=6", "optimizer.lr=1e10", "on_nonfinite=skip"])
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[-1]["skipped_steps"] > 0
+    assert all(torch.isfinite(v).all() for v in weights(out, 0).values())
+
+
+# Runs the CLI in-process after wrapping one kind of write: its ``nth`` call writes a partial
+# file (or nothing) and the process SIGKILLs itself, as a power cut or the OOM killer would.
+_KILL_DURING_WRITE = r'''
+import os, signal, sys
+import torch
+import tune_recipes.training.checkpointing.writer as writer
+import torchtune.training.checkpointing._checkpointer as tt
+from tune_recipes._cli.main import main
+
+kind, nth, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+calls = [0]
+
+def killing(write):
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            if kind != "publish":
+                with open(args[1], "wb") as f:
+                    f.write(b"half a file")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(*args, **kwargs)
+    return wrapped
+
+if kind == "weights":
+    tt.save_file = killing(tt.save_file)
+elif kind == "state":
+    torch.save = killing(torch.save)
+else:  # between publishing epoch_<n>/ and replacing recipe_state/recipe_state.pt
+    writer.replace_file_atomically = killing(writer.replace_file_atomically)
+sys.exit(main(argv))
+'''
+THREE_EPOCHS = ["max_steps_per_epoch=2", "epochs=3", "lr_scheduler.num_warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def three_epochs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run_recipe(*FULL, out, THREE_EPOCHS)
+    return out
+
+
+@pytest.mark.parametrize("kind, resumes_after", [("weights", 0), ("state", 0), ("publish", 1)])
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_newest_complete_one(
+        tmp_path, three_epochs, kind, resumes_after):
+    out = tmp_path / "run"
+    args = ["run", *FULL[:1], "--config", FULL[1], f"output_dir={out}", *THREE_EPOCHS]
+    # The 2nd write of that kind is epoch 1's save.
+    proc = subprocess.run([sys.executable, "-c", _KILL_DURING_WRITE, kind, "2", *args],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    complete = sorted(p.name for p in out.glob("epoch_*"))
+    assert complete == [f"epoch_{i}" for i in range(resumes_after + 1)], complete
+    proc = run_recipe(*FULL, out, [*THREE_EPOCHS, "resume_from_checkpoint=True"])
+    assert_same_weights(weights(out, 2), weights(three_epochs, 2), rtol=0, atol=0)
+    # Every step logged once, with the uninterrupted run's losses exactly.
+    assert read_metrics(out / "metrics.jsonl", "step") == list(range(1, 7))
+    assert losses(out) == losses(three_epochs)
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    # A live process owns it (this test's own pid); a dead one's lock would be taken over.
+    (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    proc = run_recipe(*FULL, out, ["max_steps_per_epoch=1"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"is in use by another run (pid {os.getpid()}" in proc.stderr.strip().splitlines()[-1]
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    out = tmp_path / "run"
+    cmd = [*tune_cmd(), "run", *FULL[:1], "--config", FULL[1], f"output_dir={out}",
+           "max_steps_per_epoch=1", "epochs=200"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+    deadline = time.time() + 300
+    while not (out / "epoch_0").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step "), last
+    assert f"last checkpoint {out}/epoch_" in last and "resume_from_checkpoint=True" in last, last
+    assert not (out / ".lock").exists()

@@ -1,0 +1,86 @@
+"""One run per ``output_dir`` at a time: ``output_dir/.lock`` holds the owner's host and pid.
+
+Two runs writing one ``output_dir`` interleave ``metrics.jsonl`` and overwrite each other's
+checkpoints. The second run stops with one line naming the first one's pid. A lock whose
+process is gone (killed, crashed) on this host is stale and taken over.
+"""
+
+import atexit
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+from tune_recipes.config import ConfigError
+
+LOCK_FILE = ".lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+class OutputDirLock:
+    def __init__(self, output_dir) -> None:
+        self.path = Path(output_dir) / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> "OutputDirLock":
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create output_dir {self.path.parent}: {e.strerror or e}") from None
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and not self._stale(owner):
+                    raise ConfigError(
+                        f"output_dir {self.path.parent} is in use by another run (pid "
+                        f"{owner.get('pid')} on {owner.get('host')}); wait for it to finish or "
+                        f"choose another output_dir (if no such run exists, delete {self.path})"
+                    ) from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot write to output_dir {self.path.parent}: {e.strerror or e} "
+                    f"({self.path})"
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            atexit.register(self.release)
+            return self
+        raise ConfigError(f"cannot take the lock {self.path}; delete it if no run uses it")
+
+    def _owner(self) -> Optional[dict]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None  # unreadable or half-written by a killed process: stale
+
+    @staticmethod
+    def _stale(owner: dict) -> bool:
+        if owner.get("host") != socket.gethostname():
+            return False  # another machine's process: cannot tell, assume alive
+        pid = owner.get("pid")
+        # Our own pid: an earlier run in this process (a notebook, a test) that ended.
+        return not isinstance(pid, int) or pid == os.getpid() or not _alive(pid)
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        owner = self._owner()
+        if owner is not None and owner.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
