@@ -1,6 +1,6 @@
 """The library's shape: layers import only downwards, and every module has its unit tests.
 
-Layers, bottom to top: constants, config, modules, training.reporting, training.step,
+Layers, bottom to top: constants, validation (the config schema), config, modules, training.reporting, training.step,
 training.losses, training.checkpointing, training.setup. A module may import its own package
 and anything below it; recipes sit on top and nothing imports them.
 """
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "tune_recipes"
 LAYERS = [
     "tune_recipes.constants",
+    "tune_recipes.validation",
     "tune_recipes.config",
     "tune_recipes.modules",
     "tune_recipes.training.reporting",
@@ -30,6 +31,7 @@ TESTS = {
     "__main__.py": "test_cli.py",
     "constants.py": "test_layers.py",
     "config.py": "test_config.py",
+    "validation.py": "test_validation.py",
     "resolvers.py": "test_resolvers.py",
     "loggers.py": "test_loggers.py",
     "plotting.py": "test_plotting.py",
