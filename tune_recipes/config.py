@@ -9,6 +9,7 @@ recipe's entry point) then checks every value against the schema in
 """
 
 import functools
+import importlib.util
 import inspect
 import re
 import sys
@@ -87,14 +88,19 @@ def resolve_component(dotted: str, key_path: str = "") -> Callable:
         except ModuleNotFoundError as e:
             if e.name and module_name.startswith(e.name):
                 continue
-            raise ConfigError(f"{where}: importing '{dotted}' failed: {e}") from None
+            err = ConfigError(f"{where}: importing '{dotted}' failed: {e}")
+            err.missing_module = e.name  # a package this machine lacks (see validate_config)
+            raise err from None
         try:
             for attr in parts[i:]:
                 obj = getattr(obj, attr)
             return obj
         except AttributeError:
             break
-    raise ConfigError(f"{where}: '{dotted}' does not resolve to an importable object")
+    err = ConfigError(f"{where}: '{dotted}' does not resolve to an importable object")
+    if importlib.util.find_spec(parts[0]) is None:
+        err.missing_module = parts[0]
+    raise err
 
 
 def _iter_components(node: Any, key_path: str = ""):
@@ -112,12 +118,15 @@ def _iter_components(node: Any, key_path: str = ""):
             yield from _iter_components(item, f"{key_path}[{i}]")
 
 
-def validate_config(cfg: DictConfig) -> List[str]:
+def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> List[str]:
     """Every ``_component_`` resolves and its other keys bind to its signature.
 
     Returns the list of key paths checked; raises ConfigError naming the first bad one.
     Positional arguments that recipes pass at instantiation (the model's parameters for an
     optimizer, the tokenizer for a dataset) may be absent: binding is partial.
+    ``skipped`` (a list): a component whose import fails only because a package is not
+    installed here (``bitsandbytes``, ``torchvision``) is appended as ``"key (package)"``
+    instead of raising, for checking a config meant for another machine.
     """
     try:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
@@ -126,7 +135,14 @@ def validate_config(cfg: DictConfig) -> List[str]:
     checked = []
     for key_path, node in _iter_components(cfg):
         target = node["_component_"]
-        fn = resolve_component(str(target), key_path)
+        try:
+            fn = resolve_component(str(target), key_path)
+        except ConfigError as e:
+            missing = getattr(e, "missing_module", None)
+            if skipped is None or not missing:
+                raise
+            skipped.append(f"{key_path} ({missing} not installed)")
+            continue
         kwargs = {k: None for k in node.keys() if k != "_component_"}
         try:
             sig = inspect.signature(fn)

@@ -276,6 +276,7 @@ class StockKey:
 
     feature: str
     asks: Callable[[Any], bool]
+    field: str = ""  # for a mapping: the field that decides (profiler.enabled)
 
 
 def _true(v) -> bool:
@@ -288,14 +289,15 @@ def _enabled(v) -> bool:
 
 # Read from torchtune 0.6.1's recipes (cfg.get(key, <off value>)).
 TORCHTUNE_KEYS = {
-    "profiler": StockKey("torchtune's profiler (profiler.enabled: True)", _enabled),
+    "profiler": StockKey("torchtune's profiler", _enabled, field="enabled"),
     "enable_activation_offloading": StockKey("activation offloading to CPU", _true),
     "activation_offloading_use_streams": StockKey(
         "activation offloading streams (only used with enable_activation_offloading)",
         lambda v: False),
     "fsdp_cpu_offload": StockKey("FSDP CPU offload of parameters and optimizer state", _true),
-    "fsdp": StockKey("FSDP CPU offload (fsdp.cpu_offload)",
-                     lambda v: isinstance(v, dict) and bool(v.get("cpu_offload", False))),
+    "fsdp": StockKey("FSDP CPU offload",
+                     lambda v: isinstance(v, dict) and bool(v.get("cpu_offload", False)),
+                     field="cpu_offload"),
     "low_cpu_ram": StockKey("low-CPU-RAM checkpoint loading", _true),
     "tensor_parallel_dim": StockKey("tensor parallelism",
                                     lambda v: _is_number(v) and v > 1),
@@ -342,12 +344,15 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
         raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
     for k in unknown:
         spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)
+        shown = f"{k}={_show(value)}"
+        if spec.field and isinstance(value, dict):
+            shown = f"{k}.{spec.field}={_show(value.get(spec.field))}"
         if spec.asks(value):
             raise ConfigError(
-                f"{k}={_show(value)}: {spec.feature} is not implemented by {recipe} "
-                f"(torchtune 0.6.1 key; remove it or turn it off, see docs/migrating.md)")
-        _warn(f"{recipe} ignores {k}={_show(value)} (torchtune key; {spec.feature} is not "
-              "implemented, and this value leaves it off)")
+                f"{shown}: {spec.feature} is not implemented by {recipe} "
+                f"(a torchtune 0.6.1 key; turn it off or remove it; docs/migrating.md)")
+        _warn(f"{recipe} ignores {shown} ({spec.feature} is not implemented; "
+              "this value leaves it off)")
 
 
 # ----------------------------------------------------------------------------- the checks
