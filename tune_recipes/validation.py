@@ -164,11 +164,11 @@ class Rule:
     key: str            # dotted path into the config
     check: Check
     env: bool = False   # depends on this machine (skipped by ``tune validate --portable``)
-    top: str = ""       # the top-level key the recipe must declare for the rule to apply
 
     @property
     def owner(self) -> str:
-        return self.top or self.key.split(".")[0]
+        """The top-level key the recipe must declare for the rule to apply."""
+        return self.key.split(".")[0]
 
 
 _bf16_or_fp32 = one_of("bf16", "fp32", hint="fp16 needs loss scaling, which no recipe does")
@@ -203,7 +203,7 @@ SCHEMA: List[Rule] = [
     Rule("dtype", _bf16_or_fp32),
     Rule("model.lora_rank", integer(1)),
     Rule("model.lora_alpha", number(0, exclusive=True)),
-    Rule("model.lora_dropout", number(0, maximum=0.999999)),
+    Rule("model.lora_dropout", number(0, maximum=1)),
     Rule("model.lora_attn_modules", list_of(one_of(*_LORA_MODULES), nonempty=True)),
     Rule("model.apply_lora_to_mlp", boolean),
     Rule("model.apply_lora_to_output", boolean),
@@ -224,7 +224,8 @@ SCHEMA: List[Rule] = [
 
 # Keys a recipe reads without a default (cfg.<key>): required when the recipe declares them.
 REQUIRED = ("output_dir", "model", "checkpointer", "tokenizer", "dataset", "optimizer", "loss",
-            "batch_size", "epochs", "teacher_model", "teacher_checkpointer", "kd_loss")
+            "batch_size", "epochs", "seed", "shuffle", "teacher_model", "teacher_checkpointer",
+            "kd_loss")
 
 
 def _checkpoint_files(cfg: DictConfig, env: bool, key: str) -> None:
@@ -315,8 +316,17 @@ TORCHTUNE_KEYS = {
 _WARNED: set = set()
 
 
+# Set by ``tune run`` before torchrun starts: the parent printed the warnings once already.
+WARNED_ENV = "TUNE_RECIPES_CONFIG_WARNED"
+
+
 def _warn(line: str) -> None:
-    # Once per process: the @parse hook and the recipe's own check both see the config.
+    # Once per run: the @parse hook and the recipe's own check both see the config, and so
+    # does every torchrun process after the parent.
+    import os
+
+    if os.environ.get(WARNED_ENV) == "1":
+        return
     if line not in _WARNED:
         _WARNED.add(line)
         print(f"warning: {line}", file=sys.stderr)
@@ -420,13 +430,16 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             raise ConfigError(problem)
 
 
-def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, env: bool = True) -> None:
+def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, env: bool = True,
+                 keys: Iterable[str] = ()) -> None:
     """``tune run`` launcher arguments against the recipe and this machine."""
     if nproc_per_node is None:
         return
     if nproc_per_node < 1:
         raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
-    if "distributed" not in recipe and nproc_per_node > 1:
+    # Our distributed recipes say so in their name; a renamed copy (tune cp) by its FSDP key.
+    distributed = "distributed" in recipe or "fsdp_reshard_after_forward" in set(keys)
+    if not distributed and nproc_per_node > 1:
         raise ConfigError(
             f"--nproc_per_node {nproc_per_node}: {recipe} runs on one device; use its "
             "_distributed recipe or drop --nproc_per_node")
@@ -447,4 +460,4 @@ def check_config(cfg: DictConfig, recipe: str, keys: Optional[Iterable[str]], *,
         return
     check_top_level_keys(cfg, keys, recipe)
     check_values(cfg, keys, env=env)
-    check_launch(recipe, nproc_per_node, cfg, env=env)
+    check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys)

@@ -263,3 +263,38 @@ def test_portable_skips_components_of_packages_not_installed_here(tmp_path, caps
     cfg.optimizer._component_ = "torch.optim.AdamWW"
     path.write_text(OmegaConf.to_yaml(cfg))
     assert main(["validate", str(path), "--recipe", "full_finetune_single_device", "--portable"]) == 2
+
+
+@pytest.mark.unit
+def test_torchrun_processes_do_not_repeat_the_parents_warnings(capsys, monkeypatch):
+    import os
+
+    import torch.distributed.run as torchrun
+
+    seen = []
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    monkeypatch.setattr(torchrun, "main", lambda argv: seen.append(os.environ.get("TUNE_RECIPES_CONFIG_WARNED")))
+    rc = main(["run", "--nproc_per_node", "2", "full_finetune_distributed", "--config",
+               "tiny/full_distributed", "enable_activation_offloading=False"])
+    err = capsys.readouterr().err
+    assert rc == 0 and seen == ["1"]
+    assert err.count("ignores enable_activation_offloading=False") <= 1
+    assert "TUNE_RECIPES_CONFIG_WARNED" not in os.environ  # this process warns again later
+
+
+@pytest.mark.unit
+def test_a_renamed_copy_of_a_distributed_recipe_may_use_several_processes(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import torch.distributed.run as torchrun
+
+    started = []
+    monkeypatch.setattr(torchrun, "main", lambda argv: started.append(argv))
+    mine = tmp_path / "my_fsdp.py"
+    shutil.copyfile(registry.recipes_dir() / "full_finetune_distributed.py", mine)
+    assert main(["run", "--nproc_per_node", "2", str(mine), "--config", "tiny/full_distributed"]) == 0
+    assert len(started) == 1
+    mine_single = tmp_path / "my_lora.py"
+    shutil.copyfile(registry.recipes_dir() / "lora_finetune_single_device.py", mine_single)
+    assert main(["run", "--nproc_per_node", "2", str(mine_single), "--config", "tiny/lora_single_device"]) == 2
+    assert "my_lora runs on one device" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from typing import List, Optional
 from tune_recipes._cli import registry
 from tune_recipes._cli.launch import run_script
 from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
-from tune_recipes.validation import check_config
+from tune_recipes.validation import WARNED_ENV, check_config
 
 
 class CliError(Exception):
@@ -62,6 +62,7 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
             "--rdzv_backend", "c10d",
             "--rdzv_endpoint", "localhost:0",
         ]
+        os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
         # Each process starts in our launcher, which imports tune_recipes (its noise filters)
         # before the recipe imports torchtune, then runs the script as __main__.
         try:
@@ -74,6 +75,8 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
                   f"(exit code {', '.join(map(str, codes))}); their output is above",
                   file=sys.stderr)
             return codes[-1] if codes and codes[-1] > 0 else 1
+        finally:
+            os.environ.pop(WARNED_ENV, None)
         return 0
     # Recipes are scripts (not importable modules): run the file as __main__ in this process.
     run_script(recipe.path, recipe_argv[1:])
