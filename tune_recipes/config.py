@@ -3,10 +3,13 @@
 Config keys mirror constructor kwargs: a node with ``_component_: dotted.path`` is instantiated
 as ``dotted.path(**other_keys)`` (plus positional arguments the recipe passes, such as the
 tokenizer for a dataset). ``validate_config`` checks that every component resolves and that its
-keys bind to its signature, naming the key path of anything that does not.
+keys bind to its signature, naming the key path of anything that does not. ``parse`` (every
+recipe's entry point) then checks every value against the schema in
+``tune_recipes/validation.py`` with the recipe's ``CONFIG_KEYS``.
 """
 
 import functools
+import importlib.util
 import inspect
 import re
 import sys
@@ -16,11 +19,10 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+# ConfigError is re-exported: recipes and the library import it from here.
+from tune_recipes.validation import ConfigError, check_config, check_top_level_keys  # noqa: F401
+
 _OVERRIDE_KEY = re.compile(r"^~?[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*$")
-
-
-class ConfigError(ValueError):
-    """A problem with a config file or override; the message names the file, key or value."""
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
@@ -86,14 +88,19 @@ def resolve_component(dotted: str, key_path: str = "") -> Callable:
         except ModuleNotFoundError as e:
             if e.name and module_name.startswith(e.name):
                 continue
-            raise ConfigError(f"{where}: importing '{dotted}' failed: {e}") from None
+            err = ConfigError(f"{where}: importing '{dotted}' failed: {e}")
+            err.missing_module = e.name  # a package this machine lacks (see validate_config)
+            raise err from None
         try:
             for attr in parts[i:]:
                 obj = getattr(obj, attr)
             return obj
         except AttributeError:
             break
-    raise ConfigError(f"{where}: '{dotted}' does not resolve to an importable object")
+    err = ConfigError(f"{where}: '{dotted}' does not resolve to an importable object")
+    if importlib.util.find_spec(parts[0]) is None:
+        err.missing_module = parts[0]
+    raise err
 
 
 def _iter_components(node: Any, key_path: str = ""):
@@ -111,12 +118,15 @@ def _iter_components(node: Any, key_path: str = ""):
             yield from _iter_components(item, f"{key_path}[{i}]")
 
 
-def validate_config(cfg: DictConfig) -> List[str]:
+def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> List[str]:
     """Every ``_component_`` resolves and its other keys bind to its signature.
 
     Returns the list of key paths checked; raises ConfigError naming the first bad one.
     Positional arguments that recipes pass at instantiation (the model's parameters for an
     optimizer, the tokenizer for a dataset) may be absent: binding is partial.
+    ``skipped`` (a list): a component whose import fails only because a package is not
+    installed here (``bitsandbytes``, ``torchvision``) is appended as ``"key (package)"``
+    instead of raising, for checking a config meant for another machine.
     """
     try:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
@@ -125,7 +135,14 @@ def validate_config(cfg: DictConfig) -> List[str]:
     checked = []
     for key_path, node in _iter_components(cfg):
         target = node["_component_"]
-        fn = resolve_component(str(target), key_path)
+        try:
+            fn = resolve_component(str(target), key_path)
+        except ConfigError as e:
+            missing = getattr(e, "missing_module", None)
+            if skipped is None or not missing:
+                raise
+            skipped.append(f"{key_path} ({missing} not installed)")
+            continue
         kwargs = {k: None for k in node.keys() if k != "_component_"}
         try:
             sig = inspect.signature(fn)
@@ -147,14 +164,12 @@ def validate_config(cfg: DictConfig) -> List[str]:
 
 
 def check_known_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:
-    """Reject top-level keys the recipe does not read, so a typo is never silently ignored."""
-    known = set(known)
-    unknown = [k for k in cfg.keys() if k not in known]
-    if unknown:
-        raise ConfigError(
-            f"{recipe} does not use config key(s) {', '.join(map(repr, unknown))}; "
-            f"its keys are: {', '.join(sorted(known))}"
-        )
+    """Reject top-level keys the recipe does not read, so a typo is never silently ignored.
+
+    A typo gets a did-you-mean; a torchtune 0.6.1 key whose feature the recipe does not
+    implement is an error only when its value turns the feature on, else a one-line warning
+    (``tune_recipes.validation.check_top_level_keys``)."""
+    check_top_level_keys(cfg, known, recipe)
 
 
 def parse_recipe_argv(argv: Sequence[str]) -> DictConfig:
@@ -183,6 +198,10 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             # Bad component paths and kwargs fail here, in one line naming the key, before
             # any model is built.
             validate_config(cfg)
+            # Every value (type, range, paths, device) against the one schema, with the
+            # recipe's own CONFIG_KEYS: the same checks `tune run` made in the parent.
+            g = getattr(recipe_main, "__globals__", {})
+            check_config(cfg, Path(g.get("__file__") or "recipe").stem, g.get("CONFIG_KEYS"))
             return recipe_main(cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ in one epoch.
 """
 
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -76,11 +76,20 @@ def _tiny_checkpointer(node: DictConfig, variant: str) -> DictConfig:
     return node
 
 
-def shrink(config_name: str, output_dir: Path, steps: int = 2) -> Tuple[str, Path, Dict]:
+def shrink(config_name: str, output_dir: Path, steps: int = 2,
+           recipe: Optional[str] = None) -> Tuple[str, Path, Dict]:
     """Write the shrunk config next to ``output_dir``; return (recipe, yaml path, facts) where
-    facts describe what the run must produce (for the assertions)."""
-    recipe = registry.recipe_for_config(config_name)
-    path = registry.resolve_config(config_name).path
+    facts describe what the run must produce (for the assertions).
+
+    ``config_name`` is one of our config names, or a path to any YAML (torchtune's stock
+    configs: tests/recipes/test_stock_configs.py), whose ``recipe`` is then given."""
+    if str(config_name).endswith((".yaml", ".yml")):
+        path = Path(config_name)
+        if recipe is None:
+            raise ValueError(f"shrink({config_name}): a path needs its recipe")
+    else:
+        recipe = recipe or registry.recipe_for_config(config_name)
+        path = registry.resolve_config(config_name).path
     cfg = OmegaConf.load(path)
     facts = {"recipe": recipe, "lora": False, "adapter_only": False}
 

@@ -98,9 +98,15 @@ def test_every_shipped_config_parses_and_validates(capsys):
     # Counted, so a config cannot silently vanish.
     assert len(configs) == 13 + 16 + 6 + 2 + 10, configs
     for name in configs:
+        # --portable: the real-model configs point at /tmp/<model> downloads and device cuda.
+        rc, out, err = _run(capsys, "validate", name, "--portable")
+        assert rc == 0, f"{name}: {err}"
+        assert "every top-level key is read by" in out and not err
+    # Without --portable the tiny configs (CPU, built checkpoints) pass on this machine too;
+    # tiny/quantize reads the QAT run's output, which no run has written here.
+    for name in (c for c in configs if c.startswith("tiny/") and c != "tiny/quantize"):
         rc, out, err = _run(capsys, "validate", name)
         assert rc == 0, f"{name}: {err}"
-        assert "every top-level key is read by" in out
 
 
 def test_installed_tune_script_is_ours():

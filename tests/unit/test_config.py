@@ -66,3 +66,23 @@ def test_config_does_not_import_the_demo_model():
             "print('tune_recipes.models.tiny' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_parse_checks_values_with_the_recipes_own_config_keys(tmp_path, capsys):
+    # @parse finds CONFIG_KEYS and the recipe's name in the decorated function's module.
+    from tune_recipes.config import parse
+
+    ran = []
+    namespace = {"__file__": str(tmp_path / "my_recipe.py"), "parse": parse, "ran": ran,
+                 "CONFIG_KEYS": {"output_dir", "batch_size", "seed"}}
+    exec("@parse\ndef recipe_main(cfg):\n    ran.append(cfg)\n", namespace)
+    p = _yaml(tmp_path, f"output_dir: {tmp_path}\nbatch_size: 2\nseed: 0\n")
+    namespace["recipe_main"](["--config", str(p)])
+    assert len(ran) == 1
+    for bad, fragment in ((["batch_size=0"], "error: batch_size=0: expected an integer >= 1"),
+                          (["bach_size=2"], "my_recipe does not use config key(s) 'bach_size' "
+                                            "(did you mean 'batch_size'?)")):
+        with pytest.raises(SystemExit) as e:
+            namespace["recipe_main"](["--config", str(p), *bad])
+        assert e.value.code == 2 and fragment in capsys.readouterr().err
+    assert len(ran) == 1

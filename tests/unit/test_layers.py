@@ -1,6 +1,7 @@
 """The library's shape: layers import only downwards, and every module has its unit tests.
 
-Layers, bottom to top: constants, config, plotting, modules, training.reporting, training.step,
+Layers, bottom to top: constants, validation (the config schema), config, plotting, modules,
+training.reporting, training.step,
 training.losses, training.checkpointing, training.setup. A module may import its own package
 and anything below it; recipes sit on top and nothing imports them.
 """
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "tune_recipes"
 LAYERS = [
     "tune_recipes.constants",
+    "tune_recipes.validation",
     "tune_recipes.config",
     "tune_recipes.plotting",
     "tune_recipes.modules",
@@ -31,6 +33,7 @@ TESTS = {
     "__main__.py": "test_cli.py",
     "constants.py": "test_layers.py",
     "config.py": "test_config.py",
+    "validation.py": "test_validation.py",
     "resolvers.py": "test_resolvers.py",
     "loggers.py": "test_loggers.py",
     "plotting.py": "test_plotting.py",
@@ -61,7 +64,7 @@ TESTS = {
     "training/step/normalization.py": "training/step/test_normalization.py",
     "training/step/optim.py": "training/step/test_optim.py",
     "training/step/driver.py": "training/step/test_driver.py",
-    "training/step/validation.py": "training/step/test_validation.py",
+    "training/step/validation.py": "training/step/test_validator.py",
     "training/step/nonfinite.py": "training/step/test_nonfinite.py",
     "training/losses/__init__.py": "training/losses/test_lm_loss.py",
     "training/losses/lm_loss.py": "training/losses/test_lm_loss.py",

@@ -14,13 +14,8 @@ from typing import List, Optional
 
 from tune_recipes._cli import registry
 from tune_recipes._cli.launch import run_script
-from tune_recipes.config import (
-    ConfigError,
-    check_known_keys,
-    check_overrides,
-    load_config,
-    validate_config,
-)
+from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
+from tune_recipes.validation import WARNED_ENV, check_config
 
 
 class CliError(Exception):
@@ -51,11 +46,11 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
         raise CliError("tune run needs --config NAME_OR_PATH")
     config = _config_or_fail(args.config)
     check_overrides(rest)
-    # Check now, in this process, everything `tune validate` checks: a bad file, key or
-    # component fails here in one line (exit 2), before torchrun starts any process.
+    # Check now, in this process, everything `tune validate` checks: a bad file, key, value,
+    # path or launcher argument fails here in one line (exit 2), before torchrun starts.
     cfg = load_config(config.path, rest)
     validate_config(cfg)
-    _check_recipe_keys(cfg, recipe, args.recipe)
+    _check_recipe(cfg, recipe, args.recipe, nproc_per_node=args.nproc_per_node)
     recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
     if args.nproc_per_node is not None:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -67,6 +62,7 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
             "--rdzv_backend", "c10d",
             "--rdzv_endpoint", "localhost:0",
         ]
+        os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
         # Each process starts in our launcher, which imports tune_recipes (its noise filters)
         # before the recipe imports torchtune, then runs the script as __main__.
         try:
@@ -79,19 +75,25 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
                   f"(exit code {', '.join(map(str, codes))}); their output is above",
                   file=sys.stderr)
             return codes[-1] if codes and codes[-1] > 0 else 1
+        finally:
+            os.environ.pop(WARNED_ENV, None)
         return 0
     # Recipes are scripts (not importable modules): run the file as __main__ in this process.
     run_script(recipe.path, recipe_argv[1:])
     return 0
 
 
-def _check_recipe_keys(cfg, recipe: registry.Resolved, recipe_name: str) -> bool:
-    """Top-level keys against the recipe's CONFIG_KEYS; False when the recipe declares none
-    (a torchtune stock recipe or a user's script)."""
+def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool = True,
+                  nproc_per_node: Optional[int] = None) -> bool:
+    """Keys and values against the schema (tune_recipes/validation.py) with the recipe's
+    CONFIG_KEYS; False when the recipe declares none (a torchtune stock recipe or a user's
+    script), whose keys and values are its own business."""
     known = registry.recipe_config_keys(recipe.path)
     if known is None:
+        if nproc_per_node is not None and nproc_per_node < 1:
+            raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
         return False
-    check_known_keys(cfg, known, Path(recipe_name).stem)
+    check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node)
     return True
 
 
@@ -134,11 +136,17 @@ def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
 def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     config = _config_or_fail(args.config)
     cfg = load_config(config.path, rest)
-    checked = validate_config(cfg)
+    skipped: Optional[List[str]] = [] if args.portable else None
+    checked = validate_config(cfg, skipped=skipped)
     recipe_name = args.recipe or registry.recipe_for_config(args.config)
     keys_note = ""
-    if recipe_name and _check_recipe_keys(cfg, _recipe_or_fail(recipe_name), recipe_name):
-        keys_note = f", every top-level key is read by {recipe_name}"
+    if recipe_name and _check_recipe(cfg, _recipe_or_fail(recipe_name), recipe_name,
+                                     env=not args.portable):
+        keys_note = f", every top-level key is read by {recipe_name}, values in range"
+        if args.portable:
+            keys_note += " (--portable: paths and devices not checked)"
+    if skipped:
+        keys_note += f"; not checked here: {', '.join(skipped)}"
     print(f"config is valid: {config.path} ({len(checked)} components bind{keys_note})")
     return 0
 
@@ -238,8 +246,10 @@ examples:
         formatter_class=fmt,
         usage="tune validate CONFIG [key=value ...] [~key ...] [--recipe RECIPE]",
         description="Check CONFIG with its overrides applied, without building anything:\n"
-                    "every _component_ imports, every key binds to its signature, and every\n"
-                    "top-level key is one the recipe reads.",
+                    "every _component_ imports, every key binds to its signature, every\n"
+                    "top-level key is one the recipe reads, and every value has the right type\n"
+                    "and range, paths exist and the device is available (the checks `tune run`\n"
+                    "and the recipe make before any work).",
         epilog=_OVERRIDES_HELP + """
 example:
   tune validate llama3_2/1B_lora_single_device optimizer.lr=1e-4 ~lr_scheduler
@@ -247,6 +257,10 @@ example:
     val.add_argument("config", help="config name (see `tune ls`) or path to a .yaml file")
     val.add_argument("--recipe", default=None,
                      help="also check top-level keys against this recipe (default: by config name)")
+    val.add_argument("--portable", action="store_true",
+                     help="skip the checks of this machine (paths exist, device and dtype "
+                          "available, components from packages not installed here): for a "
+                          "config written for another machine")
     val.set_defaults(fn=cmd_validate)
     plot = sub.add_parser(
         "plot", help="draw loss, lr, grad norm and tokens/s of runs into a PNG",

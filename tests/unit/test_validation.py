@@ -1,0 +1,300 @@
+"""Validation before any work (tune_recipes/validation.py): malformed configs and overrides of
+every recipe family end in one line naming the key and value, exit code 2, no traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tune_recipes._cli import registry
+from tune_recipes._cli.main import main
+from tune_recipes.config import ConfigError, load_config
+from tune_recipes.validation import SCHEMA, TORCHTUNE_KEYS, check_config, check_top_level_keys
+
+REPO = Path(__file__).resolve().parents[2]
+NO_CUDA = not torch.cuda.is_available()
+
+# (config, overrides, the fragment the one error line holds). "{file}" is an existing file,
+# "{tmp}" an empty directory; "--portable" skips the machine checks (tiny/quantize reads a QAT
+# run's output, which does not exist here).
+CASES = [
+    # full fine-tune: types, ranges, enums, cross-key rules, paths
+    ("tiny/full_single_device", ["batch_size=abc"], "batch_size=abc: expected an integer >= 1"),
+    ("tiny/full_single_device", ["batch_size=0"], "batch_size=0: expected an integer >= 1"),
+    ("tiny/full_single_device", ["batch_size=True"], "batch_size=True"),
+    ("tiny/full_single_device", ["optimizer.lr=x"], "optimizer.lr=x: expected a number > 0"),
+    ("tiny/full_single_device", ["optimizer.lr=-1e-3"], "optimizer.lr=-0.001"),
+    ("tiny/full_single_device", ["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1"),
+    ("tiny/full_single_device", ["gradient_accumulation_steps=2.5"], "gradient_accumulation_steps=2.5"),
+    ("tiny/full_single_device", ["clip_grad_norm=-1"], "clip_grad_norm=-1: expected a number > 0"),
+    ("tiny/full_single_device", ["clip_grad_norm=big"], "clip_grad_norm=big"),
+    ("tiny/full_single_device", ["epochs=0"], "epochs=0: expected an integer >= 1"),
+    ("tiny/full_single_device", ["max_steps_per_epoch=0"], "max_steps_per_epoch=0"),
+    ("tiny/full_single_device", ["log_every_n_steps=0"], "log_every_n_steps=0"),
+    ("tiny/full_single_device", ["seed=-1"], "seed=-1: expected an integer >= 0"),
+    ("tiny/full_single_device", ["shuffle=maybe"], "shuffle=maybe: expected True or False"),
+    ("tiny/full_single_device", ["enable_activation_checkpointing=1"], "enable_activation_checkpointing=1"),
+    ("tiny/full_single_device", ["dtype=fp16"], "dtype=fp16: expected one of bf16, fp32"),
+    ("tiny/full_single_device", ["dtype=float8"], "dtype=float8"),
+    ("tiny/full_single_device", ["device=tpu"], "device=tpu: expected cpu, cuda or cuda:<index>"),
+    pytest.param("tiny/full_single_device", ["device=cuda"], "device=cuda: CUDA is not available",
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available")),
+    ("tiny/full_single_device", ["compile={mode: max-autotune}"], "compile={'mode': 'max-autotune'}: torchtune's per-part compile dict is not implemented"),
+    ("tiny/full_single_device", ["optimizer_in_bwd=True", "gradient_accumulation_steps=2", "clip_grad_norm=null"],
+     "optimizer_in_bwd=True with gradient_accumulation_steps=2"),
+    ("tiny/full_single_device", ["optimizer_in_bwd=True", "clip_grad_norm=1.0"],
+     "optimizer_in_bwd=True with clip_grad_norm=1.0"),
+    ("tiny/full_single_device", ["optimizer_in_bwd=on_step"], "optimizer_in_bwd=on_step: expected True or False"),
+    ("tiny/full_single_device", ["lr_scheduler.num_warmup_steps=-5"], "lr_scheduler.num_warmup_steps=-5"),
+    ("tiny/full_single_device", ["tokenizer.max_seq_len=0"], "tokenizer.max_seq_len=0"),
+    ("tiny/full_single_device", ["checkpointer.checkpoint_dir=/no/such/dir"],
+     "checkpointer.checkpoint_dir=/no/such/dir: no such directory"),
+    ("tiny/full_single_device", ["checkpointer.checkpoint_files=[nope.safetensors]"],
+     "checkpointer.checkpoint_files: "),
+    ("tiny/full_single_device", ["output_dir={file}/run"], "output_dir="),
+    ("tiny/full_single_device", ["~model"], "missing required key(s) model"),
+    ("tiny/full_single_device", ["bach_size=4"], "'bach_size' (did you mean 'batch_size'?)"),
+    # LoRA, QLoRA, DoRA
+    ("tiny/lora_single_device", ["model.lora_rank=0"], "model.lora_rank=0: expected an integer >= 1"),
+    ("tiny/lora_single_device", ["model.lora_attn_modules=[q_proj,foo]"],
+     "model.lora_attn_modules=['q_proj', 'foo']: item 'foo': expected one of q_proj, k_proj, v_proj, output_proj"),
+    ("tiny/lora_single_device", ["model.lora_attn_modules=[]"], "model.lora_attn_modules=[]: expected a non-empty list"),
+    ("tiny/lora_single_device", ["model.lora_alpha=-1"], "model.lora_alpha=-1"),
+    ("tiny/lora_single_device", ["model.lora_dropout=1.5"], "model.lora_dropout=1.5"),
+    ("tiny/lora_single_device", ["save_adapter_weights_only=2"], "save_adapter_weights_only=2"),
+    ("tiny/lora_single_device", ["model.apply_lora_to_mlp=2"], "model.apply_lora_to_mlp=2"),
+    ("tiny/lora_single_device", ["model.quantize_base=nf4"], "model.quantize_base=nf4"),  # QLoRA
+    ("tiny/lora_single_device", ["model.quantize_base=True", "model.lora_rank=-2"], "model.lora_rank=-2"),
+    ("tiny/lora_single_device", ["model.use_dora=sometimes"], "model.use_dora=sometimes"),  # DoRA
+    ("tiny/lora_single_device", ["model.use_dora=True", "model.lora_attn_modules=[w1]"], "item 'w1'"),
+    ("tiny/lora_single_device", ["optimizer_in_bwd=True"],
+     "optimizer_in_bwd=True: the optimizer step inside backward is not implemented by lora_finetune_single_device"),
+    # QAT
+    ("tiny/qat_single_device", ["quantizer.groupsize=0"], "quantizer.groupsize=0: expected an integer >= 1"),
+    ("tiny/qat_single_device", ["quantizer.groupsize=32.5"], "quantizer.groupsize=32.5"),
+    ("tiny/qat_single_device", ["fake_quant_after_n_steps=-1"], "fake_quant_after_n_steps=-1"),
+    ("tiny/qat_single_device", ["~quantizer"], "fake_quant_after_n_steps=5 without a quantizer"),
+    ("tiny/qat_single_device", ["optimizer_in_bwd=True", "gradient_accumulation_steps=4", "clip_grad_norm=null"],
+     "optimizer_in_bwd=True with gradient_accumulation_steps=4"),
+    ("tiny/qat_distributed", ["quantizer.groupsize=-32"], "quantizer.groupsize=-32"),
+    ("tiny/qat_distributed", ["fake_quant_after_n_steps=2.5"], "fake_quant_after_n_steps=2.5"),
+    # QAT + LoRA
+    ("tiny/qat_lora_distributed", ["quantizer.groupsize=abc"], "quantizer.groupsize=abc"),
+    ("tiny/qat_lora_distributed", ["model.lora_rank=0"], "model.lora_rank=0"),
+    ("tiny/qat_lora_distributed", ["fsdp_reshard_after_forward=sometimes"], "fsdp_reshard_after_forward=sometimes"),
+    # knowledge distillation
+    ("tiny/kd_single_device", ["kd_ratio=1.5"], "kd_ratio=1.5: expected a number >= 0 and <= 1"),
+    ("tiny/kd_single_device", ["kd_ratio=abc"], "kd_ratio=abc"),
+    ("tiny/kd_single_device", ["teacher_checkpointer.checkpoint_dir=/no/teacher"],
+     "teacher_checkpointer.checkpoint_dir=/no/teacher: no such directory"),
+    ("tiny/kd_single_device", ["~teacher_model"], "missing required key(s) teacher_model"),
+    ("tiny/kd_distributed", ["custom_sharded_layers=tok_embeddings"],
+     "custom_sharded_layers=tok_embeddings: expected a list"),
+    # quantize
+    ("tiny/quantize", ["--portable", "quantizer.groupsize=null"], "quantizer.groupsize=None"),
+    ("tiny/quantize", ["--portable", "dtype=fp8"], "dtype=fp8"),
+    ("tiny/quantize", ["--portable", "device=tpu"], "device=tpu"),
+    ("tiny/quantize", ["--portable", "~checkpointer"], "missing required key(s) checkpointer"),
+    ("tiny/quantize", [], "checkpointer.checkpoint_dir=outputs/tiny_qat_single_device/epoch_0: no such directory"),
+    # distributed
+    ("tiny/full_distributed", ["gradient_accumulation_steps=0"], "gradient_accumulation_steps=0"),
+    ("tiny/full_distributed", ["batch_size=-3"], "batch_size=-3"),
+    ("tiny/lora_distributed", ["model.lora_attn_modules=[q_proj,foo]"], "item 'foo'"),
+    ("tiny/lora_distributed", ["epochs=abc"], "epochs=abc"),
+]
+
+
+def _one_error_line(err: str, prefix: str = "tune: error:") -> str:
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _fill(items, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    return [i.replace("{file}", str(tmp_path / "a_file")).replace("{tmp}", str(tmp_path)) for i in items]
+
+
+@pytest.mark.unit
+def test_enough_malformed_cases_across_every_family():
+    configs = {(c.values[0] if hasattr(c, "values") else c[0]) for c in CASES}
+    assert len(CASES) >= 45, len(CASES)
+    assert {registry.recipe_for_config(c) for c in configs} == set(registry.list_recipes())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config,overrides,fragment", CASES)
+def test_malformed_config_is_one_line_exit_2(config, overrides, fragment, tmp_path, capsys):
+    rc = main(["validate", config, *_fill(overrides, tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = _one_error_line(err)
+    assert fragment in line, line
+
+
+@pytest.mark.unit
+def test_empty_yaml_names_the_missing_keys(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    rc = main(["validate", str(empty), "--recipe", "full_finetune_single_device"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "missing required key(s) output_dir, model, checkpointer" in line
+    assert "(the config is empty)" in line
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,fragment", [
+    (["--nproc_per_node", "0", "full_finetune_distributed", "--config", "tiny/full_distributed"],
+     "--nproc_per_node 0: expected an integer >= 1"),
+    (["--nproc_per_node", "2", "lora_finetune_single_device", "--config", "tiny/lora_single_device"],
+     "--nproc_per_node 2: lora_finetune_single_device runs on one device"),
+    (["--nproc_per_node", "2", "qat_distributed", "--config", "tiny/qat_distributed",
+      "quantizer.groupsize=-3"], "quantizer.groupsize=-3"),
+])
+def test_launcher_and_values_fail_before_torchrun(argv, fragment, capsys, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    started = []
+    monkeypatch.setattr(torchrun, "main", lambda *a, **k: started.append(a))
+    rc = main(["run", *argv])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and not started and fragment in line, line
+
+
+def _tiny(name):
+    return load_config(registry.resolve_config(name).path)
+
+
+def _keys(recipe):
+    return registry.recipe_config_keys(registry.recipes_dir() / f"{recipe}.py")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key,on,off", [
+    ("profiler", {"enabled": True, "output_dir": "/tmp/p"}, {"enabled": False}),
+    ("enable_activation_offloading", True, False),
+    ("fsdp_cpu_offload", True, False),
+    ("low_cpu_ram", True, False),
+    ("tensor_parallel_dim", 2, 1),
+    ("optimizer_in_bwd", True, False),
+    ("fsdp", {"cpu_offload": True}, {"cpu_offload": False}),
+    ("enable_async_checkpointing", True, False),
+])
+def test_unimplemented_torchtune_key_is_an_error_only_when_it_asks(key, on, off, capsys):
+    # The recipe's keys without ``key``: as long as a recipe does not implement the feature.
+    keys = _keys("full_finetune_distributed") - {key}
+    cfg = _tiny("tiny/full_distributed")
+    cfg[key] = on
+    with pytest.raises(ConfigError, match=rf"^{key}(\.enabled|\.cpu_offload)?=\S+: .* is not implemented by some_recipe"):
+        check_top_level_keys(cfg, keys, "some_recipe")
+    cfg[key] = off
+    check_top_level_keys(cfg, keys, "some_recipe")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: some_recipe ignores {key}")
+    # Implemented (declared in CONFIG_KEYS): the table steps aside, whatever the value.
+    cfg[key] = on
+    check_top_level_keys(cfg, keys | {key}, "some_recipe")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.unit
+def test_declared_keys_are_never_treated_as_stock_keys():
+    # What each recipe declares is out of the stock table's reach (one place decides).
+    for recipe in registry.list_recipes():
+        cfg = OmegaConf.create({k: True for k in _keys(recipe) & set(TORCHTUNE_KEYS)})
+        check_top_level_keys(cfg, _keys(recipe), recipe)
+
+
+@pytest.mark.unit
+def test_typo_without_a_close_match_lists_the_keys():
+    cfg = _tiny("tiny/quantize")
+    cfg.zzz = 1
+    with pytest.raises(ConfigError, match=r"does not use config key\(s\) 'zzz'; its keys are: checkpointer"):
+        check_config(cfg, "quantize", _keys("quantize"), env=False)
+
+
+@pytest.mark.unit
+def test_every_tiny_config_passes_and_schema_keys_are_recipe_keys():
+    every_key = set().union(*(_keys(r) for r in registry.list_recipes()))
+    assert {rule.owner for rule in SCHEMA} <= every_key
+    for name in registry.list_configs():
+        if name.startswith("tiny/"):
+            check_config(_tiny(name), registry.recipe_for_config(name),
+                         _keys(registry.recipe_for_config(name)), env=name != "tiny/quantize")
+
+
+# A few as real processes: the parent's checks (tune run), and the recipe's own (@parse hook).
+@pytest.mark.integration
+@pytest.mark.parametrize("argv,fragment,prefix", [
+    (["-m", "tune_recipes", "run", "lora_finetune_single_device", "--config",
+      "tiny/lora_single_device", "model.lora_attn_modules=[q_proj,foo]"], "item 'foo'", "tune: error:"),
+    (["-m", "tune_recipes", "run", "--nproc_per_node", "2", "full_finetune_distributed",
+      "--config", "tiny/full_distributed", "batch_size=abc"], "batch_size=abc", "tune: error:"),
+    # The recipe's own check, as each torchrun child starts it (the launcher installs the
+    # third-party noise filters first).
+    (["-m", "tune_recipes._cli.launch", str(REPO / "recipes" / "full_finetune_single_device.py"), "--config",
+      str(REPO / "configs" / "tiny" / "full_single_device.yaml"), "epochs=0"], "epochs=0", "error:"),
+])
+def test_real_processes_fail_in_one_line(argv, fragment, prefix, tmp_path):
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path,
+                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert p.returncode == 2, p.stderr
+    line = _one_error_line(p.stderr, prefix)
+    assert fragment in line
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.unit
+def test_portable_skips_components_of_packages_not_installed_here(tmp_path, capsys):
+    # Stock configs use bitsandbytes optimizers and torchvision models: a machine property.
+    cfg = load_config(registry.resolve_config("tiny/full_single_device").path,
+                      ["optimizer._component_=no_such_pkg_xyz.optim.PagedAdamW8bit"])
+    path = tmp_path / "c.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    assert main(["validate", str(path), "--recipe", "full_finetune_single_device"]) == 2
+    assert "optimizer._component_: 'no_such_pkg_xyz.optim.PagedAdamW8bit'" in capsys.readouterr().err
+    assert main(["validate", str(path), "--recipe", "full_finetune_single_device", "--portable"]) == 0
+    assert "not checked here: optimizer (no_such_pkg_xyz not installed)" in capsys.readouterr().out
+    # A typo in an installed package is still an error.
+    cfg.optimizer._component_ = "torch.optim.AdamWW"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    assert main(["validate", str(path), "--recipe", "full_finetune_single_device", "--portable"]) == 2
+
+
+@pytest.mark.unit
+def test_torchrun_processes_do_not_repeat_the_parents_warnings(capsys, monkeypatch):
+    import os
+
+    import torch.distributed.run as torchrun
+
+    seen = []
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    monkeypatch.setattr(torchrun, "main", lambda argv: seen.append(os.environ.get("TUNE_RECIPES_CONFIG_WARNED")))
+    rc = main(["run", "--nproc_per_node", "2", "full_finetune_distributed", "--config",
+               "tiny/full_distributed", "enable_activation_offloading=False"])
+    err = capsys.readouterr().err
+    assert rc == 0 and seen == ["1"]
+    assert err.count("ignores enable_activation_offloading=False") <= 1
+    assert "TUNE_RECIPES_CONFIG_WARNED" not in os.environ  # this process warns again later
+
+
+@pytest.mark.unit
+def test_a_renamed_copy_of_a_distributed_recipe_may_use_several_processes(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import torch.distributed.run as torchrun
+
+    started = []
+    monkeypatch.setattr(torchrun, "main", lambda argv: started.append(argv))
+    mine = tmp_path / "my_fsdp.py"
+    shutil.copyfile(registry.recipes_dir() / "full_finetune_distributed.py", mine)
+    assert main(["run", "--nproc_per_node", "2", str(mine), "--config", "tiny/full_distributed"]) == 0
+    assert len(started) == 1
+    mine_single = tmp_path / "my_lora.py"
+    shutil.copyfile(registry.recipes_dir() / "lora_finetune_single_device.py", mine_single)
+    assert main(["run", "--nproc_per_node", "2", str(mine_single), "--config", "tiny/lora_single_device"]) == 2
+    assert "my_lora runs on one device" in capsys.readouterr().err

@@ -1,0 +1,463 @@
+"""One declarative schema for every config value our recipes read, checked before any work.
+
+``check_config`` runs in three places with the same rules: the recipe's ``@parse`` entry point
+(every process, before the model is built), ``tune run`` (the parent, before torchrun starts)
+and ``tune validate``. A problem is a ``ConfigError`` printed as one line naming the key path
+and value; the caller exits with status 2.
+
+What is checked, in order:
+
+1. top-level keys against the recipe's ``CONFIG_KEYS`` (``check_top_level_keys``): a typo is
+   an error with a did-you-mean; a torchtune 0.6.1 key the recipe does not implement
+   (``TORCHTUNE_KEYS``) is an error only when its value turns the feature on, otherwise a
+   one-line warning. A key in ``CONFIG_KEYS`` is never looked up in ``TORCHTUNE_KEYS``: a
+   recipe that implements a feature declares its key and this table steps aside.
+2. required keys (``REQUIRED``), those the recipe declares only.
+3. each value in ``SCHEMA`` whose key the recipe declares and the config has (type, range,
+   enum; ``env=True`` rules look at this machine: paths exist, device and dtype available).
+4. ``CROSS_KEY`` rules (optimizer_in_bwd with accumulation or clipping, ...).
+5. launcher arguments (``check_launch``), in ``tune run`` only.
+
+``env=False`` (``tune validate --portable``) skips the machine checks, for a config written for
+another machine (the stock configs' ``/tmp/<model>`` paths, ``device: cuda`` on a laptop).
+"""
+
+import difflib
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, List, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A problem with a config file or override; the message names the file, key or value.
+
+    Defined here, below ``tune_recipes.config`` (which re-exports it), so that the schema sits
+    one layer under the loader that calls it."""
+
+
+Check = Callable[[Any], Optional[str]]  # value -> what is wrong with it, or None
+
+
+# ----------------------------------------------------------------------------- value checks
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def integer(minimum: int) -> Check:
+    return lambda v: None if _is_int(v) and v >= minimum else f"expected an integer >= {minimum}"
+
+
+def number(minimum: float = -math.inf, exclusive: bool = False, maximum: float = math.inf,
+           finite: bool = True, strings: bool = False) -> Check:
+    """A number in range; ``strings`` also takes a string float() parses (YAML's ``inf``)."""
+    lo = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
+    want = f"a number {lo}" + (f" and <= {maximum:g}" if maximum != math.inf else "")
+
+    def check(v):
+        if strings and isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                return f"expected {want}"
+        if not _is_number(v) or math.isnan(v) or (finite and math.isinf(v)):
+            return f"expected {want}"
+        if (v <= minimum if exclusive else v < minimum) or v > maximum:
+            return f"expected {want}"
+        return None
+
+    return check
+
+
+def boolean(v) -> Optional[str]:
+    return None if isinstance(v, bool) else "expected True or False"
+
+
+def one_of(*choices: str, hint: str = "") -> Check:
+    return lambda v: None if v in choices else (
+        f"expected one of {', '.join(choices)}" + (f" ({hint})" if hint else ""))
+
+
+def optional(check: Check) -> Check:
+    return lambda v: None if v is None else check(v)
+
+
+def text(v) -> Optional[str]:
+    return None if isinstance(v, str) and v.strip() else "expected a non-empty string"
+
+
+def list_of(item: Check, nonempty: bool = False) -> Check:
+    def check(v):
+        if not isinstance(v, list) or (nonempty and not v):
+            return "expected a " + ("non-empty " if nonempty else "") + "list"
+        for x in v:
+            problem = item(x)
+            if problem:
+                return f"item {x!r}: {problem}"
+        return None
+
+    return check
+
+
+def no_dict(feature: str) -> Check:
+    def check(v):
+        if isinstance(v, dict):
+            return f"{feature} is not implemented; use True or False"
+        return boolean(v)
+
+    return check
+
+
+_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+
+
+def device_name(v) -> Optional[str]:
+    if v in ("cpu", "cuda") or (isinstance(v, str) and v.startswith("cuda:") and v[5:].isdigit()):
+        return None
+    return "expected cpu, cuda or cuda:<index>"
+
+
+# ----------------------------------------------------------------------------- machine checks
+def device_available(v) -> Optional[str]:
+    if not str(v).startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine; set device=cpu"
+    if ":" in str(v) and int(str(v)[5:]) >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def existing_dir(v) -> Optional[str]:
+    return None if Path(str(v)).expanduser().is_dir() else "no such directory"
+
+
+def existing_file(v) -> Optional[str]:
+    return None if Path(str(v)).expanduser().is_file() else "no such file"
+
+
+def writable_dir(v) -> Optional[str]:
+    import os
+
+    p = Path(str(v)).expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} exists and is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str            # dotted path into the config
+    check: Check
+    env: bool = False   # depends on this machine (skipped by ``tune validate --portable``)
+
+    @property
+    def owner(self) -> str:
+        """The top-level key the recipe must declare for the rule to apply."""
+        return self.key.split(".")[0]
+
+
+_bf16_or_fp32 = one_of("bf16", "fp32", hint="fp16 needs loss scaling, which no recipe does")
+
+# NOTE: one table for every recipe. A rule applies when its top-level key is in the recipe's
+# CONFIG_KEYS and the key is present in the config; defaults live in the recipes.
+SCHEMA: List[Rule] = [
+    Rule("output_dir", text),
+    Rule("output_dir", writable_dir, env=True),
+    Rule("seed", optional(integer(0))),
+    Rule("shuffle", boolean),
+    Rule("batch_size", integer(1)),
+    Rule("epochs", integer(1)),
+    Rule("max_steps_per_epoch", optional(integer(1))),
+    Rule("gradient_accumulation_steps", integer(1)),
+    Rule("log_every_n_steps", integer(1)),
+    Rule("log_peak_memory_stats", boolean),
+    Rule("resume_from_checkpoint", boolean),
+    Rule("save_adapter_weights_only", boolean),
+    Rule("enable_activation_checkpointing", boolean),
+    Rule("fsdp_reshard_after_forward", boolean),
+    Rule("optimizer_in_bwd", boolean),
+    Rule("compile", no_dict("torchtune's per-part compile dict")),
+    Rule("custom_sharded_layers", optional(list_of(text))),
+    Rule("collate_fn", text),
+    Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),
+    Rule("optimizer.lr", number(0, exclusive=True)),
+    Rule("optimizer.weight_decay", number(0)),
+    Rule("lr_scheduler.num_warmup_steps", integer(0)),
+    Rule("device", device_name),
+    Rule("device", device_available, env=True),
+    Rule("dtype", _bf16_or_fp32),
+    Rule("model.lora_rank", integer(1)),
+    Rule("model.lora_alpha", number(0, exclusive=True)),
+    Rule("model.lora_dropout", number(0, maximum=1)),
+    Rule("model.lora_attn_modules", list_of(one_of(*_LORA_MODULES), nonempty=True)),
+    Rule("model.apply_lora_to_mlp", boolean),
+    Rule("model.apply_lora_to_output", boolean),
+    Rule("model.use_dora", boolean),
+    Rule("model.quantize_base", boolean),
+    Rule("tokenizer.max_seq_len", optional(integer(1))),
+    Rule("tokenizer.path", existing_file, env=True),
+    Rule("tokenizer.merges_file", existing_file, env=True),
+    Rule("dataset.packed", boolean),
+    Rule("checkpointer.checkpoint_dir", existing_dir, env=True),
+    Rule("teacher_checkpointer.checkpoint_dir", existing_dir, env=True),
+    # Whether it divides each quantized layer's input size is checked where the layers are
+    # known (training/setup/qat.py), naming the layer.
+    Rule("quantizer.groupsize", integer(1)),
+    Rule("fake_quant_after_n_steps", optional(integer(0))),
+    Rule("kd_ratio", number(0, maximum=1)),
+]
+
+# Keys a recipe reads without a default (cfg.<key>): required when the recipe declares them.
+REQUIRED = ("output_dir", "model", "checkpointer", "tokenizer", "dataset", "optimizer", "loss",
+            "batch_size", "epochs", "seed", "shuffle", "teacher_model", "teacher_checkpointer",
+            "kd_loss")
+
+
+def _checkpoint_files(cfg: DictConfig, env: bool, key: str) -> None:
+    """Each listed checkpoint file exists under checkpoint_dir (names the key and the path)."""
+    node = cfg.get(key)
+    if not env or not isinstance(node, DictConfig):
+        return
+    files, where = _value(node, "checkpoint_files"), _value(node, "checkpoint_dir")
+    if not isinstance(files, list) or not isinstance(where, str) or not Path(where).is_dir():
+        return
+    for f in files:
+        p = Path(where) / str(f)
+        if not p.is_file():
+            raise ConfigError(f"{key}.checkpoint_files: {p}: no such file")
+
+
+def _in_backward_rules(cfg: DictConfig) -> Optional[str]:
+    if cfg.get("optimizer_in_bwd", False) is not True:
+        return None
+    ga = cfg.get("gradient_accumulation_steps", 1)
+    if ga != 1:
+        return (f"optimizer_in_bwd=True with gradient_accumulation_steps={ga}: the optimizer "
+                "steps inside each backward; set gradient_accumulation_steps=1")
+    clip = cfg.get("clip_grad_norm", None)
+    if clip is not None:
+        return (f"optimizer_in_bwd=True with clip_grad_norm={clip}: clipping needs every "
+                "gradient at once; set clip_grad_norm=null")
+    return None
+
+
+def _fake_quant_needs_quantizer(cfg: DictConfig) -> Optional[str]:
+    if cfg.get("fake_quant_after_n_steps", None) is not None and cfg.get("quantizer") is None:
+        return (f"fake_quant_after_n_steps={cfg.fake_quant_after_n_steps} without a quantizer: "
+                "set quantizer._component_ (e.g. Int8DynActInt4WeightQATQuantizer)")
+    return None
+
+
+# (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
+CROSS_KEY: List[tuple] = [
+    (("optimizer_in_bwd",), _in_backward_rules),
+    (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
+]
+
+
+# ----------------------------------------------------------------------------- torchtune keys
+@dataclass(frozen=True)
+class StockKey:
+    """A torchtune 0.6.1 recipe key: what it turns on and whether a value asks for it."""
+
+    feature: str
+    asks: Callable[[Any], bool]
+    field: str = ""  # for a mapping: the field that decides (profiler.enabled)
+
+
+def _true(v) -> bool:
+    return v is True
+
+
+def _enabled(v) -> bool:
+    return isinstance(v, dict) and bool(v.get("enabled", False))
+
+
+# Read from torchtune 0.6.1's recipes (cfg.get(key, <off value>)).
+TORCHTUNE_KEYS = {
+    "profiler": StockKey("torchtune's profiler", _enabled, field="enabled"),
+    "enable_activation_offloading": StockKey("activation offloading to CPU", _true),
+    "activation_offloading_use_streams": StockKey(
+        "activation offloading streams (only used with enable_activation_offloading)",
+        lambda v: False),
+    "fsdp_cpu_offload": StockKey("FSDP CPU offload of parameters and optimizer state", _true),
+    "fsdp": StockKey("FSDP CPU offload",
+                     lambda v: isinstance(v, dict) and bool(v.get("cpu_offload", False)),
+                     field="cpu_offload"),
+    "low_cpu_ram": StockKey("low-CPU-RAM checkpoint loading", _true),
+    "tensor_parallel_dim": StockKey("tensor parallelism",
+                                    lambda v: _is_number(v) and v > 1),
+    "tensor_parallel_plan": StockKey(
+        "a tensor parallel plan (only used with tensor_parallel_dim > 1)", lambda v: False),
+    "optimizer_in_bwd": StockKey("the optimizer step inside backward", _true),
+    "ac_mode": StockKey("selective activation checkpointing (ac_mode)", lambda v: v is not None),
+    "ac_option": StockKey("selective activation checkpointing (ac_option)",
+                          lambda v: v is not None),
+    "enable_async_checkpointing": StockKey("asynchronous checkpointing", _true),
+    "cudnn_deterministic_mode": StockKey("cuDNN deterministic mode", lambda v: v is not None),
+    "profile_memory": StockKey("memory profiling (profile_memory)", _true),
+}
+
+_WARNED: set = set()
+
+
+# Set by ``tune run`` before torchrun starts: the parent printed the warnings once already.
+WARNED_ENV = "TUNE_RECIPES_CONFIG_WARNED"
+
+
+def _warn(line: str) -> None:
+    # Once per run: the @parse hook and the recipe's own check both see the config, and so
+    # does every torchrun process after the parent.
+    import os
+
+    if os.environ.get(WARNED_ENV) == "1":
+        return
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, (DictConfig, ListConfig)):
+        v = OmegaConf.to_container(v, resolve=False)
+    s = str(v) if not isinstance(v, str) else (v if v else "''")
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:
+    """Unknown keys: a typo is an error with a did-you-mean; a torchtune key whose feature
+    ``recipe`` does not implement is an error when the value asks for it, else a warning."""
+    known = set(known)
+    unknown = [str(k) for k in cfg.keys() if k not in known]
+    typos = [k for k in unknown if k not in TORCHTUNE_KEYS]
+    if typos:
+        parts = []
+        for k in typos:
+            close = difflib.get_close_matches(k, sorted(known), n=1)
+            parts.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        hint = "" if any("did you mean" in p for p in parts) else f"; its keys are: {', '.join(sorted(known))}"
+        raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
+    for k in unknown:
+        spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)
+        shown = f"{k}={_show(value)}"
+        if spec.field and isinstance(value, dict):
+            shown = f"{k}.{spec.field}={_show(value.get(spec.field))}"
+        if spec.asks(value):
+            raise ConfigError(
+                f"{shown}: {spec.feature} is not implemented by {recipe} "
+                f"(a torchtune 0.6.1 key; turn it off or remove it; docs/migrating.md)")
+        _warn(f"{recipe} ignores {shown} ({spec.feature} is not implemented; "
+              "this value leaves it off)")
+
+
+# ----------------------------------------------------------------------------- the checks
+def _plain(node: DictConfig, key: str) -> Any:
+    try:
+        v = node[key]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{key}: cannot resolve: {str(e).splitlines()[0]}") from None
+    if isinstance(v, (DictConfig, ListConfig)):
+        try:
+            return OmegaConf.to_container(v, resolve=True)
+        except OmegaConfBaseException:
+            return OmegaConf.to_container(v, resolve=False)
+    return v
+
+
+_MISSING = object()
+
+
+def _value(cfg: DictConfig, dotted: str) -> Any:
+    """The resolved value at ``dotted``, or _MISSING (also under a non-mapping parent)."""
+    *parents, leaf = dotted.split(".")
+    node: Any = cfg
+    for p in parents:
+        if not isinstance(node, DictConfig) or p not in node:
+            return _MISSING
+        node = node[p]
+    if not isinstance(node, DictConfig) or leaf not in node:
+        return _MISSING
+    return _plain(node, leaf)
+
+
+def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = True) -> None:
+    """Required keys, ``SCHEMA`` and ``CROSS_KEY`` for a recipe declaring ``keys``."""
+    keys = set(keys) if keys is not None else None
+    if keys is not None:
+        missing = [k for k in REQUIRED if k in keys and k not in cfg]
+        if missing:
+            empty = " (the config is empty)" if len(cfg) == 0 else ""
+            raise ConfigError(f"missing required key(s) {', '.join(missing)}{empty}")
+    for rule in SCHEMA:
+        if (keys is not None and rule.owner not in keys) or (rule.env and not env):
+            continue
+        value = _value(cfg, rule.key)
+        if value is _MISSING:
+            continue
+        problem = rule.check(value)
+        if problem:
+            raise ConfigError(f"{rule.key}={_show(value)}: {problem}")
+    if env:
+        for key in ("checkpointer", "teacher_checkpointer"):
+            if keys is None or key in keys:
+                _checkpoint_files(cfg, env, key)
+        dtype = cfg.get("dtype", None)
+        if dtype == "bf16" and str(cfg.get("device", "cpu")).startswith("cuda"):
+            import torch
+
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                raise ConfigError("dtype=bf16: this GPU does not support bf16; set dtype=fp32")
+    for needs, rule in CROSS_KEY:
+        if keys is not None and not set(needs) <= keys:
+            continue
+        problem = rule(cfg)
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, env: bool = True,
+                 keys: Iterable[str] = ()) -> None:
+    """``tune run`` launcher arguments against the recipe and this machine."""
+    if nproc_per_node is None:
+        return
+    if nproc_per_node < 1:
+        raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
+    # Our distributed recipes say so in their name; a renamed copy (tune cp) by its FSDP key.
+    distributed = "distributed" in recipe or "fsdp_reshard_after_forward" in set(keys)
+    if not distributed and nproc_per_node > 1:
+        raise ConfigError(
+            f"--nproc_per_node {nproc_per_node}: {recipe} runs on one device; use its "
+            "_distributed recipe or drop --nproc_per_node")
+    if env and str(cfg.get("device", "cuda")).startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have and nproc_per_node > have:
+            raise ConfigError(
+                f"--nproc_per_node {nproc_per_node}: this machine has {have} CUDA device(s)")
+
+
+def check_config(cfg: DictConfig, recipe: str, keys: Optional[Iterable[str]], *,
+                 env: bool = True, nproc_per_node: Optional[int] = None) -> None:
+    """Everything above, for ``recipe`` (its CONFIG_KEYS as ``keys``; None: a recipe that
+    declares none, e.g. torchtune's stock one, gets no schema: its rules are its own)."""
+    if keys is None:
+        return
+    check_top_level_keys(cfg, keys, recipe)
+    check_values(cfg, keys, env=env)
+    check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys)
