@@ -46,7 +46,7 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only",
-    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",
+    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "profiler",
 }
 
 

@@ -45,7 +45,7 @@ CONFIG_KEYS = {
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
-    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",
+    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "profiler",
 }
 
 

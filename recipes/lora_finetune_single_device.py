@@ -41,7 +41,7 @@ CONFIG_KEYS = {
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "profiler",
 }
 
 

@@ -53,7 +53,7 @@ CONFIG_KEYS = {
     "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss", "clip_grad_norm",
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
-    "collate_fn", "save_adapter_weights_only", "quantizer", "fake_quant_after_n_steps",
+    "collate_fn", "save_adapter_weights_only", "quantizer", "fake_quant_after_n_steps", "profiler",
 }
 
 

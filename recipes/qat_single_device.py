@@ -53,7 +53,7 @@ CONFIG_KEYS = {
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
-    "quantizer", "fake_quant_after_n_steps",
+    "quantizer", "fake_quant_after_n_steps", "profiler",
 }
 
 
