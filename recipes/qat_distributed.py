@@ -30,6 +30,7 @@ from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.distributed import check_fused_loss_sharding, fsdp_options, shard_and_load
 from tune_recipes.training.setup.qat import FakeQuantSchedule, build_quantizer, check_group_size
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
 from tune_recipes.training.step.driver import Step
@@ -43,6 +44,7 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "quantizer", "fake_quant_after_n_steps", "profiler",
+    "enable_activation_offloading",
 }
 
 
@@ -51,6 +53,8 @@ class QATRecipeDistributed:
         check_known_keys(cfg, CONFIG_KEYS, "qat_distributed")
         self._runtime = init_distributed(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         self._quantizer, self._quantizer_mode = build_quantizer(cfg.get("quantizer"), self._dtype)
         # NOTE: never the single-device SKIP here, even at GA 1: token counts are per rank and
         # skipping the rescale weights each rank by its own count ([5, 3] tokens -> ~25% off).
@@ -70,6 +74,7 @@ class QATRecipeDistributed:
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)
+        offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(
