@@ -129,8 +129,8 @@ def setup_step_driver(
                                    resume=resume, world_size=runtime.world_size, rank=runtime.rank)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
-        optimizer_in_bwd=path == NormalizationPath.IN_BACKWARD,
-        distributed=runtime.distributed, world_size=runtime.world_size,
+        optimizer_in_bwd=path in (NormalizationPath.IN_BACKWARD, NormalizationPath.IN_BACKWARD_GLOBAL),
+        distributed=runtime.distributed, world_size=runtime.world_size, device=runtime.device,
     )
     if normalizer.path != path:
         raise ValueError(f"path {path.value} does not match the run's flags ({normalizer.path.value})")
