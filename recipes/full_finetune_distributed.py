@@ -38,7 +38,7 @@ CONFIG_KEYS = {
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
-    "collate_fn", "profiler", "enable_activation_offloading",
+    "collate_fn", "profiler", "enable_activation_offloading", "fsdp_cpu_offload",
 }
 
 

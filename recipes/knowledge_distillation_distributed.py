@@ -30,6 +30,7 @@ from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
 from tune_recipes.training.setup.distributed import (
     check_fused_loss_sharding,
+    fsdp_cpu_offload_requested,
     fsdp_options,
     shard_and_load,
     shard_and_load_lora,
@@ -48,7 +49,7 @@ CONFIG_KEYS = {
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "profiler",
-    "enable_activation_offloading",
+    "enable_activation_offloading", "fsdp_cpu_offload",
 }
 
 
@@ -83,6 +84,7 @@ class KDRecipeDistributed:
             cfg.teacher_model, dtype=self._dtype, device=self._runtime.device,
             world_size=self._runtime.world_size, full_state_dict=teacher_sd,
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            cpu_offload=fsdp_cpu_offload_requested(cfg),
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)

@@ -47,6 +47,7 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only", "profiler", "enable_activation_offloading",
+    "fsdp_cpu_offload", "fsdp",
 }
 
 

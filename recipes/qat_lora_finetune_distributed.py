@@ -55,7 +55,7 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only", "quantizer", "fake_quant_after_n_steps", "profiler",
-    "enable_activation_offloading",
+    "enable_activation_offloading", "fsdp_cpu_offload",
 }
 
 
