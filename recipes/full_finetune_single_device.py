@@ -29,6 +29,7 @@ from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.model import setup_full_model
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import single_device
 from tune_recipes.training.step.driver import Step
@@ -41,7 +42,8 @@ CONFIG_KEYS = {
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
-    "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
+    "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
+    "enable_activation_offloading",
 }
 
 
@@ -50,6 +52,8 @@ class FullFinetuneRecipeSingleDevice:
         check_known_keys(cfg, CONFIG_KEYS, "full_finetune_single_device")
         self._runtime = single_device(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
         # Reject incompatible flags before any work is done.
         if self._optimizer_in_bwd and cfg.get("clip_grad_norm", None) is not None:
@@ -77,6 +81,7 @@ class FullFinetuneRecipeSingleDevice:
             state_dict=resume.optimizer if resume else None,
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
+        offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)
         self._driver = setup_step_driver(

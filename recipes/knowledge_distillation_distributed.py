@@ -30,10 +30,12 @@ from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
 from tune_recipes.training.setup.distributed import (
     check_fused_loss_sharding,
+    fsdp_cpu_offload_requested,
     fsdp_options,
     shard_and_load,
     shard_and_load_lora,
 )
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
 from tune_recipes.training.step.normalization import normalization_path
@@ -47,7 +49,8 @@ CONFIG_KEYS = {
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
+    "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
+    "enable_activation_offloading", "fsdp_cpu_offload",
 }
 
 
@@ -56,6 +59,8 @@ class KDRecipeDistributed:
         check_known_keys(cfg, CONFIG_KEYS, "knowledge_distillation_distributed")
         self._runtime = init_distributed(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         # NOTE: never the single-device SKIP here, even at GA 1: token counts are per rank and
         # skipping the rescale weights each rank by its own count ([5, 3] tokens -> ~25% off).
         # Why, at length: tune_recipes/training/step/normalization.py.
@@ -80,9 +85,11 @@ class KDRecipeDistributed:
             cfg.teacher_model, dtype=self._dtype, device=self._runtime.device,
             world_size=self._runtime.world_size, full_state_dict=teacher_sd,
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            cpu_offload=fsdp_cpu_offload_requested(cfg),
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)
+        offload_activations(self._model, self._offload_activations)
         self._kd = DistillationLoss(
             self._model, self._teacher, self._loss_fn, tt_config.instantiate(cfg.kd_loss),
             cfg.get("kd_ratio", 0.5),

@@ -34,6 +34,7 @@ from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
 from tune_recipes.training.setup.model import setup_lora_model
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import single_device
 from tune_recipes.training.step.normalization import normalization_path
@@ -46,7 +47,8 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
+    "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
+    "enable_activation_offloading",
 }
 
 
@@ -55,6 +57,8 @@ class KDRecipeSingleDevice:
         check_known_keys(cfg, CONFIG_KEYS, "knowledge_distillation_single_device")
         self._runtime = single_device(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
         self._path = normalization_path(
             distributed=False, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1))
@@ -76,6 +80,7 @@ class KDRecipeSingleDevice:
         )
         self._teacher = self._setup_teacher(cfg.teacher_model, cfg.teacher_checkpointer)
         self._loss_fn = tt_config.instantiate(cfg.loss)
+        offload_activations(self._model, self._offload_activations)
         self._kd = DistillationLoss(
             self._model, self._teacher, self._loss_fn, tt_config.instantiate(cfg.kd_loss),
             cfg.get("kd_ratio", 0.5),

@@ -33,6 +33,7 @@ from tune_recipes.training.setup.distributed import (
     fsdp_options,
     shard_and_load_lora,
 )
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
 from tune_recipes.training.step.driver import Step
@@ -46,7 +47,8 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "save_adapter_weights_only", "log_level", "dataset_val", "batch_size_val",
-    "run_val_every_n_steps", "on_nonfinite",
+    "run_val_every_n_steps", "on_nonfinite", "profiler", "enable_activation_offloading",
+    "fsdp_cpu_offload", "fsdp",
 }
 
 
@@ -55,6 +57,8 @@ class LoRAFinetuneRecipeDistributed:
         check_known_keys(cfg, CONFIG_KEYS, "lora_finetune_distributed")
         self._runtime = init_distributed(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         # NOTE: never the single-device SKIP here, even at GA 1: token counts are per rank and
         # skipping the rescale weights each rank by its own count ([5, 3] tokens -> ~25% off).
         # Why, at length: tune_recipes/training/step/normalization.py.
@@ -76,6 +80,7 @@ class LoRAFinetuneRecipeDistributed:
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)
+        offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -30,6 +30,7 @@ from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.model import setup_lora_model
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import single_device
 from tune_recipes.training.step.driver import Step
@@ -42,7 +43,8 @@ CONFIG_KEYS = {
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
-    "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
+    "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
+    "enable_activation_offloading",
 }
 
 
@@ -51,6 +53,8 @@ class LoRAFinetuneRecipeSingleDevice:
         check_known_keys(cfg, CONFIG_KEYS, "lora_finetune_single_device")
         self._runtime = single_device(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
         self._path = normalization_path(
             distributed=False, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1))
@@ -71,6 +75,7 @@ class LoRAFinetuneRecipeSingleDevice:
             cfg.optimizer, self._model, state_dict=resume.optimizer if resume else None
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
+        offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime, lora)
         self._driver = setup_step_driver(

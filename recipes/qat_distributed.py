@@ -30,20 +30,22 @@ from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.distributed import check_fused_loss_sharding, fsdp_options, shard_and_load
 from tune_recipes.training.setup.qat import FakeQuantSchedule, build_quantizer, check_group_size
+from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
 from tune_recipes.training.step.driver import Step
 from tune_recipes.training.step.normalization import normalization_path
-from tune_recipes.training.step.optim import build_optimizer
+from tune_recipes.training.step.optim import build_optimizer, optimizer_in_bwd_flag
 
 CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
     "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
-    "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss", "clip_grad_norm",
-    "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
+    "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
+    "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val",
-    "batch_size_val", "run_val_every_n_steps", "on_nonfinite",
+    "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
+    "enable_activation_offloading", "fsdp_cpu_offload",
 }
 
 
@@ -52,12 +54,18 @@ class QATRecipeDistributed:
         check_known_keys(cfg, CONFIG_KEYS, "qat_distributed")
         self._runtime = init_distributed(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        self._offload_activations = activation_offloading_wanted(
+            cfg, self._runtime.device, self._runtime.is_main)
         self._quantizer, self._quantizer_mode = build_quantizer(cfg.get("quantizer"), self._dtype)
         # NOTE: never the single-device SKIP here, even at GA 1: token counts are per rank and
         # skipping the rescale weights each rank by its own count ([5, 3] tokens -> ~25% off).
-        # Why, at length: tune_recipes/training/step/normalization.py.
+        # Why, at length: tune_recipes/training/step/normalization.py. optimizer_in_bwd (GA 1,
+        # no clipping) takes IN_BACKWARD_GLOBAL: the token count is all-reduced before the
+        # forward so each gradient is exact when its in-backward optimizer step fires.
+        self._optimizer_in_bwd = optimizer_in_bwd_flag(cfg)
         self._path = normalization_path(
-            distributed=True, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1))
+            distributed=True, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+            optimizer_in_bwd=self._optimizer_in_bwd)
         self._state = RecipeState.from_config(cfg)
 
     def setup(self, cfg: DictConfig) -> None:
@@ -71,10 +79,12 @@ class QATRecipeDistributed:
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)
+        offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(
-            cfg.optimizer, self._model, state_dict=resume.optimizer if resume else None,
+            cfg.optimizer, self._model, self._optimizer_in_bwd,
+            state_dict=resume.optimizer if resume else None,
             distributed=True, device=self._runtime.device,
         )
         self._checkpoint_writer = CheckpointWriter.from_config(cfg, checkpointer, self._runtime)

@@ -54,7 +54,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
     "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val", "batch_size_val",
-    "run_val_every_n_steps", "on_nonfinite",
+    "run_val_every_n_steps", "on_nonfinite", "profiler",
 }
 
 

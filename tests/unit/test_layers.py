@@ -78,6 +78,8 @@ TESTS = {
     "training/setup/data.py": "training/setup/test_data.py",
     "training/setup/distributed.py": "training/setup/test_setup_distributed.py",
     "training/setup/model.py": "training/setup/test_model.py",
+    "training/setup/offloading.py": "training/setup/test_offloading.py",
+    "training/setup/profiling.py": "training/setup/test_profiling.py",
     "training/setup/qat.py": "training/setup/test_setup_qat.py",
     "training/setup/recipe.py": "training/setup/test_recipe.py",
     "training/setup/runtime.py": "training/setup/test_runtime.py",

@@ -12,8 +12,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtune import config as tt_config, training
 from torchtune.modules import TransformerSelfAttentionLayer
 
+from torchtune.utils import get_logger
+
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
+
+log = get_logger("INFO")
 
 
 def check_tied_embedding_sharding(model: nn.Module, custom_sharded_layers) -> None:
@@ -45,6 +49,7 @@ def shard_and_load(
     enable_activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
     custom_sharded_layers: Optional[List[str]] = None,
+    cpu_offload: bool = False,
     before_shard=None,
 ):
     """Build the model on the meta device, shard it with FSDP2 (each transformer layer, any
@@ -56,7 +61,18 @@ def shard_and_load(
     init of tune_recipes.modules.peft): the base weights then load non-strictly and the
     result is ``(model, (base_missing, base_unexpected, adapter_missing, adapter_unexpected))``.
     Otherwise loading is strict and the second element is None.
+
+    ``cpu_offload`` (``fsdp_cpu_offload``): FSDP2's ``CPUOffloadPolicy`` through torchtune's
+    ``shard_model``: sharded parameters, gradients and optimizer states live in pinned CPU
+    memory, copied to the GPU for each all-gather, and the optimizer steps on the CPU (much less
+    GPU memory, much slower steps). On a CPU device there is nothing to offload (and FSDP2's
+    policy needs an accelerator to pin memory): a warning, and the run is as with it off.
     """
+    if cpu_offload and device.type != "cuda":
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.warning("fsdp_cpu_offload: the model runs on %s, where parameters already are in "
+                        "CPU memory; nothing to offload, sharding as if off", device.type)
+        cpu_offload = False
     with training.set_default_dtype(dtype), torch.device("meta"):
         model = tt_config.instantiate(cfg_model)
     if before_shard is not None:
@@ -70,7 +86,7 @@ def shard_and_load(
     conditions = [
         lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
     ]
-    training.shard_model(model, conditions, cpu_offload=False,
+    training.shard_model(model, conditions, cpu_offload=cpu_offload,
                          reshard_after_forward=reshard_after_forward, dp_mesh=mesh)
     with training.set_default_dtype(dtype), device:
         for m in model.modules():
@@ -79,12 +95,13 @@ def shard_and_load(
                 m.rope_init()
     keys = None
     if adapter_state_dict is None:
-        training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True)
+        training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True,
+                                                 cpu_offload=cpu_offload)
     else:
         a_missing, a_unexpected = training.load_from_full_model_state_dict(
-            model, adapter_state_dict, device, strict=False)
+            model, adapter_state_dict, device, strict=False, cpu_offload=cpu_offload)
         b_missing, b_unexpected = training.load_from_full_model_state_dict(
-            model, full_state_dict, device, strict=False)
+            model, full_state_dict, device, strict=False, cpu_offload=cpu_offload)
         keys = (b_missing, b_unexpected, a_missing, a_unexpected)
     training.validate_no_params_on_meta_device(model)
     return model, keys
@@ -96,6 +113,7 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
                         enable_activation_checkpointing: bool = False,
                         reshard_after_forward: bool = True,
                         custom_sharded_layers: Optional[List[str]] = None,
+                        cpu_offload: bool = False,
                         extra_before_shard=None) -> nn.Module:
     """``shard_and_load`` for a LoRA model: only adapters train; fresh adapters come from the
     seeded init (the same tensors as the single-device recipe's), resumed ones from
@@ -121,7 +139,7 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
         full_state_dict=base_state_dict, adapter_state_dict=adapter_state_dict,
         adapter_init_seed=seed, enable_activation_checkpointing=enable_activation_checkpointing,
         reshard_after_forward=reshard_after_forward, custom_sharded_layers=custom_sharded_layers,
-        before_shard=before,
+        cpu_offload=cpu_offload, before_shard=before,
     )
     if adapter_state_dict is None:
         initialize_dora_magnitudes(model)
@@ -147,6 +165,21 @@ def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
         )
 
 
+def fsdp_cpu_offload_requested(cfg) -> bool:
+    """``fsdp_cpu_offload``, or the ``fsdp: {cpu_offload: ...}`` section some of torchtune's
+    distributed LoRA configs carry instead (stock's recipe never reads that section; we do)."""
+    flat = cfg.get("fsdp_cpu_offload", None)
+    section = cfg.get("fsdp", None) or {}
+    unknown = sorted(set(section) - {"cpu_offload"})
+    if unknown:
+        raise ConfigError(f"fsdp: unknown key(s) {unknown}; the section takes only cpu_offload")
+    nested = section.get("cpu_offload", None)
+    if flat is not None and nested is not None and bool(flat) != bool(nested):
+        raise ConfigError(f"fsdp_cpu_offload={flat} contradicts fsdp.cpu_offload={nested}; "
+                          "set one of them")
+    return bool(flat if flat is not None else (nested or False))
+
+
 def fsdp_options(cfg) -> Dict[str, Any]:
     """The sharding keys of a distributed config, as ``shard_and_load`` keyword arguments."""
     custom = cfg.get("custom_sharded_layers", None)
@@ -154,4 +187,5 @@ def fsdp_options(cfg) -> Dict[str, Any]:
         enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
         reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         custom_sharded_layers=list(custom) if custom else None,
+        cpu_offload=fsdp_cpu_offload_requested(cfg),
     )

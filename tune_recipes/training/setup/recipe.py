@@ -19,6 +19,7 @@ from tune_recipes.training.setup.data import (
     build_dataset,
     build_validation_dataloader,
 )
+from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
 from tune_recipes.training.step.driver import StepDriver, StepHook
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
@@ -141,13 +142,14 @@ def setup_step_driver(
 ) -> StepDriver:
     """The last setup step of every recipe: apply a resumed state, build the data and the LR
     schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
-    ``path`` over the model's trainable parameters."""
+    ``path`` over the model's trainable parameters, with the ``profiler`` key's hook (if on)
+    after the recipe's ``hooks``."""
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.world_size, rank=runtime.rank)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
-        optimizer_in_bwd=path == NormalizationPath.IN_BACKWARD,
-        distributed=runtime.distributed, world_size=runtime.world_size,
+        optimizer_in_bwd=path in (NormalizationPath.IN_BACKWARD, NormalizationPath.IN_BACKWARD_GLOBAL),
+        distributed=runtime.distributed, world_size=runtime.world_size, device=runtime.device,
     )
     if normalizer.path != path:
         raise ValueError(f"path {path.value} does not match the run's flags ({normalizer.path.value})")
@@ -160,6 +162,10 @@ def setup_step_driver(
         validator = Validator(model, eval_loss, val_loader, ignore_index=ignore_index,
                               device=runtime.device, distributed=runtime.distributed,
                               every_n_steps=cfg.get("run_val_every_n_steps", None))
+    profiler = setup_profiler(cfg.get("profiler", None), output_dir=cfg.output_dir,
+                              device=runtime.device, rank=runtime.rank,
+                              distributed=runtime.distributed)
+    hooks = list(hooks) + ([profiler] if profiler is not None else [])
     return StepDriver(
         normalizer=normalizer, parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=optimizer, lr_schedule=plan.lr_schedule, dataloader=plan.dataloader,

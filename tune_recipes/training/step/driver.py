@@ -44,6 +44,8 @@ class StepHook(Protocol):
     def metrics(self) -> Dict[str, Any]:
         """Extra values to log with the step."""
 
+    # Optional: ``close()``, run once by ``StepDriver.close`` (e.g. the profiler writes its trace).
+
 
 def complete_optimizer_step(normalizer: StepLossNormalizer, parameters: Iterable[torch.nn.Parameter],
                             optimizer, lr_schedule, clip_grad_norm: Optional[float],
@@ -131,6 +133,9 @@ class StepDriver:
             raise
 
     def close(self) -> None:
+        for hook in self.hooks:
+            if hasattr(hook, "close"):
+                hook.close()
         self.reporter.close()
 
 

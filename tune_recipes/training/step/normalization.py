@@ -7,8 +7,18 @@ numbers of unmasked tokens. The exact recipe is
 
     backward(mean_i * n_i) for every micro-batch i, then scale every gradient by 1 / sum(n_i)
 
-and this module is the one place that implements it, on one of three paths
+and this module is the one place that implements it, on one of four paths
 (``NormalizationPath``), chosen once per run by ``normalization_path``.
+
+Optimizer in backward, distributed
+----------------------------------
+An in-backward optimizer steps each parameter the moment its gradient is reduced, so there is no
+step boundary at which to divide by the global token count: the gradient must already be exact
+when the hook fires. GA is 1, and the step's batch is on the host before the forward, so its
+valid-token count is all-reduced *before* the forward (one 8-byte all-reduce per step) and the
+rank's mean loss is backpropagated times ``local_tokens x world_size / global_tokens``; the
+data-parallel average (/ world_size) then leaves sum-over-ranks-of-token-losses / global_tokens,
+the same gradient RESCALE produces at its step boundary (``IN_BACKWARD_GLOBAL``).
 
 Why the SKIP path is single-device only
 ---------------------------------------
@@ -49,6 +59,10 @@ class NormalizationPath(str, Enum):
     #: The optimizer steps inside backward (one device, GA 1): the loss must already be
     #: normalized when backward runs, so the mean is backpropagated, as on SKIP.
     IN_BACKWARD = "in_backward"
+    #: The optimizer steps inside backward on several ranks (GA 1): the step's token count is
+    #: all-reduced before the forward and the mean loss is backpropagated times
+    #: local tokens x world_size / global tokens, so each reduced gradient is already exact.
+    IN_BACKWARD_GLOBAL = "in_backward_global"
 
     def describe(self) -> str:
         return {
@@ -58,6 +72,10 @@ class NormalizationPath(str, Enum):
                                        "world_size / step tokens at the step boundary)",
             NormalizationPath.IN_BACKWARD: "in_backward (the optimizer steps inside backward on "
                                            "the mean loss)",
+            NormalizationPath.IN_BACKWARD_GLOBAL: "in_backward_global (token count all-reduced "
+                                                  "before the forward; loss x local tokens x "
+                                                  "world_size / global tokens; the optimizer "
+                                                  "steps inside backward)",
         }[self]
 
 
@@ -74,9 +92,7 @@ def normalization_path(*, distributed: bool, gradient_accumulation_steps: int,
                 f"accumulate gradients: set gradient_accumulation_steps=1 "
                 f"(got {gradient_accumulation_steps}) or optimizer_in_bwd=False")
         if distributed:
-            raise ConfigError(
-                "optimizer_in_bwd=True cannot normalize by the global token count, which is "
-                "only known after every rank's backward; set optimizer_in_bwd=False")
+            return NormalizationPath.IN_BACKWARD_GLOBAL
         return NormalizationPath.IN_BACKWARD
     if gradient_accumulation_steps == 1 and not distributed:
         return NormalizationPath.SKIP
@@ -132,10 +148,13 @@ class StepLossNormalizer:
         optimizer_in_bwd: the optimizer steps inside backward (requires GA == 1).
         distributed: gradients are averaged over ``world_size`` data-parallel ranks.
         world_size: number of data-parallel ranks (1 when not distributed).
+        device: where the pre-forward token all-reduce runs (``IN_BACKWARD_GLOBAL`` only; the
+            CPU for gloo, the rank's GPU for NCCL).
     """
 
     def __init__(self, gradient_accumulation_steps: int, optimizer_in_bwd: bool = False,
-                 distributed: bool = False, world_size: int = 1) -> None:
+                 distributed: bool = False, world_size: int = 1,
+                 device: Optional[torch.device] = None) -> None:
         if not distributed and world_size != 1:
             raise ConfigError(f"world_size={world_size} needs distributed=True")
         self.path = normalization_path(distributed=distributed,
@@ -144,6 +163,7 @@ class StepLossNormalizer:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.distributed = distributed
         self.world_size = world_size
+        self.device = device if device is not None else torch.device("cpu")
         self.extras: Dict[str, torch.Tensor] = {}
         self._reset()
 
@@ -152,11 +172,36 @@ class StepLossNormalizer:
         self._num_tokens = 0
         self._micro_batches = 0
         self._extra_sums: Dict[str, torch.Tensor] = {}
+        self._global_tokens: Optional[int] = None
+
+    @property
+    def _weights_by_tokens(self) -> bool:
+        """Each micro-batch's mean is weighted by its token count (loss sums, extras)."""
+        return self.path in (NormalizationPath.RESCALE, NormalizationPath.IN_BACKWARD_GLOBAL)
+
+    def global_tokens(self, num_tokens: int) -> int:
+        """``IN_BACKWARD_GLOBAL``: the step's token count over all ranks, all-reduced once per
+        step (every rank asks at the same point, before its forward) and cached."""
+        if self._global_tokens is None:
+            count = torch.tensor([float(num_tokens)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(count)
+            self._global_tokens = int(count.item())
+            if self._global_tokens <= 0:
+                raise RuntimeError(
+                    "No rank had an unmasked label token in this step; raise "
+                    "tokenizer.max_seq_len, set train_on_input=True, or filter the data.")
+        return self._global_tokens
 
     def backward_factor(self, num_tokens: int) -> float:
         """The factor ``loss_to_backward`` multiplies this micro-batch's mean loss by (a loss
         that pre-scales its gradients in forward takes it as ``scaling``)."""
-        return float(num_tokens) if self.path == NormalizationPath.RESCALE and num_tokens > 0 else 1.0
+        if self.path == NormalizationPath.IN_BACKWARD_GLOBAL:
+            # Every rank joins the count's all-reduce, even one with no token of its own.
+            global_tokens = self.global_tokens(num_tokens)
+            return num_tokens * self.world_size / global_tokens if num_tokens > 0 else 1.0
+        if self.path == NormalizationPath.RESCALE and num_tokens > 0:
+            return float(num_tokens)
+        return 1.0
 
     def loss_to_backward(
         self, mean_loss: torch.Tensor, num_tokens: int, where: str = "", extras=None
@@ -179,14 +224,18 @@ class StepLossNormalizer:
             )
         self._micro_batches += 1
         self._num_tokens += num_tokens
-        rescale = self.path == NormalizationPath.RESCALE
+        rescale = self._weights_by_tokens
         if rescale:
             # A rank with no unmasked token still runs backward (collectives must match), but
             # its mean is NaN: contribute an exact zero with zero gradients instead.
-            loss = mean_loss * num_tokens if num_tokens > 0 else mean_loss.nan_to_num(0.0) * 0.0
+            factor = self.backward_factor(num_tokens)
+            loss = mean_loss * factor if num_tokens > 0 else mean_loss.nan_to_num(0.0) * 0.0
+            # logged as a token sum, like RESCALE's
+            detached = (mean_loss.detach() * num_tokens if num_tokens > 0
+                        else torch.zeros((), dtype=mean_loss.dtype, device=mean_loss.device))
         else:
             loss = mean_loss  # SKIP / IN_BACKWARD: no multiply
-        detached = loss.detach()
+            detached = loss.detach()
         self._running_loss = detached if self._running_loss is None else self._running_loss + detached
         weight = float(num_tokens) if rescale else 1.0
         for name, value in (extras or {}).items():
@@ -207,6 +256,11 @@ class StepLossNormalizer:
         if self.path == NormalizationPath.RESCALE:
             loss_sum, extra_sums, total_tokens = self._step_sums(names)
             scale_grads_(parameters, self.world_size / total_tokens)
+            denominator = float(total_tokens)
+        elif self.path == NormalizationPath.IN_BACKWARD_GLOBAL:
+            # The gradients were exact (and are already spent) when backward ran; only the
+            # logged values need the all-reduced sums.
+            loss_sum, extra_sums, total_tokens = self._step_sums(names)
             denominator = float(total_tokens)
         else:
             # SKIP / IN_BACKWARD: no multiply happened, so there is nothing to rescale; the

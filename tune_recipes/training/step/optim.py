@@ -6,7 +6,20 @@ import torch
 from torch import nn
 from torchtune import config as tt_config, training
 
+from tune_recipes.config import ConfigError
 from tune_recipes.modules.peft import state_dict_key
+
+
+def optimizer_in_bwd_flag(cfg) -> bool:
+    """``optimizer_in_bwd`` from a config, refused with clipping (which needs every gradient at
+    once; in-backward frees each one as soon as it has stepped)."""
+    in_bwd = bool(cfg.get("optimizer_in_bwd", False))
+    if in_bwd and cfg.get("clip_grad_norm", None) is not None:
+        raise ConfigError(
+            "clip_grad_norm needs every gradient at once, but optimizer_in_bwd=True frees "
+            "each one inside backward: set clip_grad_norm=null or optimizer_in_bwd=False"
+        )
+    return in_bwd
 
 
 class OptimizerInBackward:
@@ -37,6 +50,12 @@ class OptimizerInBackward:
             opt.zero_grad(set_to_none=True)
 
         return step_and_free
+
+    def __iter__(self):
+        """The per-parameter optimizers: torch.distributed.checkpoint's get/set
+        ``optimizer_state_dict`` (torchtune's full-state helpers, FSDP2) take such an iterable,
+        so a distributed checkpoint saves and loads them as one state keyed by parameter name."""
+        return iter(self.optim_map.values())
 
     def step(self) -> None:
         pass
@@ -83,7 +102,18 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
     else:
         opt = tt_config.instantiate(cfg_optimizer, [p for p in model.parameters() if p.requires_grad])
     if state_dict is not None:
-        if distributed:
+        if distributed and optimizer_in_bwd:
+            # torchtune's helper takes one optimizer; torch's takes the per-parameter ones
+            # (the checkpoint holds them as one full state keyed by parameter name).
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            set_optimizer_state_dict(
+                model, optimizers=list(opt), optim_state_dict=state_dict,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        elif distributed:
             training.load_from_full_optimizer_state_dict(model, opt, state_dict, device)
         else:
             opt.load_state_dict(state_dict)

@@ -25,7 +25,8 @@ def test_fsdp_options_read_the_sharding_keys():
                             "fsdp_reshard_after_forward": False})
     assert fsdp_options(cfg) == dict(enable_activation_checkpointing=False,
                                      reshard_after_forward=False,
-                                     custom_sharded_layers=["tok_embeddings"])
+                                     custom_sharded_layers=["tok_embeddings"],
+                                     cpu_offload=False)
     assert fsdp_options(OmegaConf.create({}))["custom_sharded_layers"] is None
 
 
@@ -60,3 +61,22 @@ def test_shard_and_load_gives_the_checkpoint_back(one_rank):
     gathered = training.gather_cpu_state_dict(model, True, device=None)
     for k, v in full.items():
         assert torch.equal(gathered[k], v), k
+
+
+def test_fsdp_cpu_offload_from_either_key():
+    from omegaconf import OmegaConf
+
+    from tune_recipes.training.setup.distributed import fsdp_cpu_offload_requested, fsdp_options
+
+    assert fsdp_options(OmegaConf.create({}))["cpu_offload"] is False
+    assert fsdp_cpu_offload_requested(OmegaConf.create({"fsdp_cpu_offload": True}))
+    # the section some of torchtune's distributed LoRA configs carry
+    assert fsdp_cpu_offload_requested(OmegaConf.create({"fsdp": {"cpu_offload": True}}))
+    assert not fsdp_cpu_offload_requested(OmegaConf.create({"fsdp": {"cpu_offload": False}}))
+    assert fsdp_cpu_offload_requested(
+        OmegaConf.create({"fsdp_cpu_offload": True, "fsdp": {"cpu_offload": True}}))
+    with pytest.raises(ConfigError, match="contradicts"):
+        fsdp_cpu_offload_requested(
+            OmegaConf.create({"fsdp_cpu_offload": False, "fsdp": {"cpu_offload": True}}))
+    with pytest.raises(ConfigError, match="only cpu_offload"):
+        fsdp_cpu_offload_requested(OmegaConf.create({"fsdp": {"cpu_ofload": True}}))

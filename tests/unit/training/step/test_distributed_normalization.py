@@ -51,8 +51,11 @@ def _worker(rank, world, port, counts, mode, q):
     model = _model()
     n = int((y != IGNORE).sum())
     loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
-    if mode == "library":
-        norm = StepLossNormalizer(1, distributed=True, world_size=world)
+    if mode in ("library", "in_bwd"):
+        # in_bwd: IN_BACKWARD_GLOBAL, whose gradient must be exact straight out of backward
+        # (the optimizer steps there); finish_step then only sums the logged loss.
+        norm = StepLossNormalizer(1, optimizer_in_bwd=mode == "in_bwd", distributed=True,
+                                  world_size=world)
         norm.loss_to_backward(loss, n).backward()
     else:  # the per-rank shortcut: each rank backpropagates its own mean
         loss.backward()
@@ -60,12 +63,17 @@ def _worker(rank, world, port, counts, mode, q):
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= world
-    logged = norm.finish_step(model.parameters()).item() if mode == "library" else None
+    if mode == "in_bwd":
+        # before finish_step: what a hook sees (a list: a shared-memory tensor would vanish
+        # with this process if it exits before the parent reads it)
+        q.put(("seen", rank, _flat_grad(model).tolist()))
+    logged = norm.finish_step(model.parameters()).item() if mode != "shortcut" else None
     if rank == 0:
-        # A plain list, not a tensor: a tensor crosses the queue as a shared-memory handle that
+        # Plain lists, not tensors: a tensor crosses the queue as a shared-memory handle that
         # dies with this process, and the parent read it after exit at random
         # (ConnectionResetError under load).
-        q.put((_flat_grad(model).tolist(), logged))
+        grad = _flat_grad(model).tolist()
+        q.put((grad, logged) if mode != "in_bwd" else ("final", grad, logged))
     dist.destroy_process_group()
 
 
@@ -82,11 +90,18 @@ def _two_ranks(counts, mode):
     procs = [ctx.Process(target=_worker, args=(r, 2, port, counts, mode, q)) for r in range(2)]
     for p in procs:
         p.start()
-    grad, logged = q.get(timeout=120)
+    result = q.get(timeout=120)
+    seen = None
+    if mode == "in_bwd":  # the gradient each rank's hook saw, and the final one, in any order
+        messages = [result, q.get(timeout=120), q.get(timeout=120)]
+        seen = {m[1]: torch.tensor(m[2]) for m in messages if m[0] == "seen"}
+        result = next(m[1:] for m in messages if m[0] == "final")
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return torch.tensor(grad, dtype=torch.float32), logged
+    grad, logged = result
+    out = torch.tensor(grad, dtype=torch.float32), logged
+    return out if seen is None else (out, seen)
 
 
 def _reference(counts):
@@ -100,6 +115,16 @@ def _reference(counts):
 
 def _rel(a, b):
     return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("counts", [[5, 3], [1, 64], [0, 7]])
+def test_in_backward_global_gradient_is_exact_inside_backward(counts):
+    (grad, logged), seen = _two_ranks(counts, "in_bwd")
+    ref_grad, ref_loss = _reference(counts)
+    for rank in (0, 1):
+        assert _rel(seen[rank], ref_grad) < 1e-6
+    assert torch.equal(grad, seen[0])  # finish_step leaves the gradients alone
+    assert logged == pytest.approx(ref_loss, rel=1e-6)
 
 
 @pytest.mark.parametrize("counts", [[5, 3], [1, 64], [4, 4]])

@@ -250,8 +250,10 @@ def test_normalization_path_is_one_decision_from_three_flags():
                               optimizer_in_bwd=True) is P.IN_BACKWARD
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=1"):
         normalization_path(distributed=False, gradient_accumulation_steps=2, optimizer_in_bwd=True)
-    with pytest.raises(ConfigError, match="optimizer_in_bwd=False"):
-        normalization_path(distributed=True, gradient_accumulation_steps=1, optimizer_in_bwd=True)
+    assert normalization_path(distributed=True, gradient_accumulation_steps=1,
+                              optimizer_in_bwd=True) is P.IN_BACKWARD_GLOBAL
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=1"):
+        normalization_path(distributed=True, gradient_accumulation_steps=2, optimizer_in_bwd=True)
     assert "no scale_grads" in P.SKIP.describe()
 
 

@@ -8,7 +8,13 @@ from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tune_recipes.models.tiny import lora_tiny_llama3
-from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward, build_optimizer
+from tune_recipes.config import ConfigError
+from tune_recipes.training.step.optim import (
+    LRSchedule,
+    OptimizerInBackward,
+    build_optimizer,
+    optimizer_in_bwd_flag,
+)
 
 pytestmark = pytest.mark.unit
 SGD = OmegaConf.create({"_component_": "torch.optim.SGD", "lr": 0.1})
@@ -91,3 +97,19 @@ def test_no_scheduler_keeps_the_optimizer_lr():
     sched = LRSchedule(None, opt, num_training_steps=10, last_epoch=-1)
     sched.step()
     assert sched.lr == 0.1
+
+
+def test_optimizer_in_bwd_flag_refuses_clipping():
+    assert not optimizer_in_bwd_flag(OmegaConf.create({"clip_grad_norm": 1.0}))
+    assert optimizer_in_bwd_flag(OmegaConf.create({"optimizer_in_bwd": True, "clip_grad_norm": None}))
+    with pytest.raises(ConfigError, match="clip_grad_norm=null or optimizer_in_bwd=False"):
+        optimizer_in_bwd_flag(OmegaConf.create({"optimizer_in_bwd": True, "clip_grad_norm": "inf"}))
+
+
+def test_in_backward_optimizer_iterates_its_per_parameter_optimizers():
+    # torch.distributed.checkpoint's get/set_optimizer_state_dict take an iterable of optimizers
+    model = _mlp()
+    opt = build_optimizer(ADAMW, model, optimizer_in_bwd=True)
+    optimizers = list(opt)
+    assert len(optimizers) == len([p for p in model.parameters() if p.requires_grad])
+    assert all(isinstance(o, torch.optim.AdamW) for o in optimizers)

@@ -1,0 +1,26 @@
+"""``fsdp_cpu_offload`` (and stock LoRA configs' ``fsdp: {cpu_offload: ...}``) on CPU/gloo:
+accepted, a one-line warning that there is nothing to offload (FSDP2's CPUOffloadPolicy needs an
+accelerator to pin memory: "Cannot access accelerator device when none is available"), and the
+same losses as off. The offload itself (CUDA) has not been run yet."""
+
+import pytest
+import torch
+
+from helpers import losses, tune
+
+pytestmark = pytest.mark.integration
+
+
+def test_fsdp_cpu_offload_on_cpu_runs_as_off(tmp_path):
+    runs = {}
+    for name, override in (("off", "fsdp_cpu_offload=False"), ("flat", "fsdp_cpu_offload=True"),
+                           ("section", "fsdp.cpu_offload=True")):
+        out = tmp_path / name
+        proc = tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config",
+                    "tiny/lora_distributed", f"output_dir={out}", "max_steps_per_epoch=2",
+                    *([override] if name != "section" else ["fsdp_cpu_offload=null", override]))
+        assert ("nothing to offload" in proc.stdout + proc.stderr) == (name != "off")
+        runs[name] = losses(out)
+    assert len(runs["off"]) == 2
+    torch.testing.assert_close(torch.tensor(runs["flat"]), torch.tensor(runs["off"]), rtol=0, atol=0)
+    torch.testing.assert_close(torch.tensor(runs["section"]), torch.tensor(runs["off"]), rtol=0, atol=0)
