@@ -1,0 +1,30 @@
+"""adapter_config.json names the base model portably: the hub id when the base checkpoint
+folder records one (`tune download` writes original_repo_id.json there), else the local path."""
+
+import json
+import shutil
+
+import pytest
+
+from helpers import run_recipe
+from tune_recipes.models.tiny import build_tiny_llama3_checkpoint
+
+pytestmark = pytest.mark.integration
+STEPS = ["max_steps_per_epoch=1", "save_adapter_weights_only=True"]
+
+
+def _base_name(out):
+    return json.loads((out / "epoch_0" / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def test_hub_id_when_the_checkpoint_folder_records_one_else_the_local_path(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(build_tiny_llama3_checkpoint(), base)
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "local",
+               [*STEPS, f"checkpointer.checkpoint_dir={base}"])
+    assert _base_name(tmp_path / "local") == str(base.resolve())
+
+    (base / "original_repo_id.json").write_text(json.dumps({"repo_id": "meta-llama/Llama-3.2-1B"}))
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "hub",
+               [*STEPS, f"checkpointer.checkpoint_dir={base}"])
+    assert _base_name(tmp_path / "hub") == "meta-llama/Llama-3.2-1B"
