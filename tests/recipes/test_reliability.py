@@ -153,8 +153,12 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     out = tmp_path / "run"
     cmd = [*tune_cmd(), "run", *FULL[:1], "--config", FULL[1], f"output_dir={out}",
            "max_steps_per_epoch=1", "epochs=200"]
+    # NOTE: pytest-xdist workers ignore SIGINT, and an ignored signal stays ignored in their
+    # children, where Python then never raises KeyboardInterrupt; restore the default as a
+    # terminal would have it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+                            env={**os.environ, "OMP_NUM_THREADS": "2"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not (out / "epoch_0").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
