@@ -86,6 +86,10 @@ def test_lora_two_ranks_equal_one_rank_and_single_device(tmp_path, ga):
                         rtol=1e-4, atol=1e-5)
 
 
+# Slow: in CI, test_shipped_configs.py runs every distributed recipe on 2 ranks (its shipped
+# configs, shrunk) and reloads the checkpoint, and test_activation_checkpointing.py runs each
+# tiny distributed config; this stays as the one-command check of the tiny configs themselves.
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe, config", [
     ("full_finetune_distributed", "tiny/full_distributed"),
     ("lora_finetune_distributed", "tiny/lora_distributed"),

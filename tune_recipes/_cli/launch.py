@@ -6,6 +6,7 @@ script itself, so ``import tune_recipes`` (and its noise filters, tune_recipes/_
 runs before the recipe's own ``import torchtune``.
 """
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -29,7 +30,26 @@ def run_script(path: Path, args: List[str]) -> None:
         sys.exit(130)
 
 
+def exit_without_finalization(code: int = 0) -> None:
+    """End a finished torchrun rank: atexit handlers and stream flushes, then ``os._exit``.
+
+    NOTE: keep this. A rank that finished (checkpoint saved, process group destroyed) was seen
+    to abort in interpreter finalization on gloo ("terminate called without an active
+    exception", exit -6, once in ~80 CI launches), and torchrun then reports the whole run
+    failed. Interpreter teardown has nothing left to do for a finished rank: the atexit
+    handlers (the output_dir lock) and the flushes are all of it.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tune_recipes._cli.launch <recipe.py> [args ...]")
     run_script(Path(sys.argv[1]), sys.argv[2:])
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank
+        exit_without_finalization(0)
