@@ -14,7 +14,7 @@ resuming, ``metrics.jsonl``, ``config.yaml``.
 """
 
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -28,7 +28,7 @@ from tune_recipes.training.setup.distributed import check_fused_loss_sharding, f
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
-from tune_recipes.training.step.driver import Step
+from tune_recipes.training.step.driver import Position, Step
 from tune_recipes.training.step.normalization import normalization_path
 from tune_recipes.training.step.optim import build_optimizer, optimizer_in_bwd_flag
 
@@ -40,6 +40,7 @@ CONFIG_KEYS = {
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "log_level", "dataset_val", "batch_size_val", "run_val_every_n_steps",
     "on_nonfinite", "profiler", "enable_activation_offloading", "fsdp_cpu_offload",
+    "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
 
@@ -88,8 +89,9 @@ class FullFinetuneRecipeDistributed:
             eval_loss=self._lm_loss.validation_loss,
         )
 
-    def save_checkpoint(self, epoch: int) -> None:
-        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch)
+    def save_checkpoint(self, epoch: int, position: Optional[Position] = None) -> None:
+        # position: a mid-epoch checkpoint (step_<n>/) at that point of the epoch.
+        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch, position)
 
     def _loss_step(self, batch: Dict[str, torch.Tensor], step: Step) -> torch.Tensor:
         return self._lm_loss(batch, scaling=step.loss_scaling, num_tokens=step.num_tokens)
@@ -100,6 +102,8 @@ class FullFinetuneRecipeDistributed:
                 for batch in step:
                     step.backward(self._loss_step(batch, step))
                 step.finish()  # normalize, clip, optimizer step, zero_grad, LR; log
+                if step.checkpoint_due:  # every save_every_n_steps, mid-epoch
+                    self.save_checkpoint(epoch.index, self._driver.position())
             self.save_checkpoint(epoch.index)
 
     def cleanup(self) -> None:

@@ -18,7 +18,7 @@ resuming), ``metrics.jsonl`` (loss, lr, grad_norm, tokens/s, memory per step), `
 """
 
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -32,7 +32,7 @@ from tune_recipes.training.setup.model import setup_full_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import single_device
-from tune_recipes.training.step.driver import Step
+from tune_recipes.training.step.driver import Position, Step
 from tune_recipes.training.step.normalization import normalization_path
 from tune_recipes.training.step.optim import build_optimizer
 
@@ -44,6 +44,7 @@ CONFIG_KEYS = {
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading",
+    "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
 
@@ -92,8 +93,9 @@ class FullFinetuneRecipeSingleDevice:
         )
 
     # ------------------------------------------------------------------ checkpoint
-    def save_checkpoint(self, epoch: int) -> None:
-        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch)
+    def save_checkpoint(self, epoch: int, position: Optional[Position] = None) -> None:
+        # position: a mid-epoch checkpoint (step_<n>/) at that point of the epoch.
+        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch, position)
 
     # ------------------------------------------------------------------ train
     def _loss_step(self, batch: Dict[str, torch.Tensor], step: Step) -> torch.Tensor:
@@ -107,6 +109,8 @@ class FullFinetuneRecipeSingleDevice:
                 for batch in step:
                     step.backward(self._loss_step(batch, step))
                 step.finish()  # normalize, clip, optimizer step, zero_grad, LR; log
+                if step.checkpoint_due:  # every save_every_n_steps, mid-epoch
+                    self.save_checkpoint(epoch.index, self._driver.position())
             self.save_checkpoint(epoch.index)
 
     def cleanup(self) -> None:

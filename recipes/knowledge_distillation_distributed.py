@@ -17,7 +17,7 @@ Outputs (rank 0) in ``output_dir/epoch_<n>/``: the merged model (HF format, unle
 """
 
 import sys
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -38,6 +38,7 @@ from tune_recipes.training.setup.distributed import (
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
+from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.normalization import normalization_path
 from tune_recipes.training.step.optim import build_optimizer
 
@@ -51,6 +52,7 @@ CONFIG_KEYS = {
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "fsdp_cpu_offload",
+    "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
 
@@ -107,8 +109,9 @@ class KDRecipeDistributed:
             eval_loss=self._kd.validation_loss,
         )
 
-    def save_checkpoint(self, epoch: int) -> None:
-        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch)
+    def save_checkpoint(self, epoch: int, position: Optional[Position] = None) -> None:
+        # position: a mid-epoch checkpoint (step_<n>/) at that point of the epoch.
+        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch, position)
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         # (mixed mean loss, {"class_loss": ..., "kd_loss": ...}) over this rank's tokens.
@@ -121,6 +124,8 @@ class KDRecipeDistributed:
                     loss, parts = self._loss_step(batch)
                     step.backward(loss, extras=parts)  # parts are logged as token means too
                 step.finish()  # normalize, clip, optimizer step, zero_grad, LR; log
+                if step.checkpoint_due:  # every save_every_n_steps, mid-epoch
+                    self.save_checkpoint(epoch.index, self._driver.position())
             self.save_checkpoint(epoch.index)
 
     def cleanup(self) -> None:

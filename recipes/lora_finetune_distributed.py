@@ -17,7 +17,7 @@ Outputs (rank 0) in ``output_dir/epoch_<n>/``: the merged model (HF format, unle
 """
 
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -36,7 +36,7 @@ from tune_recipes.training.setup.distributed import (
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
-from tune_recipes.training.step.driver import Step
+from tune_recipes.training.step.driver import Position, Step
 from tune_recipes.training.step.normalization import normalization_path
 from tune_recipes.training.step.optim import build_optimizer
 
@@ -49,6 +49,7 @@ CONFIG_KEYS = {
     "collate_fn", "save_adapter_weights_only", "log_level", "dataset_val", "batch_size_val",
     "run_val_every_n_steps", "on_nonfinite", "profiler", "enable_activation_offloading",
     "fsdp_cpu_offload", "fsdp",
+    "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
 
@@ -95,8 +96,9 @@ class LoRAFinetuneRecipeDistributed:
             eval_loss=self._lm_loss.validation_loss,
         )
 
-    def save_checkpoint(self, epoch: int) -> None:
-        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch)
+    def save_checkpoint(self, epoch: int, position: Optional[Position] = None) -> None:
+        # position: a mid-epoch checkpoint (step_<n>/) at that point of the epoch.
+        self._checkpoint_writer.save(self._model, self._optimizer, self._state, epoch, position)
 
     def _loss_step(self, batch: Dict[str, torch.Tensor], step: Step) -> torch.Tensor:
         return self._lm_loss(batch, scaling=step.loss_scaling, num_tokens=step.num_tokens)
@@ -107,6 +109,8 @@ class LoRAFinetuneRecipeDistributed:
                 for batch in step:
                     step.backward(self._loss_step(batch, step))
                 step.finish()  # normalize, clip, optimizer step, zero_grad, LR; log
+                if step.checkpoint_due:  # every save_every_n_steps, mid-epoch
+                    self.save_checkpoint(epoch.index, self._driver.position())
             self.save_checkpoint(epoch.index)
 
     def cleanup(self) -> None:

@@ -187,6 +187,8 @@ SCHEMA: List[Rule] = [
     Rule("log_every_n_steps", integer(1)),
     Rule("log_peak_memory_stats", boolean),
     Rule("resume_from_checkpoint", boolean),
+    Rule("save_every_n_steps", optional(integer(1))),
+    Rule("keep_last_n_checkpoints", optional(integer(1))),
     Rule("save_adapter_weights_only", boolean),
     Rule("enable_activation_checkpointing", boolean),
     Rule("fsdp_reshard_after_forward", boolean),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import assert_same_weights, losses, run_recipe, tune, weights
+from tune_recipes.training.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 STEPS = ["max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1"]
@@ -59,6 +60,25 @@ def test_distributed_resume_equals_uninterrupted(tmp_path):
              [*steps, "resume_from_checkpoint=True"])
     assert_same_weights(weights(tmp_path / "resumed", 1), weights(tmp_path / "straight", 1),
                         rtol=0, atol=0)
+
+
+def test_distributed_mid_epoch_resume_equals_uninterrupted(tmp_path):
+    """2 gloo ranks resumed from step_2/ in the first epoch (no epoch folder yet): each rank
+    continues its own data shard and RNG; same losses and weights as the uninterrupted run."""
+    import shutil
+
+    args = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1", "save_every_n_steps=2"]
+    out, killed = tmp_path / "straight", tmp_path / "killed"
+    run_dist(2, "full_finetune_distributed", "tiny/full_distributed", out, args)
+    state = torch.load(out / "step_2" / "recipe_state.pt", weights_only=True)
+    assert [r["dataloader"]["_num_yielded"] for r in state["rank_states"]] == [2, 2]
+    shutil.copytree(out, killed)
+    shutil.rmtree(killed / "epoch_0")
+    run_dist(2, "full_finetune_distributed", "tiny/full_distributed", killed,
+             [*args, "resume_from_checkpoint=True"])
+    assert [r["step"] for r in read_metrics(killed / "metrics.jsonl")] == [1, 2, 3]
+    assert losses(killed) == losses(out)
+    assert_same_weights(weights(killed), weights(out), rtol=0, atol=0)
 
 
 def test_distributed_recipe_outside_torchrun_says_how(tmp_path):

@@ -170,3 +170,56 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert last.startswith("interrupted at step "), last
     assert f"last checkpoint {out}/epoch_" in last and "resume_from_checkpoint=True" in last, last
     assert not (out / ".lock").exists()
+
+
+# Mid-epoch checkpoints (save_every_n_steps). A kill is simulated by copying a finished run's
+# output_dir and deleting everything written after the chosen step_<n>/: what remains is what a
+# run killed right after logging its last step would leave (metrics rows after the checkpoint
+# included). Resuming must then reproduce the uninterrupted run bit for bit.
+def _killed_after(out, killed, keep):
+    shutil.copytree(out, killed)
+    for path in killed.iterdir():
+        if path.is_dir() and path.name.startswith(("epoch_", "step_")) and path.name not in keep:
+            shutil.rmtree(path)
+
+
+def test_mid_epoch_resume_equals_uninterrupted_and_keeps_last_n(tmp_path):
+    """GA 1, full fine-tune: a step checkpoint in epoch 1 is newer than epoch_0/ and is the one
+    resumed; saving changes nothing (the reference run saves no step checkpoints); each step is
+    logged once; keep_last_n_checkpoints=1 left only the newest step folder."""
+    steps = ["max_steps_per_epoch=3", "epochs=2", "lr_scheduler.num_warmup_steps=1"]
+    saving = [*steps, "save_every_n_steps=2", "keep_last_n_checkpoints=1"]
+    ref, out, killed = tmp_path / "ref", tmp_path / "saving", tmp_path / "killed"
+    run_recipe(*FULL, ref, steps)
+    run_recipe(*FULL, out, saving)
+    # Steps 2 and 4 are mid-epoch (3 and 6 end epochs: epoch_<n>/ instead); step_2 was
+    # deleted once step_4 was complete.
+    assert sorted(p.name for p in out.glob("*_*") if p.is_dir()) == [
+        "epoch_0", "epoch_1", "recipe_state", "step_4"]
+    state = torch.load(out / "step_4" / "recipe_state.pt", weights_only=True)
+    assert state["global_step"] == 4 and state["epochs_run"] == 1 and "optimizer" in state
+    assert state["rank_states"][0]["dataloader"]["_num_yielded"] == 1
+    _killed_after(out, killed, keep={"epoch_0", "step_4"})
+    run_recipe(*FULL, killed, [*saving, "resume_from_checkpoint=True"])
+    assert read_metrics(killed / "metrics.jsonl", "step") == list(range(1, 7))
+    assert losses(killed) == losses(ref)
+    assert_same_weights(weights(killed, 1), weights(ref, 1), rtol=0, atol=0)
+
+
+def test_mid_epoch_resume_with_accumulation_dropout_and_an_adapter(tmp_path):
+    """GA 4, LoRA with dropout (the resumed run must continue the saved RNG stream): resumed
+    in the first epoch from step_1/, which holds the adapter only."""
+    recipe = ("lora_finetune_single_device", "tiny/lora_single_device")
+    args = ["max_steps_per_epoch=3", "batch_size=2", "gradient_accumulation_steps=4",
+            "model.lora_dropout=0.1", "lr_scheduler.num_warmup_steps=1", "save_every_n_steps=1"]
+    out, killed = tmp_path / "straight", tmp_path / "killed"
+    run_recipe(*recipe, out, args)
+    assert sorted(p.name for p in (out / "step_1").iterdir()) == [
+        "adapter_config.json", "adapter_model.pt", "adapter_model.safetensors", "config.json",
+        "recipe_state.pt"]
+    _killed_after(out, killed, keep={"step_1"})
+    run_recipe(*recipe, killed, [*args, "resume_from_checkpoint=True"])
+    assert read_metrics(killed / "metrics.jsonl", "step") == [1, 2, 3]
+    assert losses(killed) == losses(out)
+    for name in ("adapter_model.safetensors", "model-00001-of-00001.safetensors"):
+        assert_same_weights(weights(killed, 0, name), weights(out, 0, name), rtol=0, atol=0)

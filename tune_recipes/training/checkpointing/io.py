@@ -5,17 +5,24 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torchtune import training
 
 from tune_recipes.config import ConfigError
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
+# Mid-epoch checkpoints (save_every_n_steps), named by the global optimizer step.
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
 # Each intermediate epoch folder holds its own copy: a folder and its state appear together.
 EPOCH_STATE_FILE = "recipe_state.pt"
+ADAPTER_FILE = "adapter_model.pt"  # torchtune's name for the adapter it loads on resume
+# Keys of a mid-epoch checkpoint's recipe state (tune_recipes.training.checkpointing.state).
+GLOBAL_STEP_KEY = "global_step"
+RANK_STATES_KEY = "rank_states"
 
 
 class CheckpointError(ConfigError):
@@ -46,10 +53,43 @@ def load_recipe_state(path: Path) -> Dict[str, object]:
         ) from None
 
 
+def _numbered_dirs(output_dir: Path, pattern: "re.Pattern") -> List[Tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in Path(output_dir).iterdir()
+                  if p.is_dir() and (m := pattern.match(p.name))) if Path(output_dir).is_dir() else []
+
+
 def latest_epoch_dir(output_dir: Path) -> Optional[Path]:
-    dirs = [(int(m.group(1)), p) for p in Path(output_dir).glob("epoch_*")
-            if p.is_dir() and (m := _EPOCH_DIR.match(p.name))]
-    return max(dirs)[1] if dirs else None
+    dirs = _numbered_dirs(output_dir, _EPOCH_DIR)
+    return dirs[-1][1] if dirs else None
+
+
+def step_dirs(output_dir: Path) -> List[Path]:
+    """The mid-epoch checkpoints ``step_<n>/`` in ``output_dir``, oldest first. Each one is
+    complete: the writer renames a folder into place only after everything in it is written."""
+    return [p for _, p in _numbered_dirs(output_dir, _STEP_DIR)]
+
+
+def newest_checkpoint_dir(output_dir: Path) -> Optional[Path]:
+    """The newest checkpoint in ``output_dir``: the last ``epoch_<e>/`` or the last
+    ``step_<n>/``, whichever the run wrote later.
+
+    A step checkpoint's recipe state records the epoch it was written in (``epochs_run``
+    epochs done before it); it is newer than ``epoch_<e>/`` exactly when that is past ``e``.
+    Comparing this way needs no steps-per-epoch, which is only known once the data is built.
+    """
+    epoch_dir = latest_epoch_dir(output_dir)
+    steps = step_dirs(output_dir)
+    if not steps:
+        return epoch_dir
+    if epoch_dir is None:
+        return steps[-1]
+    state_path = steps[-1] / EPOCH_STATE_FILE
+    if not state_path.is_file():
+        raise CheckpointError(f"{steps[-1]} has no {EPOCH_STATE_FILE}: it was not written by "
+                              "this recipe's checkpoint writer; remove it to resume")
+    in_epoch = load_recipe_state(state_path).get(training.EPOCHS_KEY)
+    epoch = int(_EPOCH_DIR.match(epoch_dir.name).group(1))
+    return steps[-1] if isinstance(in_epoch, int) and in_epoch > epoch else epoch_dir
 
 
 def _model_files(epoch_dir: Path):
@@ -62,22 +102,83 @@ def _model_files(epoch_dir: Path):
 
 def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str,
                                    full_weights: bool) -> DictConfig:
-    """Point the checkpointer at the newest epoch checkpoint in ``output_dir``.
+    """Point the checkpointer at the newest checkpoint in ``output_dir``: an epoch's
+    ``epoch_<e>/`` or a mid-epoch ``step_<n>/`` (``newest_checkpoint_dir``).
 
     torchtune 0.6.1's HF checkpointer, when resuming a full fine-tune, looks for the *original*
     file names directly in ``output_dir``, while it saved them under ``output_dir/epoch_<n>/``;
-    a resume then fails with "No file with name ...". Here the files of the newest epoch are
-    named explicitly, and the recipe state is checked to belong to that epoch.
+    a resume then fails with "No file with name ...". Here the files of the chosen folder are
+    named explicitly (the adapter too: torchtune would only look in the newest ``epoch_*``),
+    and the recipe state is checked to belong to that folder.
     """
     out = Path(output_dir)
+    ckpt_dir = newest_checkpoint_dir(out)
+    if ckpt_dir is not None and _STEP_DIR.match(ckpt_dir.name):
+        state_path = ckpt_dir / EPOCH_STATE_FILE  # checked by newest_checkpoint_dir
+        state = load_recipe_state(state_path)
+        step = int(_STEP_DIR.match(ckpt_dir.name).group(1))
+        if state.get(GLOBAL_STEP_KEY) != step or state.get(RANK_STATES_KEY) is None:
+            raise CheckpointError(
+                f"{state_path} is not the state of a mid-epoch checkpoint at step {step} "
+                f"(its global_step is {state.get(GLOBAL_STEP_KEY)!r}); remove {ckpt_dir} to "
+                "resume from the checkpoint before it"
+            )
+    else:
+        ckpt_dir = _checked_epoch_dir(out)
+        state_path = ckpt_dir / EPOCH_STATE_FILE
+        if not state_path.is_file():
+            state_path = out / RECIPE_STATE_FILE  # an older layout: one shared state file
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    # The state checked here is the one torchtune loads (relative to output_dir).
+    if not cfg.get("recipe_checkpoint"):
+        cfg.recipe_checkpoint = str(state_path.relative_to(out))
+    if full_weights:
+        files = _model_files(ckpt_dir)
+        if not files:
+            raise ConfigError(f"no model weights found in {ckpt_dir} to resume from")
+        # Relative to output_dir, where torchtune looks when it loads recipe state.
+        cfg.checkpoint_files = [f"{ckpt_dir.name}/{f}" for f in files]
+    elif not cfg.get("adapter_checkpoint") and (ckpt_dir / ADAPTER_FILE).is_file():
+        cfg.adapter_checkpoint = f"{ckpt_dir.name}/{ADAPTER_FILE}"
+    return cfg
+
+
+def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir: str):
+    """The checkpointer for a resume, configured by ``checkpointer_config_for_resume``.
+
+    NOTE: keep the first-epoch branch. torchtune 0.6.1's HF checkpointer, built with
+    ``should_load_recipe_state=True`` and no ``adapter_checkpoint``, looks for an adapter in
+    the newest ``epoch_*`` folder even for a full fine-tune, and fails with a TypeError
+    (``os.path.join(output_dir, None)``) when there is none yet: a full fine-tune killed in
+    its first epoch, resumable from a ``step_<n>/``. Then it is built as for a fresh run, with
+    the model files named by absolute path, and pointed at the recipe state afterwards (the
+    attributes its constructor would have set; no adapter for a full fine-tune).
+    """
+    from torchtune import config as tt_config
+
+    out = Path(output_dir)
+    if latest_epoch_dir(out) is not None or cfg_checkpointer.get("adapter_checkpoint"):
+        return tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=True)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    cfg.checkpoint_files = [str(out / f) for f in cfg.checkpoint_files]
+    recipe_checkpoint = out / cfg.pop("recipe_checkpoint")
+    checkpointer = tt_config.instantiate(cfg, should_load_recipe_state=False)
+    checkpointer._should_load_recipe_state = True
+    checkpointer._recipe_checkpoint = recipe_checkpoint
+    return checkpointer
+
+
+def _checked_epoch_dir(out: Path) -> Path:
+    """The newest ``epoch_<e>/``, checked to have the recipe state written after epoch e."""
     epoch_dir = latest_epoch_dir(out)
     state_path = out / RECIPE_STATE_FILE
     if epoch_dir is not None and (epoch_dir / EPOCH_STATE_FILE).is_file():
         state_path = epoch_dir / EPOCH_STATE_FILE  # written with the folder (crash-safe)
     if epoch_dir is None or not state_path.is_file():
         raise ConfigError(
-            f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ checkpoint with a "
-            f"{RECIPE_STATE_FILE} beside it; run without resume_from_checkpoint first"
+            f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ or step_<n>/ "
+            f"checkpoint with a {RECIPE_STATE_FILE} beside it; run without "
+            "resume_from_checkpoint first"
         )
     state = load_recipe_state(state_path)
     epochs_run = state.get("epochs_run")
@@ -87,17 +188,7 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
             f"{state_path} was written after epoch {epochs_run - 1 if epochs_run else '?'} but the "
             f"newest checkpoint is {epoch_dir}; remove the newer epoch folder or the stale state"
         )
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
-    # The state checked above is the one torchtune loads (relative to output_dir).
-    if not cfg.get("recipe_checkpoint"):
-        cfg.recipe_checkpoint = str(state_path.relative_to(out))
-    if full_weights:
-        files = _model_files(epoch_dir)
-        if not files:
-            raise ConfigError(f"no model weights found in {epoch_dir} to resume from")
-        # Relative to output_dir, where torchtune looks when it loads recipe state.
-        cfg.checkpoint_files = [f"{epoch_dir.name}/{f}" for f in files]
-    return cfg
+    return epoch_dir
 
 
 def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) -> None:

@@ -2,16 +2,20 @@
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig
 from torchtune import training
 
 from tune_recipes.config import ConfigError
+from tune_recipes.training.checkpointing.io import GLOBAL_STEP_KEY, RANK_STATES_KEY
+from tune_recipes.training.step.driver import CUDA_RNG_STATE, RNG_STATE
 
 RNG_KEY = "rng_state"
 CUDA_RNG_KEY = "cuda_rng_state"
+# Mid-epoch checkpoints (step_<n>/) only: GLOBAL_STEP_KEY, the optimizer steps run so far, and
+# RANK_STATES_KEY, per rank (in rank order) its RNG state(s) and its dataloader's position.
 
 
 @dataclass
@@ -25,6 +29,13 @@ class SavedState:
     max_steps_per_epoch: Optional[int]
     rng_state: Optional[torch.Tensor] = None
     cuda_rng_state: Optional[torch.Tensor] = None
+    # Set for a mid-epoch checkpoint: it continues epoch ``epochs_run`` after ``global_step``.
+    global_step: Optional[int] = None
+    rank_states: Optional[List[Dict[str, Any]]] = None
+
+    @property
+    def mid_epoch(self) -> bool:
+        return self.rank_states is not None
 
     @classmethod
     def from_checkpoint(cls, ckpt: Dict[str, Any]) -> "SavedState":
@@ -44,6 +55,8 @@ class SavedState:
             max_steps_per_epoch=ckpt.get(training.MAX_STEPS_KEY),
             rng_state=ckpt.get(RNG_KEY),
             cuda_rng_state=ckpt.get(CUDA_RNG_KEY),
+            global_step=ckpt.get(GLOBAL_STEP_KEY),
+            rank_states=ckpt.get(RANK_STATES_KEY),
         )
 
 
@@ -51,9 +64,9 @@ class SavedState:
 class RecipeState:
     """The run's counters and seed, owned by the recipe and advanced by the step driver.
 
-    The data order depends only on (seed, epoch, rank), so with ``epochs_run`` and the RNG this
-    is all a resumed run needs besides weights and optimizer state. The dataloader's own state
-    is not saved: checkpoints are written at epoch boundaries, where it holds nothing more.
+    The data order depends only on (seed, epoch, rank), so at an epoch boundary this, with the
+    RNG, is all a resumed run needs besides weights and optimizer state. A mid-epoch checkpoint
+    adds the step driver's ``Position`` (global step; each rank's RNG and dataloader state).
     """
 
     seed: int
@@ -67,8 +80,10 @@ class RecipeState:
         return cls(seed=training.set_seed(seed=cfg.seed), total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None))
 
-    def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-        """Checkpoint dict entries that let a run continue from here."""
+    def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]],
+                           position=None) -> Dict[str, Any]:
+        """Checkpoint dict entries that let a run continue from here; ``position`` (the step
+        driver's ``Position``, all ranks gathered) for a mid-epoch checkpoint."""
         out = {
             training.SEED_KEY: self.seed,
             training.EPOCHS_KEY: self.epochs_run,
@@ -80,11 +95,15 @@ class RecipeState:
             out[training.OPT_KEY] = optimizer_state
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out[CUDA_RNG_KEY] = torch.cuda.get_rng_state()
+        if position is not None:
+            out[GLOBAL_STEP_KEY] = position.global_step
+            out[RANK_STATES_KEY] = position.ranks
         return out
 
-    def resume(self, saved: SavedState) -> None:
-        """Continue from ``saved``: its counters and RNG; its seed and steps-per-epoch win over
-        the config (changing them mid-run would change the data order)."""
+    def resume(self, saved: SavedState, rank: int = 0) -> None:
+        """Continue from ``saved``: its counters and RNG (this ``rank``'s own, for a mid-epoch
+        checkpoint); its seed and steps-per-epoch win over the config (changing them mid-run
+        would change the data order)."""
         if self.seed != saved.seed:
             warnings.warn(f"config seed {self.seed} differs from the checkpoint's {saved.seed}; "
                           "using the checkpoint's")
@@ -94,7 +113,17 @@ class RecipeState:
                           f"the checkpoint's {saved.max_steps_per_epoch}; using the checkpoint's")
             self.max_steps_per_epoch = saved.max_steps_per_epoch
         self.epochs_run = saved.epochs_run
-        if saved.rng_state is not None:
-            torch.set_rng_state(saved.rng_state)
-        if saved.cuda_rng_state is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(saved.cuda_rng_state)
+        rng, cuda_rng = saved.rng_state, saved.cuda_rng_state
+        if saved.mid_epoch:
+            if not 0 <= rank < len(saved.rank_states):
+                raise ConfigError(
+                    f"the mid-epoch checkpoint was written by {len(saved.rank_states)} "
+                    f"process(es); this is rank {rank}: resume with the same --nproc_per_node"
+                )
+            # Ranks are seeded seed + rank (torchtune's set_seed): each restores its own.
+            rng = saved.rank_states[rank].get(RNG_STATE)
+            cuda_rng = saved.rank_states[rank].get(CUDA_RNG_STATE)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        if cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda_rng)

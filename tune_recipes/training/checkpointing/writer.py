@@ -17,6 +17,7 @@ from tune_recipes.training.checkpointing.io import (
     LoRASpec,
     complete_peft_adapter_config,
     lora_checkpoint_entries,
+    step_dirs,
 )
 
 STAGING_DIR = ".saving"  # under output_dir; NOTE: not "epoch_*": torchtune globs ^epoch_(\d+)
@@ -39,10 +40,12 @@ def publish_dir(staged: Path, final: Path, trash: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.reporting import run_status
+from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.nonfinite import NonFiniteError
 
 
-def refuse_nonfinite_weights(state_dict: Dict[str, torch.Tensor], epoch: int) -> None:
+def refuse_nonfinite_weights(state_dict: Dict[str, torch.Tensor], epoch: int,
+                             what: Optional[str] = None) -> None:
     """Never write NaN/inf weights. The step driver's ``on_nonfinite`` check normally stops a
     run first; this is the last line, one pass over the weights at save time."""
     bad = [k for k, v in state_dict.items()
@@ -51,14 +54,16 @@ def refuse_nonfinite_weights(state_dict: Dict[str, torch.Tensor], epoch: int) ->
            and not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteError(
-            f"the weights to save for epoch {epoch} hold NaN/inf ({len(bad)} tensors, e.g. "
+            f"the weights to save for {what or f'epoch {epoch}'} hold NaN/inf ({len(bad)} tensors, e.g. "
             f"{bad[0]}); not writing them"
         )
 
 
 class CheckpointWriter:
     """Writes ``output_dir/epoch_<n>/`` through a torchtune checkpointer, plus the recipe state
-    (and optimizer state) when more epochs follow.
+    (and optimizer state) when more epochs follow; and, given the step driver's ``Position``,
+    a mid-epoch ``output_dir/step_<global step>/`` (``save_every_n_steps``) with everything a
+    resume needs, keeping the newest ``keep_last_n_checkpoints`` of those (None: all).
 
     ``lora`` set (the five LoRA-type recipes): the adapter in torchtune and PEFT formats, and the
     merged model unless ``adapter_only``; ``base_checkpoint_dir`` goes into the PEFT
@@ -68,7 +73,14 @@ class CheckpointWriter:
 
     def __init__(self, checkpointer, *, output_dir: str, distributed: bool = False,
                  is_main: bool = True, lora: Optional[LoRASpec] = None,
-                 adapter_only: bool = False, base_checkpoint_dir: Optional[str] = None) -> None:
+                 adapter_only: bool = False, base_checkpoint_dir: Optional[str] = None,
+                 keep_last_n_checkpoints: Optional[int] = None) -> None:
+        if keep_last_n_checkpoints is not None and (
+                isinstance(keep_last_n_checkpoints, bool)
+                or not isinstance(keep_last_n_checkpoints, int) or keep_last_n_checkpoints < 1):
+            raise ValueError(f"keep_last_n_checkpoints must be a positive int or None, got "
+                             f"{keep_last_n_checkpoints!r}")
+        self.keep_last_n_checkpoints = keep_last_n_checkpoints
         self.checkpointer = checkpointer
         self.output_dir = Path(output_dir)
         self.distributed = distributed
@@ -80,41 +92,61 @@ class CheckpointWriter:
     @classmethod
     def from_config(cls, cfg, checkpointer, runtime, lora: Optional[LoRASpec] = None
                     ) -> "CheckpointWriter":
-        """``output_dir``, and for LoRA ``save_adapter_weights_only`` and the base
-        ``checkpointer.checkpoint_dir``, from the recipe's config; ``runtime``: where it runs."""
+        """``output_dir``, ``keep_last_n_checkpoints``, and for LoRA ``save_adapter_weights_only``
+        and the base ``checkpointer.checkpoint_dir``, from the recipe's config; ``runtime``:
+        where it runs."""
         return cls(checkpointer, output_dir=cfg.output_dir, distributed=runtime.distributed,
+                   keep_last_n_checkpoints=cfg.get("keep_last_n_checkpoints", None),
                    is_main=runtime.is_main, lora=lora,
                    adapter_only=cfg.get("save_adapter_weights_only", False) if lora else False,
                    base_checkpoint_dir=(str(Path(cfg.checkpointer.checkpoint_dir).resolve())
                                         if lora else None))
 
-    def save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int) -> None:
-        intermediate = epoch + 1 < state.total_epochs
+    def save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int,
+             position: Optional[Position] = None) -> None:
+        """The checkpoint at the end of ``epoch``; or, with ``position`` (``driver.position()``,
+        right after a step), the mid-epoch one at that step. A collective when distributed."""
+        mid_epoch = position is not None
+        intermediate = mid_epoch or epoch + 1 < state.total_epochs
+        # NOTE: a mid-epoch LoRA checkpoint holds the adapter only: a resume needs nothing else,
+        # and a merged full model every save_every_n_steps would be a full-model write each time.
+        adapter_only = self.adapter_only or (mid_epoch and self.lora is not None)
+        name = f"step_{position.global_step}" if mid_epoch else f"epoch_{epoch}"
         model_sd = self._model_state_dict(model)
         opt_sd = self._optimizer_state_dict(model, optimizer) if intermediate else None
         if self.is_main:
-            refuse_nonfinite_weights(model_sd, epoch)
+            refuse_nonfinite_weights(model_sd, epoch, what=f"step {position.global_step}"
+                                     if mid_epoch else None)
             if self.lora is not None:
-                ckpt = lora_checkpoint_entries(model_sd, self.lora, self.adapter_only)
+                ckpt = lora_checkpoint_entries(model_sd, self.lora, adapter_only)
             else:
                 ckpt = {training.MODEL_KEY: model_sd}
             if intermediate:
-                ckpt.update(state.checkpoint_entries(opt_sd))
-            self._write(ckpt, epoch, intermediate)
+                ckpt.update(state.checkpoint_entries(opt_sd, position))
+            self._write(ckpt, epoch, intermediate, name=name, adapter_only=adapter_only,
+                        shared_state=not mid_epoch)
+            if mid_epoch:
+                self._delete_old_step_checkpoints()
         if self.distributed:
             dist.barrier()
 
-    def _write(self, ckpt: Dict[str, object], epoch: int, intermediate: bool) -> None:
+    def _write(self, ckpt: Dict[str, object], epoch: int, intermediate: bool,
+               name: Optional[str] = None, adapter_only: Optional[bool] = None,
+               shared_state: bool = True) -> None:
         """Crash-safe: the checkpointer writes into ``output_dir/.saving/``; only a complete
-        ``epoch_<n>/`` (weights, adapter, and for an intermediate epoch its own
-        ``recipe_state.pt``) is renamed into ``output_dir``, then ``recipe_state/`` is replaced
-        atomically. A kill at any point leaves the previous checkpoints as they were."""
+        ``name`` folder (``epoch_<n>/`` or ``step_<n>/``: weights, adapter, and unless it is
+        the last epoch its own ``recipe_state.pt``) is renamed into ``output_dir``, then (if
+        ``shared_state``) ``recipe_state/`` is replaced atomically. A kill at any point leaves
+        the previous checkpoints as they were."""
+        name = name or f"epoch_{epoch}"
+        adapter_only = self.adapter_only if adapter_only is None else adapter_only
+        what = (f"the step {name[len('step_'):]} checkpoint" if name.startswith("step_")
+                else f"the epoch {epoch} checkpoint")
         # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
         # at the staging folder for one call is what makes their writes atomic here.
         real_output_dir = self.checkpointer._output_dir
         out = Path(real_output_dir)
         staging = out / STAGING_DIR
-        name = f"epoch_{epoch}"
         try:
             shutil.rmtree(staging, ignore_errors=True)  # left by a killed save
             staging.mkdir(parents=True)
@@ -122,26 +154,47 @@ class CheckpointWriter:
             try:
                 self.checkpointer.save_checkpoint(ckpt, epoch=epoch,
                                                   intermediate_checkpoint=intermediate,
-                                                  adapter_only=self.adapter_only)
+                                                  adapter_only=adapter_only)
             finally:
                 self.checkpointer._output_dir = real_output_dir
+            # torchtune names its folder by the epoch; a step checkpoint is renamed below.
+            written = staging / f"epoch_{epoch}"
             if self.lora is not None:
-                complete_peft_adapter_config(staging / name, self.base_checkpoint_dir)
+                complete_peft_adapter_config(written, self.base_checkpoint_dir)
             if intermediate:
-                # The epoch's own copy travels with its folder: resume reads it from there.
-                os.replace(staging / RECIPE_STATE_FILE, staging / name / EPOCH_STATE_FILE)
-            publish_dir(staging / name, out / name, staging / "replaced")
+                # The folder's own copy travels with it: resume reads it from there.
+                os.replace(staging / RECIPE_STATE_FILE, written / EPOCH_STATE_FILE)
+            publish_dir(written, out / name, staging / "replaced")
             run_status.checkpoint_saved(out / name)
-            if intermediate:
-                # Where torchtune's tools look for it.
+            if intermediate and shared_state:
+                # Where torchtune's tools look for it. NOTE: epoch checkpoints only: the
+                # older-layout resume check reads it as the state after an epoch.
                 replace_file_atomically(out / name / EPOCH_STATE_FILE, out / RECIPE_STATE_FILE)
             shutil.rmtree(staging, ignore_errors=True)
         except OSError as e:
             where = e.filename or staging
             raise CheckpointError(
-                f"cannot write the epoch {epoch} checkpoint: {e.strerror or e} ({where}); "
+                f"cannot write {what}: {e.strerror or e} ({where}); "
                 f"earlier checkpoints in {out} are intact"
             ) from None
+
+    def _delete_old_step_checkpoints(self) -> None:
+        """Keep the newest ``keep_last_n_checkpoints`` step folders. Runs only after a new one
+        is published, so a kill never leaves fewer complete checkpoints than asked for; epoch
+        folders are never deleted."""
+        if self.keep_last_n_checkpoints is None:
+            return
+        out = Path(self.checkpointer._output_dir)
+        old = step_dirs(out)[:-self.keep_last_n_checkpoints]
+        if not old:
+            return
+        # NOTE: moved into the staging folder first, then deleted: a kill mid-delete leaves
+        # no half-deleted step_<n>/ under a name a resume would consider.
+        staging = out / STAGING_DIR
+        staging.mkdir(exist_ok=True)
+        for path in old:
+            os.rename(path, staging / path.name)
+        shutil.rmtree(staging, ignore_errors=True)
 
     def _model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         if self.distributed:

@@ -74,9 +74,10 @@ class StepReporter:
         self._synchronize()
         return self._clock()
 
-    def start_epoch(self, epoch: int, total_epochs: int, steps: int) -> None:
+    def start_epoch(self, epoch: int, total_epochs: int, steps: int, done: int = 0) -> None:
+        """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
         if self.is_main and self.show_progress:
-            self._pbar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{total_epochs}",
+            self._pbar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{total_epochs}",
                               dynamic_ncols=True, file=sys.stdout)
         self._tokens, self._window_steps = 0, 0
         self._t0 = self._read_clock()

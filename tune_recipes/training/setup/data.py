@@ -3,7 +3,9 @@
 from functools import partial
 
 from omegaconf import ListConfig
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config as tt_config
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
@@ -58,15 +60,21 @@ def build_dataloader(
     world_size: int = 1,
     rank: int = 0,
     drop_last: bool = True,
-) -> DataLoader:
+) -> StatefulDataLoader:
     """A dataloader whose order depends only on (seed, epoch, rank), so a resumed run sees
-    exactly the batches an uninterrupted one would. Checkpoints are written at epoch
-    boundaries, so no dataloader state needs saving (a mid-epoch resume would need it)."""
+    exactly the batches an uninterrupted one would.
+
+    torchdata's ``StatefulDataLoader`` with its ``StatefulDistributedSampler`` (the same order
+    as torch's ``DistributedSampler``): ``state_dict()`` mid-epoch records how many samples
+    this rank has drawn, and after ``sampler.set_epoch(epoch)`` and ``load_state_dict`` the
+    next iterator continues after them (mid-epoch checkpoints, ``save_every_n_steps``).
+    Plain ints and dicts, so the recipe state still loads with ``weights_only=True``.
+    """
     collate = make_collate(dataset, pad_id=pad_id, collate_fn=collate_fn, ignore_index=ignore_index)
-    sampler = DistributedSampler(
+    sampler = StatefulDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )
-    return DataLoader(
+    return StatefulDataLoader(
         dataset=dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate,
         drop_last=drop_last,
     )

@@ -10,7 +10,10 @@ from torch import nn
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError
-from tune_recipes.training.checkpointing.io import checkpointer_config_for_resume
+from tune_recipes.training.checkpointing.io import (
+    checkpointer_config_for_resume,
+    instantiate_checkpointer_for_resume,
+)
 from tune_recipes.training.checkpointing.lock import OutputDirLock
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
 from tune_recipes.training.reporting.progress import StepReporter
@@ -21,7 +24,7 @@ from tune_recipes.training.setup.data import (
 )
 from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
-from tune_recipes.training.step.driver import StepDriver, StepHook
+from tune_recipes.training.step.driver import DATALOADER_STATE, StepDriver, StepHook
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule
 from tune_recipes.training.step.validation import Validator
@@ -36,8 +39,8 @@ def training_dtype(cfg: DictConfig, device) -> torch.dtype:
 
 
 def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any], Optional[SavedState]]:
-    """Instantiate the checkpointer (pointed at the newest epoch when
-    ``resume_from_checkpoint``), load, and return ``(checkpointer, checkpoint dict, saved
+    """Instantiate the checkpointer (pointed at the newest checkpoint, ``epoch_<e>/`` or a
+    mid-epoch ``step_<n>/``, when ``resume_from_checkpoint``), load, and return ``(checkpointer, checkpoint dict, saved
     recipe state or None)``.
 
     ``adapter=True`` (LoRA-type recipes): base weights come from ``checkpoint_dir`` and the
@@ -52,7 +55,10 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         cfg_checkpointer = checkpointer_config_for_resume(
             cfg.checkpointer, cfg.output_dir, full_weights=not adapter
         )
-    checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=resume)
+    if resume:
+        checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
+    else:
+        checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
     ckpt = checkpointer.load_checkpoint()
     if not resume:
         return checkpointer, ckpt, None
@@ -103,6 +109,7 @@ class DataAndSchedule:
     steps_per_epoch: int
     global_step: int
     lr_schedule: Any
+    first_step_in_epoch: int = 0  # > 0: resumed mid-epoch, the dataloader positioned there
 
 
 def setup_data_and_schedule(
@@ -114,10 +121,18 @@ def setup_data_and_schedule(
 
     A resumed run's ``resume`` is applied to ``state`` first, here and nowhere else: its seed
     (data order), ``max_steps_per_epoch`` and ``epochs_run`` must be in place before the
-    dataloader and schedule are built, and its RNG restored after model init consumed it.
+    dataloader and schedule are built, and its RNG restored after model init consumed it. A
+    mid-epoch checkpoint also positions this rank's dataloader after the batches it consumed.
     """
     if resume is not None:
-        state.resume(resume)
+        if resume.mid_epoch and len(resume.rank_states) != world_size:
+            raise ConfigError(
+                f"the mid-epoch checkpoint in {cfg.output_dir} was written by "
+                f"{len(resume.rank_states)} process(es) and this run has {world_size}: resume "
+                f"with --nproc_per_node {len(resume.rank_states)} (each rank continues its own "
+                "data shard)"
+            )
+        state.resume(resume, rank=rank)
     gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
     dataloader = build_dataloader(
         build_dataset(cfg.dataset, tokenizer), batch_size=cfg.batch_size, shuffle=cfg.shuffle,
@@ -128,11 +143,27 @@ def setup_data_and_schedule(
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
                             state.max_steps_per_epoch, cfg.batch_size)
     global_step = state.epochs_run * steps
+    first_step = 0
+    if resume is not None and resume.mid_epoch:
+        first_step = resume.global_step - global_step
+        loader_state = resume.rank_states[rank][DATALOADER_STATE]
+        consumed = loader_state.get("_num_yielded")
+        if not 0 < first_step < steps or consumed != first_step * gradient_accumulation_steps:
+            raise ConfigError(
+                f"the mid-epoch checkpoint at step {resume.global_step} does not fit this run: "
+                f"it is step {first_step} of epoch {state.epochs_run} after {consumed} batches, "
+                f"but an epoch here has {steps} steps of {gradient_accumulation_steps} batches; "
+                "resume with the dataset, batch_size and gradient_accumulation_steps it was "
+                "written with"
+            )
+        # Applies to the next iterator (the first epoch's), after sampler.set_epoch.
+        dataloader.load_state_dict(loader_state)
+        global_step = resume.global_step
     lr_schedule = LRSchedule(
         cfg.get("lr_scheduler", None), optimizer, num_training_steps=state.total_epochs * steps,
         last_epoch=global_step - 1,
     )
-    return DataAndSchedule(dataloader, steps, global_step, lr_schedule)
+    return DataAndSchedule(dataloader, steps, global_step, lr_schedule, first_step)
 
 
 def setup_step_driver(
@@ -175,4 +206,6 @@ def setup_step_driver(
         device=runtime.device, ignore_index=ignore_index,
         clip_grad_norm=cfg.get("clip_grad_norm", None), hooks=hooks, validator=validator,
         on_nonfinite=cfg.get("on_nonfinite", "raise"),
+        save_every_n_steps=cfg.get("save_every_n_steps", None),
+        first_step_in_epoch=plan.first_step_in_epoch,
     )

@@ -7,6 +7,8 @@ A recipe's ``train`` reads::
             for batch in step:                                  # on the device
                 step.backward(self._loss_step(batch, step))     # a mean over batch's tokens
             step.finish()                                       # normalize, clip, step, LR, log
+            if step.checkpoint_due:                             # save_every_n_steps
+                self.save_checkpoint(epoch.index, driver.position())
         self.save_checkpoint(epoch.index)
 
 The driver owns everything with one correct answer: grouping ``gradient_accumulation_steps``
@@ -18,11 +20,18 @@ factor backward needs (``StepLossNormalizer``), the step boundary in one order
 Methods extend a step through hooks (``StepHook``: QAT switches fake quantization on before a
 step and logs whether it is on) and through ``step.backward(loss, extras=...)`` (distillation's
 two loss terms, logged as token means like the loss).
+
+Mid-epoch checkpoints (``save_every_n_steps``): ``step.checkpoint_due`` says when, and
+``driver.position()`` gathers where the run stands (the global step; each rank's RNG and
+dataloader state). A driver built with ``first_step_in_epoch`` (a run resumed from such a
+checkpoint, its dataloader already loaded) starts its first epoch at that step.
 """
 
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 from torchtune.utils import get_logger
 
 from tune_recipes.training.reporting import run_status
@@ -35,6 +44,20 @@ from tune_recipes.training.step.normalization import (
 )
 
 log = get_logger("INFO")
+
+# Keys of each rank's entry in ``Position.ranks``.
+RNG_STATE = "rng_state"
+CUDA_RNG_STATE = "cuda_rng_state"
+DATALOADER_STATE = "dataloader"
+
+
+@dataclass
+class Position:
+    """Where a run stands after an optimizer step: what a mid-epoch checkpoint needs besides
+    the weights, optimizer and recipe state. ``ranks``: one dict per rank, in rank order."""
+
+    global_step: int
+    ranks: List[Dict[str, Any]]
 
 
 class StepHook(Protocol):
@@ -81,7 +104,8 @@ class StepDriver:
                  optimizer, lr_schedule, dataloader, steps_per_epoch: int, global_step: int,
                  state, reporter, device: torch.device, ignore_index: int,
                  clip_grad_norm: Optional[float] = None, hooks: Sequence[StepHook] = (),
-                 validator=None, on_nonfinite: str = "raise") -> None:
+                 validator=None, on_nonfinite: str = "raise",
+                 save_every_n_steps: Optional[int] = None, first_step_in_epoch: int = 0) -> None:
         self.normalizer = normalizer
         self.parameters = list(parameters)
         self.optimizer = optimizer
@@ -101,6 +125,17 @@ class StepDriver:
         # each epoch end; None without dataset_val.
         self.validator = validator
         self._validated_at: Optional[int] = None
+        if save_every_n_steps is not None and (
+                isinstance(save_every_n_steps, bool) or not isinstance(save_every_n_steps, int)
+                or save_every_n_steps < 1):
+            raise ValueError(f"save_every_n_steps must be a positive int or None, got "
+                             f"{save_every_n_steps!r}")
+        self.save_every_n_steps = save_every_n_steps
+        if not 0 <= first_step_in_epoch < steps_per_epoch:
+            raise ValueError(f"first_step_in_epoch={first_step_in_epoch} is outside an epoch of "
+                             f"{steps_per_epoch} steps")
+        # The first epoch's steps already run (a mid-epoch resume); later epochs start at 0.
+        self._resume_at = first_step_in_epoch
         if reporter.is_main:
             log.info("loss normalization: %s", normalizer.path.describe())
 
@@ -132,6 +167,21 @@ class StepDriver:
             self.reporter.end_epoch()  # close the progress bar: the error gets its own line
             raise
 
+    def position(self) -> Position:
+        """Where the run stands now, for a mid-epoch checkpoint; call it right after
+        ``step.finish()``. A collective in a distributed run (every rank calls it; the ranks'
+        entries are all-gathered). A non-finite step so far stops the run first: such weights
+        are never checkpointed."""
+        self.check_finite()
+        mine = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict()}
+        if self.device.type == "cuda":
+            mine[CUDA_RNG_STATE] = torch.cuda.get_rng_state(self.device)
+        ranks = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        return Position(self.global_step, ranks)
+
     def close(self) -> None:
         for hook in self.hooks:
             if hasattr(hook, "close"):
@@ -148,11 +198,22 @@ class Epoch:
 
     def __iter__(self) -> Iterator["Step"]:
         d = self.driver
+        first, d._resume_at = d._resume_at, 0
         d.dataloader.sampler.set_epoch(self.index)
-        d.reporter.start_epoch(self.index, d.state.total_epochs, d.steps_per_epoch)
-        batches = enumerate(d.dataloader)
-        for _ in range(d.steps_per_epoch):
-            step = Step(d, self.index, batches)
+        d.reporter.start_epoch(self.index, d.state.total_epochs, d.steps_per_epoch, first)
+        if first:
+            # NOTE: keep this save/restore. Starting an iterator draws a seed from the global
+            # RNG (torch's DataLoader base seed). The uninterrupted run drew it at the epoch's
+            # start, before the RNG state the mid-epoch checkpoint restored; drawing it again
+            # here would shift every later random number (dropout) against that run.
+            rng = torch.get_rng_state()
+            iterator = iter(d.dataloader)  # continues after the loaded position
+            torch.set_rng_state(rng)
+        else:
+            iterator = iter(d.dataloader)
+        batches = enumerate(iterator, start=first * d.gradient_accumulation_steps)
+        for index in range(first, d.steps_per_epoch):
+            step = Step(d, self.index, batches, index)
             yield step
             if not step.finished:
                 raise RuntimeError("a training step ended without step.finish()")
@@ -167,9 +228,10 @@ class Step:
     """One optimizer step. Iterating it yields its micro-batches, on the device; call
     ``backward`` once per micro-batch, then ``finish`` once."""
 
-    def __init__(self, driver: StepDriver, epoch: int, batches) -> None:
+    def __init__(self, driver: StepDriver, epoch: int, batches, index: int = 0) -> None:
         self.driver = driver
         self.epoch = epoch
+        self.index = index  # in the epoch, 0-based
         self._batches = batches
         self.num_tokens = 0  # the current micro-batch's unmasked tokens (a CPU count)
         self._where = ""
@@ -192,6 +254,15 @@ class Step:
             yield to_device(batch, d.device)
             if self._pending_backward:
                 raise RuntimeError("a micro-batch ended without step.backward(loss)")
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """After ``finish``: whether ``save_every_n_steps`` asks for a mid-epoch checkpoint
+        now. Never at an epoch's last step: the epoch checkpoint is written right after it."""
+        d = self.driver
+        n = d.save_every_n_steps
+        return (self.finished and n is not None and d.global_step % n == 0
+                and self.index + 1 < d.steps_per_epoch)
 
     @property
     def loss_scaling(self) -> float:

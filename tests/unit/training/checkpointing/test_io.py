@@ -14,6 +14,8 @@ from tune_recipes.training.checkpointing.io import (
     complete_peft_adapter_config,
     latest_epoch_dir,
     lora_checkpoint_entries,
+    newest_checkpoint_dir,
+    step_dirs,
 )
 
 pytestmark = pytest.mark.unit
@@ -144,3 +146,52 @@ def test_a_truncated_recipe_state_names_the_file(tmp_path):
              "optimizer": torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).state_dict()}
     torch.save(state, path)
     assert load_recipe_state(path)["epochs_run"] == 1
+
+
+def _step_dir(out, step, epochs_run, global_step=None, adapter=False):
+    d = out / f"step_{step}"
+    d.mkdir()
+    (d / ("adapter_model.pt" if adapter else "model-00001-of-00001.safetensors")).write_bytes(b"")
+    torch.save({training.EPOCHS_KEY: epochs_run, "global_step": step if global_step is None
+                else global_step, "rank_states": [{}]}, d / "recipe_state.pt")
+    return d
+
+
+def test_the_newest_checkpoint_is_the_one_written_last(tmp_path):
+    """step_<n>/ of epoch e (its state says e epochs ran) is newer than epoch_<e-1>/ and older
+    than epoch_<e>/; among step folders the largest n (numeric, not lexical)."""
+    assert newest_checkpoint_dir(tmp_path) is None
+    _step_dir(tmp_path, 2, epochs_run=0)
+    assert newest_checkpoint_dir(tmp_path).name == "step_2"  # no epoch finished yet
+    (tmp_path / "epoch_0").mkdir()
+    assert newest_checkpoint_dir(tmp_path).name == "epoch_0"  # epoch 0 ended after step 2
+    _step_dir(tmp_path, 10, epochs_run=1)
+    _step_dir(tmp_path, 9, epochs_run=1)
+    assert newest_checkpoint_dir(tmp_path).name == "step_10"
+    assert [p.name for p in step_dirs(tmp_path)] == ["step_2", "step_9", "step_10"]
+
+
+def test_resume_from_a_step_checkpoint_names_its_files(tmp_path):
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    (tmp_path / "epoch_0").mkdir()
+    _step_dir(tmp_path, 5, epochs_run=1, adapter=True)
+    full = _step_dir(tmp_path, 6, epochs_run=1)
+    out = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    assert list(out.checkpoint_files) == ["step_6/model-00001-of-00001.safetensors"]
+    assert out.recipe_checkpoint == "step_6/recipe_state.pt"
+    import shutil
+
+    shutil.rmtree(full)
+    lora = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
+    assert list(lora.checkpoint_files) == ["model.safetensors"]  # base weights stay
+    # Named: torchtune itself would look only in the newest epoch_* folder.
+    assert lora.adapter_checkpoint == "step_5/adapter_model.pt"
+    assert lora.recipe_checkpoint == "step_5/recipe_state.pt"
+
+
+def test_a_step_folder_whose_state_is_not_its_own_is_refused(tmp_path):
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    _step_dir(tmp_path, 4, epochs_run=0, global_step=3)
+    with pytest.raises(ConfigError, match=r"step_4/recipe_state.pt is not the state of a "
+                                          r"mid-epoch checkpoint at step 4"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)

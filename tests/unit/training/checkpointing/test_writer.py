@@ -142,3 +142,43 @@ def test_a_failed_save_names_the_path_and_keeps_earlier_checkpoints(tmp_path, er
     after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()
              and ".saving" not in p.parts}
     assert after == before
+
+
+def test_step_checkpoints_keep_the_last_n_and_delete_only_after_a_newer_one_is_complete(tmp_path):
+    from tune_recipes.training.checkpointing.io import CheckpointError
+    from tune_recipes.training.step.driver import Position
+
+    model = tiny_llama3()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = RecipeState(seed=3, total_epochs=1, max_steps_per_epoch=None)
+    ckpt = _Checkpointer(tmp_path)
+    writer = CheckpointWriter(ckpt, output_dir=str(tmp_path), keep_last_n_checkpoints=2)
+    for step in (2, 4, 6):
+        writer.save(model, opt, state, epoch=0, position=Position(step, [{"dataloader": {}}]))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_6"]
+    saved, epoch, intermediate, _ = ckpt.saved[-1]
+    assert intermediate and saved["global_step"] == 6 and saved["rank_states"] == [{"dataloader": {}}]
+    assert torch.load(tmp_path / "step_6" / "recipe_state.pt", weights_only=True)[training.EPOCHS_KEY] == 0
+    # Only epoch checkpoints update the shared recipe_state/ (the state after an epoch).
+    assert not (tmp_path / "recipe_state").exists()
+    # A save that fails deletes nothing: both older step folders stay, the new one never appears.
+    ckpt.fail_with = OSError(28, "No space left on device")
+    with pytest.raises(CheckpointError, match="cannot write the step 8 checkpoint: No space left"):
+        writer.save(model, opt, state, epoch=0, position=Position(8, [{}]))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_6"]
+    with pytest.raises(ValueError, match="keep_last_n_checkpoints must be a positive int"):
+        CheckpointWriter(ckpt, output_dir=str(tmp_path), keep_last_n_checkpoints=0)
+
+
+def test_a_lora_step_checkpoint_holds_the_adapter_only(tmp_path):
+    from tune_recipes.training.step.driver import Position
+
+    model = _lora_model()
+    ckpt = _Checkpointer(tmp_path)
+    writer = CheckpointWriter(ckpt, output_dir=str(tmp_path), lora=_spec(), base_checkpoint_dir="/b")
+    writer.save(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                RecipeState(seed=3, total_epochs=1, max_steps_per_epoch=None), epoch=0,
+                position=Position(1, [{}]))
+    saved, _, _, adapter_only = ckpt.saved[-1]
+    assert adapter_only and training.ADAPTER_KEY in saved and training.MODEL_KEY not in saved
+    assert (tmp_path / "step_1" / "adapter_config.json").is_file()

@@ -47,3 +47,45 @@ def test_a_list_of_datasets_is_concatenated():
 def test_inference_collate_is_rejected():
     with pytest.raises(ConfigError, match="left_pad_sequence is for inference"):
         _loader(collate_fn="torchtune.data.left_pad_sequence")
+
+
+def _batches(iterator, n):
+    return [next(iterator)["tokens"].tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_saved_mid_epoch_position_continues_with_the_next_batch(tmp_path, world_size):
+    """Mid-epoch checkpoints: the state after k batches, saved and loaded the way the recipe
+    state is (``weights_only=True``), makes a fresh loader continue with batch k + 1 of the
+    same epoch, on each rank."""
+    import torch
+
+    for rank in range(world_size):
+        straight = _loader(rank=rank, world_size=world_size)
+        straight.sampler.set_epoch(1)
+        it = iter(straight)
+        seen = _batches(it, 2)
+        torch.save(straight.state_dict(), tmp_path / "dl.pt")
+        rest = _batches(it, 2)
+
+        resumed = _loader(rank=rank, world_size=world_size)
+        resumed.load_state_dict(torch.load(tmp_path / "dl.pt", weights_only=True))
+        resumed.sampler.set_epoch(1)
+        assert _batches(iter(resumed), 2) == rest
+        # The next epoch starts afresh (the loaded position applies to one iterator only).
+        resumed.sampler.set_epoch(2)
+        fresh = _loader(rank=rank, world_size=world_size)
+        fresh.sampler.set_epoch(2)
+        assert _batches(iter(resumed), 2) == _batches(iter(fresh), 2)
+        assert seen != rest
+
+
+def test_the_order_is_torchs_distributed_sampler_order():
+    """The stateful sampler changes nothing about which examples a rank sees, or when."""
+    from torch.utils.data import DistributedSampler
+
+    loader = _loader(rank=1, world_size=2)
+    loader.sampler.set_epoch(3)
+    plain = DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
+    plain.set_epoch(3)
+    assert list(loader.sampler) == list(plain)

@@ -84,7 +84,9 @@ def test_resume_is_applied_before_the_dataloader_is_built(recwarn):
     assert (state.seed, state.max_steps_per_epoch, state.epochs_run) == (cfg.seed, 4, 1)
     assert plan.dataloader.sampler.seed == cfg.seed
     assert plan.steps_per_epoch == 4 and plan.global_step == 4
-    assert len(recwarn) == 2  # seed and max_steps_per_epoch differed from the config
+    # seed and max_steps_per_epoch differed from the config (torchdata's StatefulDataLoader
+    # adds its own set_vital deprecation warning, not counted)
+    assert len([w for w in recwarn if "differs from the checkpoint" in str(w.message)]) == 2
 
 
 def test_training_dtype_rejects_fp16():
