@@ -23,6 +23,7 @@ A recipe calls two functions::
                                                     # compile, sharding and the state-dict load
 """
 
+import dataclasses
 from typing import Callable, List, Optional
 
 import torch
@@ -101,8 +102,13 @@ def convert_to_fp8(model: nn.Module, recipe_name: Optional[str],
             converted.append(fqn)
         return ok
 
-    convert_to_float8_training(model, module_filter_fn=keep,
-                               config=Float8LinearConfig.from_recipe_name(recipe_name))
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    # NOTE: pad_inner_dim: the weight-gradient matmul's inner dimension is the micro-batch's
+    # token count, which torch._scaled_mm also needs to be a multiple of 16; padded batches of
+    # real data rarely are. torchao pads such operands with zeros (a no-op in value) instead of
+    # failing mid-run; at aligned sizes the pad is empty.
+    config = dataclasses.replace(config, pad_inner_dim=True)
+    convert_to_float8_training(model, module_filter_fn=keep, config=config)
     if not converted:
         raise ConfigError("enable_fp8_training=True, but the model has no nn.Linear whose "
                           "dims are multiples of 16 (the output projection is never converted)")

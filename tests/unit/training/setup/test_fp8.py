@@ -39,6 +39,7 @@ def test_every_projection_is_swapped_and_the_output_head_is_not(recipe):
     assert swapped == sorted(expected)
     # The untied LM head (vocab 272, a multiple of 16) stays a plain Linear, by name.
     assert type(model.output) is nn.Linear
+    assert model.layers[0].mlp.w1.config.pad_inner_dim  # any token count works
     granularity = model.layers[0].attn.q_proj.config.cast_config_input.scaling_granularity.value
     assert granularity == {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
 
@@ -125,7 +126,8 @@ def _train_losses(recipe, steps=8):
     convert_to_fp8(model, recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(1)
-    tokens = torch.randint(0, 4096, (4, 257), device="cuda", generator=g)
+    # 4 x 250 = 1000 tokens per step: not a multiple of 16 (the padded inner dim is exercised).
+    tokens = torch.randint(0, 4096, (4, 251), device="cuda", generator=g)
     losses = []
     for _ in range(steps):
         logits = model(tokens[:, :-1])
