@@ -141,13 +141,16 @@ def _train_losses(recipe, steps=8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_loss_follows_bf16_within_2_percent(recipe):
+def test_fp8_loss_follows_bf16(recipe):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     bf16 = _train_losses(None)
     fp8 = _train_losses(recipe)
-    # Tolerance: 2% relative per step over 8 steps of memorizing one batch (the loss falls from
-    # ~8.4 by several nats, so a broken cast or scale shows far outside it).
+    # Over 8 steps of memorizing one batch the loss falls from ~8.45 to ~0.66. Measured on an
+    # H200 (torch 2.11, torchao 0.15; docs/results/2026-11-30_fp8_numerics_h200.txt): largest
+    # per-step gap 1.6% (tensorwise) / 1.9% (rowwise) of the bf16 loss, 0.02-0.04 nats.
+    # Tolerance 3% + 0.01 nats: room for another GPU's kernels, far inside what a broken cast
+    # or scale gives (a wrong scale diverges by nats within a step or two).
     assert bf16[-1] < bf16[0] - 1.0 and fp8[-1] < fp8[0] - 1.0, (bf16, fp8)
     for a, b in zip(bf16, fp8):
-        assert abs(a - b) <= 0.02 * a, (bf16, fp8)
+        assert abs(a - b) <= 0.03 * a + 0.01, (bf16, fp8)
