@@ -154,3 +154,37 @@ def test_fp8_loss_follows_bf16(recipe):
     assert bf16[-1] < bf16[0] - 1.0 and fp8[-1] < fp8[0] - 1.0, (bf16, fp8)
     for a, b in zip(bf16, fp8):
         assert abs(a - b) <= 0.03 * a + 0.01, (bf16, fp8)
+
+
+@pytest.fixture
+def one_rank():
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_distributed_path_swaps_on_the_meta_model_then_shards_and_loads(one_rank):
+    # What full_finetune_distributed does: convert_to_fp8 as shard_and_load's before_shard.
+    from torchtune import training
+
+    from tune_recipes.training.setup.distributed import shard_and_load
+
+    full = _tiny().state_dict()
+    model, _ = shard_and_load(OmegaConf.create({"_component_": "tune_recipes.models.tiny_llama3"}),
+                              dtype=torch.float32, device=torch.device("cpu"), world_size=1,
+                              full_state_dict=full,
+                              before_shard=lambda meta: convert_to_fp8(meta, "tensorwise"))
+    assert isinstance(model.layers[0].mlp.w1, _float8_linear()) and type(model.output) is nn.Linear
+    gathered = training.gather_cpu_state_dict(model, True, device=None)
+    assert set(gathered) == set(full)
+    for k, v in full.items():
+        assert torch.equal(gathered[k], v), k
