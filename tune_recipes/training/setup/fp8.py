@@ -72,7 +72,7 @@ def should_convert(module: nn.Module, fqn: str) -> bool:
     NOTE: two kinds of Linear stay in the training dtype, on purpose:
     - the output projection (LM head): its [tokens, vocab] product feeds the softmax, whose
       accuracy is the loss itself, and FP8 there costs more than the rest of the model's error
-      (torchtune and torchtitan skip it too). It is also the layer our fused linear-CE loss
+      (torchtitan's float8 converter skips it by default too). It is also the layer our fused linear-CE loss
       computes on its own; a tied head (TiedLinear) is not an nn.Linear and is never swapped.
     - layers whose in or out features are not multiples of 16: the FP8 matmul
       (torch._scaled_mm) needs both dims of each operand divisible by 16, and torchao does not
