@@ -70,10 +70,10 @@ def should_convert(module: nn.Module, fqn: str) -> bool:
     """Whether the module at ``fqn`` trains in FP8.
 
     NOTE: two kinds of Linear stay in the training dtype, on purpose:
-    - the output projection (LM head): its [tokens, vocab] product feeds the softmax, whose
-      accuracy is the loss itself, and FP8 there costs more than the rest of the model's error
-      (torchtitan's float8 converter skips it by default too). It is also the layer our fused linear-CE loss
-      computes on its own; a tied head (TiedLinear) is not an nn.Linear and is never swapped.
+    - the output projection (LM head): its [tokens, vocab] product is the logits, so its
+      rounding error goes straight into the softmax and the loss (torchtitan's float8 converter
+      skips it by default too; FP8 there is untested here). It is also the layer our fused
+      linear-CE loss computes on its own; a tied head (TiedLinear) is not an nn.Linear.
     - layers whose in or out features are not multiples of 16: the FP8 matmul
       (torch._scaled_mm) needs both dims of each operand divisible by 16, and torchao does not
       check this when it swaps, so such a layer would fail at its first forward on the GPU.
