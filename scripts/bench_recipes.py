@@ -278,7 +278,7 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
     out = []
     stock = [r for r in rows if r.get("variant") == "stock_best" and "error" not in r]
     stock_tps = statistics.mean(r["tokens_per_s"] for r in stock) if stock else None
-    stock_mem = max(r["peak_alloc_gib"] for r in stock) if stock else None
+    stock_mem = max((r["peak_alloc_gib"] or 0 for r in stock), default=0) or None  # None on CPU
     for v in case["variants"]:
         runs = [r for r in rows if r.get("variant") == v["name"]]
         ok = [r for r in runs if "error" not in r]
