@@ -11,6 +11,9 @@ in ``__init__``), so 1-rank and N-rank runs log the same numbers.
 
 Outputs (rank 0) in ``output_dir``: ``epoch_<n>/`` HF-format weights, ``recipe_state/`` for
 resuming, ``metrics.jsonl``, ``config.yaml``.
+
+``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in FP8
+through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile).
 """
 
 import sys
@@ -25,6 +28,7 @@ from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.distributed import check_fused_loss_sharding, fsdp_options, shard_and_load
+from tune_recipes.training.setup.fp8 import convert_to_fp8, fp8_recipe_wanted
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
@@ -41,6 +45,7 @@ CONFIG_KEYS = {
     "collate_fn", "log_level", "dataset_val", "batch_size_val", "run_val_every_n_steps",
     "on_nonfinite", "profiler", "enable_activation_offloading", "fsdp_cpu_offload",
     "save_every_n_steps", "keep_last_n_checkpoints",
+    "enable_fp8_training", "fp8_recipe_name",
 }
 
 
@@ -57,6 +62,7 @@ class FullFinetuneRecipeDistributed:
         # no clipping) takes IN_BACKWARD_GLOBAL: the token count is all-reduced before the
         # forward so each gradient is exact when its in-backward optimizer step fires.
         self._optimizer_in_bwd = optimizer_in_bwd_flag(cfg)
+        self._fp8 = fp8_recipe_wanted(cfg, self._runtime.device, self._runtime.is_main)
         self._path = normalization_path(
             distributed=True, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
             optimizer_in_bwd=self._optimizer_in_bwd)
@@ -69,6 +75,9 @@ class FullFinetuneRecipeDistributed:
         self._model, _ = shard_and_load(
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             world_size=self._runtime.world_size, full_state_dict=ckpt[training.MODEL_KEY],
+            # FP8 linears are swapped in on the meta model, before fully_shard; FSDP2 then
+            # all-gathers their weights in bf16 (torchao's float8 all-gather is not enabled).
+            before_shard=lambda meta_model: convert_to_fp8(meta_model, self._fp8),
             **fsdp_options(cfg),
         )
         if cfg.get("compile", False):

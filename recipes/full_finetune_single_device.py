@@ -10,6 +10,8 @@ Every parameter trains. Features, each a config key:
   at once (lowest memory; needs gradient_accumulation_steps=1 and clip_grad_norm=null).
 - ``clip_grad_norm``: clip to this norm; ``inf`` only measures and logs it; null disables.
 - ``enable_activation_checkpointing``, ``compile``, ``dtype`` (bf16 or fp32).
+- ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
+  FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile).
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
   same optimizer state, data order and schedule (the result equals an uninterrupted run).
 
@@ -28,6 +30,7 @@ from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
+from tune_recipes.training.setup.fp8 import fp8_recipe_wanted
 from tune_recipes.training.setup.model import setup_full_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
@@ -43,7 +46,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
-    "enable_activation_offloading",
+    "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
     "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
@@ -55,6 +58,7 @@ class FullFinetuneRecipeSingleDevice:
         self._dtype = training_dtype(cfg, self._runtime.device)
         self._offload_activations = activation_offloading_wanted(
             cfg, self._runtime.device, self._runtime.is_main)
+        self._fp8 = fp8_recipe_wanted(cfg, self._runtime.device, self._runtime.is_main)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
         # Reject incompatible flags before any work is done.
         if self._optimizer_in_bwd and cfg.get("clip_grad_norm", None) is not None:
@@ -75,6 +79,7 @@ class FullFinetuneRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            fp8_recipe=self._fp8,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -1,12 +1,26 @@
-"""Our single-device recipes vs torchtune 0.6.1's stock recipes, side by side, one GPU.
+"""Our recipes vs torchtune 0.6.1's stock recipes, each at its best settings, side by side.
 
-    python3 scripts/bench_recipes.py --out results/recipes.json [--cases full_1b,lora_8b]
+    python3 scripts/bench_recipes.py --cases full_1b,lora_8b --reps 2 --out results/recipes.json
+    python3 scripts/bench_recipes.py --cases tiny_cpu --reps 2 --out /tmp/r.json   # CPU dry run
+    python3 scripts/bench_recipes.py --plot results/recipes.json                    # chart again
 
 Each case builds a random-init checkpoint with the real model's shapes (nothing can be
-downloaded on the benchmark machine), writes one config per variant (same model, data, batch,
-optimizer, loss; only the recipe differs, plus our fused-loss variant), runs each through its
-own CLI for a fixed number of steps on synthetic fixed-length data, and reads tokens/s (median
-over the steps after warm-up) and peak allocated memory from each run's metrics.
+downloaded on the benchmark machine) and runs its variants, each in its own process through its
+own CLI (stock: torchtune's recipe file; ours: ``python -m tune_recipes run``), on the same
+synthetic fixed-length data, with the same tokens per optimizer step (a smaller micro-batch is
+made up by gradient accumulation) and the same number of steps. Variants marked ``head`` (each
+side's best settings) run every repetition, in alternating order (stock, ours, ...; then the
+reverse); the others (one lever each) run in the first repetition only.
+
+Throughput is measured the same way for both sides: tokens over the wall time between metric
+rows after the warm-up rows. Both recipes wait for the GPU before a row is written (stock's
+``loss.item()`` before its clock read, ours a ``torch.cuda.synchronize()``), so the row times
+are synchronized; the recipe's own median tokens/s is recorded beside it as a cross-check.
+Peak memory: the largest ``torch.cuda.max_memory_allocated`` a run logs (stock's
+``peak_memory_alloc``, ours ``peak_memory_active_gib``; the same counter).
+
+Data: uniform random tokens by default; with ``data_vocab``/``data_repeat`` (tune_recipes.data
+.synthetic) a learnable stream, so a long run's loss curve shows whether FP8 follows bf16.
 """
 
 import argparse
@@ -21,6 +35,27 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+H200_BF16_TFLOPS = 790.0  # dense bf16 matmul rate measured on the lent H200 (docs/benchmarks.md)
+
+_CHUNKED = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
+_FUSED = {"_component_": "tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"}
+
+
+def _v(name, side, label, head=False, steps=None, **cfg):
+    """A variant: config overrides on top of the case's common config."""
+    return dict(name=name, side=side, label=label, head=head, steps=steps, cfg=cfg)
+
+
+# The same three variants the earlier runs used (identical settings, only the recipe/loss differ).
+_SAME_SETTINGS = [
+    _v("stock_chunked", "stock", "torchtune 0.6.1 stock recipe, chunked CE", head=True, loss=_CHUNKED),
+    _v("ours_chunked", "ours", "tune-recipes, chunked CE", head=True, loss=_CHUNKED),
+    _v("ours_fused", "ours", "tune-recipes, fused linear CE", head=True, loss=_FUSED),
+]
+
+# Learnable synthetic data for the loss curves: each sequence is a random 256-token block from a
+# 4096-token sub-vocabulary, repeated (unigram statistics + in-context copying to learn).
+_CURVE_DATA = {"data_vocab": 4096, "data_repeat": 256}
 
 CASES = {
     # A CPU dry run of the whole pipeline (checks configs and both CLIs; numbers meaningless).
@@ -28,39 +63,70 @@ CASES = {
         recipe="full_finetune_single_device",
         builder="tune_recipes.models.tiny_llama3",
         model={"_component_": "tune_recipes.models.tiny_llama3"},
-        batch_size=4, seq_len=64, steps=8, vocab=272, device="cpu", dtype="fp32",
+        batch_size=4, seq_len=64, steps=8, vocab=272, device="cpu", dtype="fp32", warmup=2,
+        params=0.0, data={"data_vocab": 64, "data_repeat": 16},
         extra={"optimizer_in_bwd": False, "enable_activation_checkpointing": False},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5},
+        variants=[
+            _v("stock_best", "stock", "stock", head=True, loss=_CHUNKED),
+            _v("ours_best", "ours", "ours: fused CE, batch 2 x GA 2", head=True, loss=_FUSED,
+               batch_size=2, gradient_accumulation_steps=2),
+            _v("ours_inbwd_curve", "ours", "ours: fused CE, in-backward optimizer", steps=12,
+               loss=_FUSED, optimizer_in_bwd=True),
+        ],
     ),
+    # Issue #15: Llama-3.2-1B full fine-tune, 4 x 2048 tokens per optimizer step.
+    # Stock's best (issue #15's table and docs/benchmarks.md): compile on, AC off (59,334 tok/s
+    # at batch 4 vs 44,038 eager; AC only adds recompute, and a larger micro-batch cannot raise
+    # tokens per step here). Ours adds the fused loss, FP8 (tensorwise) and the in-backward
+    # optimizer step (no gradient buffers).
     "full_1b": dict(
         recipe="full_finetune_single_device",
         builder="torchtune.models.llama3_2.llama3_2_1b",
         model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
-        batch_size=4, seq_len=2048, steps=25,
+        batch_size=4, seq_len=2048, steps=30, warmup=5, params=1.236e9, data=_CURVE_DATA,
         extra={"optimizer_in_bwd": False, "enable_activation_checkpointing": False},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        variants=[
+            _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
+            _v("ours_best", "ours", "ours: compile + fused CE + FP8 + optimizer in backward",
+               head=True, loss=_FUSED, compile=True, enable_fp8_training=True,
+               optimizer_in_bwd=True),
+            # Levers one at a time; the two 220-step runs are also the FP8 vs bf16 loss curve.
+            _v("ours_fused", "ours", "ours: compile + fused CE (bf16)", steps=220,
+               loss=_FUSED, compile=True),
+            _v("ours_fused_fp8", "ours", "ours: compile + fused CE + FP8", steps=220,
+               loss=_FUSED, compile=True, enable_fp8_training=True),
+            _v("ours_fused_inbwd", "ours", "ours: compile + fused CE + optimizer in backward",
+               loss=_FUSED, compile=True, optimizer_in_bwd=True),
+            _v("ours_best_ac", "ours", "ours: best + activation checkpointing",
+               loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
+               enable_activation_checkpointing=True),
+        ],
     ),
     # torchtune's shipped 1B config steps inside backward; same here, for both recipes.
     "full_1b_inbwd": dict(
         recipe="full_finetune_single_device",
         builder="torchtune.models.llama3_2.llama3_2_1b",
         model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
-        batch_size=4, seq_len=2048, steps=25, ckpt="full_1b",
+        batch_size=4, seq_len=2048, steps=25, ckpt="full_1b", params=1.236e9,
         extra={"optimizer_in_bwd": True, "enable_activation_checkpointing": False},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        variants=_SAME_SETTINGS,
     ),
     # Two GPUs, FSDP2 (run on the nvidia-h200-x2 kind): per-rank batch 4 x 2048.
     "full_1b_2gpu": dict(
         recipe="full_finetune_distributed", nproc=2,
-        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b",
+        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b", params=1.236e9,
         model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
         batch_size=4, seq_len=2048, steps=20,
         extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        variants=_SAME_SETTINGS,
     ),
     "lora_1b_2gpu": dict(
-        recipe="lora_finetune_distributed", nproc=2,
-        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b",
+        recipe="lora_finetune_distributed", nproc=2, lora=True,
+        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b", params=1.236e9,
         model={"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b",
                "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
                "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16},
@@ -68,34 +134,63 @@ CASES = {
         extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True,
                "save_adapter_weights_only": True},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True},
+        variants=_SAME_SETTINGS,
     ),
+    # Issue #15: Llama-3.1-8B LoRA, 2 x 2048 tokens per optimizer step. Stock's best: compile,
+    # AC off (fits: 42 GiB eager). Ours: compile + fused CE; AC and activation offloading are
+    # the memory levers.
     "lora_8b": dict(
-        recipe="lora_finetune_single_device",
-        builder="torchtune.models.llama3_1.llama3_1_8b",
+        recipe="lora_finetune_single_device", lora=True,
+        builder="torchtune.models.llama3_1.llama3_1_8b", params=8.03e9,
         model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b",
                "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
                "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16},
-        batch_size=2, seq_len=2048, steps=20,
-        extra={"enable_activation_checkpointing": True, "save_adapter_weights_only": True},
+        batch_size=2, seq_len=2048, steps=20, warmup=5, data=_CURVE_DATA,
+        extra={"enable_activation_checkpointing": False, "save_adapter_weights_only": True},
         optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True},
+        variants=[
+            _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
+            _v("ours_best", "ours", "ours: compile + fused CE", head=True, loss=_FUSED,
+               compile=True),
+            _v("ours_fused_ac", "ours", "ours: compile + fused CE + activation checkpointing",
+               loss=_FUSED, compile=True, enable_activation_checkpointing=True),
+            _v("ours_fused_ac_offload", "ours",
+               "ours: compile + fused CE + AC + activation offloading", loss=_FUSED,
+               compile=True, enable_activation_checkpointing=True,
+               enable_activation_offloading=True),
+        ],
     ),
 }
 
 
-def write_config(path: Path, case: dict, ckpt: Path, out_dir: Path, loss: dict, stock: bool):
+def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Path):
+    """One run's YAML: the case's common config, then the variant's overrides. The micro-batch
+    may differ between variants; gradient accumulation keeps tokens per step the same."""
+    over = dict(variant["cfg"])
+    loss = over.pop("loss")
+    batch = over.pop("batch_size", case["batch_size"])
+    ga = over.pop("gradient_accumulation_steps", 1)
+    if batch * ga != case["batch_size"]:
+        raise ValueError(f"{variant['name']}: batch {batch} x GA {ga} != the case's "
+                         f"{case['batch_size']} sequences per step")
+    steps = variant["steps"] or case["steps"]
+    data = case.get("data", {})
+    stock = variant["side"] == "stock"
     cfg = {
         "output_dir": str(out_dir),
         "model": case["model"],
         "tokenizer": {"_component_": "tune_recipes.data.tiny_tokenizer", "max_seq_len": None},
         "dataset": {"_component_": "tune_recipes.data.synthetic.synthetic_dataset",
-                    "num_samples": case["batch_size"] * (case["steps"] + 2),
-                    "seq_len": case["seq_len"], "vocab_size": case.get("vocab", 128256)},
+                    "num_samples": case["batch_size"] * (steps + 2),
+                    "seq_len": case["seq_len"],
+                    "vocab_size": data.get("data_vocab", case.get("vocab", 128256)),
+                    "repeat": data.get("data_repeat", 0)},
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
                          "checkpoint_dir": str(ckpt), "checkpoint_files": ["model.safetensors"],
                          "model_type": "LLAMA3", "output_dir": str(out_dir)},
         "resume_from_checkpoint": False,
-        "seed": 0, "shuffle": False, "batch_size": case["batch_size"], "epochs": 1,
-        "max_steps_per_epoch": case["steps"], "gradient_accumulation_steps": 1,
+        "seed": 0, "shuffle": False, "batch_size": batch, "epochs": 1,
+        "max_steps_per_epoch": steps, "gradient_accumulation_steps": ga,
         "optimizer": case["optimizer"], "loss": loss, "clip_grad_norm": None,
         # torchtune's distributed LoRA recipe requires a scheduler key; same one for everyone.
         "lr_scheduler": {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
@@ -104,75 +199,242 @@ def write_config(path: Path, case: dict, ckpt: Path, out_dir: Path, loss: dict, 
         "metric_logger": {"_component_": "tune_recipes.training.metrics.JsonlMetricLogger",
                           "log_dir": str(out_dir)},
         "log_every_n_steps": 1, "log_peak_memory_stats": True,
-        **case["extra"],
+        **case["extra"], **over,
     }
-    if stock and case["recipe"] == "lora_finetune_single_device":
-        cfg["enable_activation_offloading"] = False
-    if stock and case["recipe"] == "full_finetune_single_device":
-        cfg["enable_activation_offloading"] = False
+    if stock and "single_device" in case["recipe"]:
+        cfg.setdefault("enable_activation_offloading", False)
     if stock and "distributed" in case["recipe"]:
         cfg["profiler"] = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return cfg
 
 
-def run(cmd, log: Path) -> float:
+def run(cmd, log: Path, timeout: float) -> float:
     t0 = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
+        try:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {timeout:.0f} s"
+    if rc != 0:
         text = log.read_text()
         # The ranks' own error lines say why; torchrun's summary after them does not.
         rank_lines = [l for l in text.splitlines() if l.startswith("[rank0]") or "Error" in l]
         tail = "\n".join(rank_lines[-25:]) or text[-3000:]
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{tail}")
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({rc}):\n{tail}")
     return time.time() - t0
 
 
-def summarize(out_dir: Path, warmup: int = 5) -> dict:
+def summarize(out_dir: Path, tokens_per_step: int, warmup: int = 5) -> dict:
+    """Wall-clock tokens/s over the rows after ``warmup`` (both recipes sync before a row), the
+    recipe's own median beside it, peak allocated memory, and every step's loss."""
     rows = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    tps = [r["tokens_per_second_per_gpu"] for r in rows[warmup:]]
+    rows = [r for r in rows if "loss" in r]
+    warmup = min(warmup, len(rows) - 2)
+    timed = rows[warmup:]
+    wall = timed[-1]["time"] - timed[0]["time"]
+    tps_wall = tokens_per_step * (len(timed) - 1) / wall if wall > 0 else 0.0
+    reported = statistics.median(r["tokens_per_second_per_gpu"] for r in timed[1:])
     mem = [r.get("peak_memory_alloc", r.get("peak_memory_active_gib")) for r in rows]
     mem = [m for m in mem if m is not None]
-    return {"steps": len(rows), "tokens_per_s": round(statistics.median(tps)),
+    res = [r.get("peak_memory_reserved", r.get("peak_memory_reserved_gib")) for r in rows]
+    res = [m for m in res if m is not None]
+    return {"steps": len(rows), "tokens_per_s": round(tps_wall),
+            "reported_median_tokens_per_s": round(reported),
             "peak_alloc_gib": round(max(mem), 2) if mem else None,
-            "final_loss": rows[-1]["loss"]}
+            "peak_reserved_gib": round(max(res), 2) if res else None,
+            "final_loss": rows[-1]["loss"], "losses": [round(r["loss"], 5) for r in rows]}
+
+
+def schedule(case: dict, reps: int):
+    """(rep, variant) in run order: head variants every repetition, alternating direction;
+    lever variants once, after the heads of the first repetition."""
+    heads = [v for v in case["variants"] if v["head"]]
+    levers = [v for v in case["variants"] if not v["head"]]
+    order = []
+    for rep in range(reps):
+        these = heads if rep % 2 == 0 else heads[::-1]
+        order += [(rep, v) for v in these]
+        if rep == 0:
+            order += [(0, v) for v in levers]
+    return order
+
+
+def flops_per_token_factor(case: dict, variant: dict) -> int:
+    """Matmul FLOPs per token per parameter (attention's score/value products not counted):
+    forward 2, backward 4 for a full fine-tune, 2 for LoRA (input gradients only; the frozen
+    base has no weight gradient), + 2 when activation checkpointing recomputes the forward."""
+    factor = 2 + (2 if case.get("lora") else 4)
+    ac = variant["cfg"].get("enable_activation_checkpointing",
+                            case["extra"].get("enable_activation_checkpointing", False))
+    return factor + (2 if ac else 0)
+
+
+def aggregate(case_name: str, case: dict, rows: list) -> list:
+    """One line per variant: mean and each repetition's tokens/s, peak memory, ratios to stock's
+    best, and model TFLOP/s against the H200's bf16 rate."""
+    out = []
+    stock = [r for r in rows if r.get("variant") == "stock_best" and "error" not in r]
+    stock_tps = statistics.mean(r["tokens_per_s"] for r in stock) if stock else None
+    stock_mem = max((r["peak_alloc_gib"] or 0 for r in stock), default=0) or None  # None on CPU
+    for v in case["variants"]:
+        runs = [r for r in rows if r.get("variant") == v["name"]]
+        ok = [r for r in runs if "error" not in r]
+        line = {"case": case_name, "variant": v["name"], "label": v["label"], "runs": len(runs)}
+        if not ok:
+            line["error"] = runs[0]["error"][-300:] if runs else "not run"
+            out.append(line)
+            continue
+        tps = statistics.mean(r["tokens_per_s"] for r in ok)
+        mem = max(r["peak_alloc_gib"] or 0 for r in ok)
+        tflops = flops_per_token_factor(case, v) * case.get("params", 0) * tps / 1e12
+        line.update(tokens_per_s=round(tps), each=[r["tokens_per_s"] for r in ok],
+                    reported=[r["reported_median_tokens_per_s"] for r in ok], peak_alloc_gib=mem,
+                    steps=ok[0]["steps"], final_loss=ok[0]["final_loss"],
+                    model_tflops=round(tflops, 1),
+                    pct_of_bf16_peak=round(100 * tflops / H200_BF16_TFLOPS, 1))
+        if stock_tps:
+            line.update(speedup_vs_stock=round(tps / stock_tps, 3),
+                        memory_vs_stock=round(mem / stock_mem, 3) if stock_mem else None)
+        out.append(line)
+    return out
+
+
+def loss_curves(rows: list) -> list:
+    """FP8 vs bf16 over the same steps and data, where both lever runs exist."""
+    found = []
+    by = {(r["case"], r["variant"]): r for r in rows if "error" not in r and r.get("rep") == 0}
+    for (case, name), r in by.items():
+        ref = by.get((case, name.replace("_fp8", ""))) if "_fp8" in name else None
+        if ref is None:
+            continue
+        a, b = ref["losses"], r["losses"]
+        n = min(len(a), len(b))
+        diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+        tail = slice(max(0, n - 20), n)
+        found.append({"case": case, "bf16": ref["variant"], "fp8": name, "steps": n,
+                      "bf16_first_last": [a[0], a[n - 1]], "fp8_first_last": [b[0], b[n - 1]],
+                      "max_abs_diff": round(max(diffs), 4),
+                      "max_rel_diff": round(max(d / x for d, x in zip(diffs, a)), 4),
+                      "mean_last20_bf16": round(statistics.mean(a[tail]), 4),
+                      "mean_last20_fp8": round(statistics.mean(b[tail]), 4)})
+    return found
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = [s for s in result["summary"] if "error" not in s]
+    cases = list(dict.fromkeys(s["case"] for s in summary))
+    curves = result.get("loss_curves", [])
+    ncol = len(cases) + (1 if curves else 0)
+    fig, axes = plt.subplots(2, max(ncol, 1), figsize=(5.5 * max(ncol, 1), 8), squeeze=False)
+    for j, case in enumerate(cases):
+        lines = [s for s in summary if s["case"] == case]
+        names = [s["variant"] for s in lines]
+        colors = ["tab:gray" if n.startswith("stock") else "tab:blue" for n in names]
+        for i, (key, title) in enumerate((("tokens_per_s", "tokens/s (higher is better)"),
+                                          ("peak_alloc_gib", "peak allocated GiB (lower is better)"))):
+            ax = axes[i][j]
+            ax.bar(range(len(lines)), [s[key] for s in lines], color=colors)
+            if key == "tokens_per_s":
+                for k, s in enumerate(lines):
+                    ax.scatter([k] * len(s["each"]), s["each"], color="k", s=8, zorder=3)
+            ax.set_xticks(range(len(lines)))
+            ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+            ax.set_title(f"{case}: {title}", fontsize=9)
+    if curves:
+        rows = {(r["case"], r["variant"]): r for r in result["rows"] if "losses" in r and r.get("rep") == 0}
+        for i, c in enumerate(curves[:2]):
+            ax = axes[i][ncol - 1]
+            for name, style in ((c["bf16"], "-"), (c["fp8"], "--")):
+                ax.plot(rows[(c["case"], name)]["losses"], style, label=name)
+            ax.set_title(f"{c['case']}: loss, FP8 vs bf16 (max |diff| {c['max_abs_diff']})", fontsize=9)
+            ax.set_xlabel("step")
+            ax.legend(fontsize=8)
+    meta = result["meta"]
+    fig.suptitle(f"tune-recipes vs torchtune 0.6.1, {meta['gpu']}, torch {meta['torch']}, {meta['date']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_table(result: dict) -> None:
+    print("\n| case | variant | tokens/s (each rep) | x stock | peak alloc GiB | x stock | model TFLOP/s (% bf16 peak) | steps | final loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in result["summary"]:
+        if "error" in s:
+            print(f"| {s['case']} | {s['label']} | error: {s['error'][-80:]!r} | | | | | | |")
+            continue
+        each = " / ".join(f"{x:,}" for x in s["each"])
+        print(f"| {s['case']} | {s['label']} | {s['tokens_per_s']:,} ({each}) | "
+              f"{s.get('speedup_vs_stock', '')} | {s['peak_alloc_gib']} | {s.get('memory_vs_stock', '')} | "
+              f"{s['model_tflops']} ({s['pct_of_bf16_peak']}%) | {s['steps']} | {s['final_loss']:.4f} |")
+    for c in result.get("loss_curves", []):
+        print(f"loss curve {c['case']} {c['fp8']} vs {c['bf16']}: {c['steps']} steps, max |diff| "
+              f"{c['max_abs_diff']} (rel {c['max_rel_diff']}), last-20 mean {c['mean_last20_fp8']} vs "
+              f"{c['mean_last20_bf16']}")
+
+
+def versions() -> dict:
+    import torch
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "command": " ".join(sys.argv)}
+    for mod in ("torchtune", "torchao", "triton"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a version string is informational
+            meta[mod] = None
+    return meta
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="recipes.json")
     ap.add_argument("--cases", default="full_1b")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of the head variants")
+    ap.add_argument("--only", default=None, help="comma-separated variant names to run")
     ap.add_argument("--work", default="/tmp/bench_recipes")
-    ap.add_argument("--order", choices=("stock-first", "ours-first"), default="stock-first",
-                    help="which variant runs first (separate processes; checks order effects)")
+    ap.add_argument("--run-timeout", type=float, default=420, help="seconds per run")
+    ap.add_argument("--plot", default=None, help="only draw the chart of this results JSON")
     args = ap.parse_args()
+    if args.plot:
+        result = json.loads(Path(args.plot).read_text())
+        plot(result, Path(args.plot).with_suffix(".png"))
+        print_table(result)
+        return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    results = []
+    result = {"meta": versions(), "rows": [], "summary": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.cases.split(","):
         case = CASES[name]
         ckpt = work / f"ckpt_{case.get('ckpt', name)}"
         if not (ckpt / "model.safetensors").exists():
+            t0 = time.time()
             run([py, "scripts/make_random_checkpoint.py", "--builder", case["builder"],
-                 "--out", str(ckpt), "--dtype", case.get("dtype", "bf16")], work / f"ckpt_{name}.log")
-        chunked = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
-        fused = {"_component_": "tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"}
-        variants = [
-            ("torchtune 0.6.1 stock recipe, chunked CE", True, chunked),
-            ("tune-recipes, chunked CE", False, chunked),
-            ("tune-recipes, fused linear CE", False, fused),
-        ]
-        if args.order == "ours-first":
-            variants.reverse()
-        for label, stock, loss in variants:
-            tag = f"{name}_{'stock' if stock else 'ours'}_{loss['_component_'].split('.')[-1]}"
+                 "--out", str(ckpt), "--dtype", case.get("dtype", "bf16")], work / f"ckpt_{name}.log",
+                args.run_timeout)
+            print(f"checkpoint {name}: {time.time() - t0:.0f} s", flush=True)
+        tokens_per_step = case["batch_size"] * case["seq_len"]
+        for rep, variant in schedule(case, args.reps):
+            if args.only and variant["name"] not in args.only.split(","):
+                continue
+            tag = f"{name}_{variant['name']}_rep{rep}"
             out_dir = work / tag
             subprocess.run(["rm", "-rf", str(out_dir)])
             cfg_path = work / f"{tag}.yaml"
-            write_config(cfg_path, case, ckpt, out_dir, loss, stock)
-            if stock:
+            write_config(cfg_path, case, variant, ckpt, out_dir)
+            if variant["side"] == "stock":
                 # The stock recipe file itself (torchtune's CLI imports its downloaders, whose
                 # dependencies the benchmark machine may lack).
                 import torchtune
@@ -186,27 +448,23 @@ def main():
                 cmd = [py, "-m", "tune_recipes", "run", case["recipe"], "--config", str(cfg_path)]
                 if case.get("nproc"):
                     cmd[4:4] = ["--nproc_per_node", str(case["nproc"])]
+            row = {"case": name, "variant": variant["name"], "label": variant["label"], "rep": rep,
+                   "side": variant["side"], "overrides": {k: v for k, v in variant["cfg"].items()}}
             try:
-                wall = run(cmd, work / f"{tag}.log")
-                row = {"case": name, "variant": label, "wall_s": round(wall, 1), **summarize(out_dir)}
+                wall = run(cmd, work / f"{tag}.log", args.run_timeout)
+                row.update(wall_s=round(wall, 1),
+                           **summarize(out_dir, tokens_per_step, case.get("warmup", 5)))
             except RuntimeError as e:
-                row = {"case": name, "variant": label, "error": str(e)[-1500:]}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    import torch
-
-    meta = {"date": time.strftime("%Y-%m-%d"),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "command": " ".join(sys.argv)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
-    print("\n| case | variant | tokens/s | peak alloc GiB | final loss |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        if "error" in r:
-            print(f"| {r['case']} | {r['variant']} | error | | |")
-        else:
-            print(f"| {r['case']} | {r['variant']} | {r['tokens_per_s']} | {r['peak_alloc_gib']} | {r['final_loss']:.4f} |")
+                row["error"] = str(e)[-1500:]
+            result["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "overrides")}),
+                  flush=True)
+            out.write_text(json.dumps(result, indent=1))  # after every run: a timeout keeps rows
+        result["summary"] += aggregate(name, case, [r for r in result["rows"] if r["case"] == name])
+    result["loss_curves"] = loss_curves(result["rows"])
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print_table(result)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
-#   (steps: tests smoke dsmoke accept daccept profile scale fused recipes)
+#   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed)
+#   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
 set -uo pipefail
@@ -17,6 +18,35 @@ for step in "$@"; do
   echo "=== $step"
   case $step in
     tests)  python3 -m pytest -q -p no:cacheprovider tests/unit/test_fused_loss_gpu.py tests/unit/test_fused_loss.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
+    gputests) { files="tests/unit/training/setup/test_fp8.py tests/recipes/test_activation_offloading.py tests/unit/training/setup/test_offloading.py"
+              [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && files="$files tests/recipes/test_fsdp_cpu_offload.py"
+              timeout 300 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA $files 2>&1 | grep -v "Warning\|warn" | tail -25; } \
+              | tee "$OUT/gpu_tests.txt" ;;
+    fp8smoke) { # tiny model (dims multiples of 16), 2 processes: FP8 + compile, and FSDP CPU offload
+              for extra in "enable_fp8_training=True compile=True" "fsdp_cpu_offload=True"; do
+                tag=$(echo $extra | cut -c1-12 | tr -c 'a-z0-9\n' _)
+                timeout 240 python3 -m tune_recipes run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed \
+                  device=cuda dtype=bf16 max_steps_per_epoch=3 output_dir=/tmp/fs_$tag log_peak_memory_stats=True $extra > /tmp/fs_$tag.log 2>&1
+                echo "$extra rc=$? $(tail -1 /tmp/fs_$tag/metrics.jsonl 2>/dev/null | cut -c1-220)"; grep -m3 "Error" /tmp/fs_$tag.log
+              done; } 2>&1 | tee "$OUT/fp8smoke.txt" ;;
+    speed)  # Both cases at once on 2+ GPUs (one per GPU: each case's variants share one GPU, in turn);
+            # the 8B checkpoint is written first on GPU 1 while earlier steps use GPU 0 (untimed).
+            if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+              wait  # a checkpoint started by ckpt8b
+              CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_recipes.py --cases full_1b --reps 2 --work /tmp/bw \
+                --run-timeout 240 --out "$OUT/recipes_full_1b.json" > /tmp/speed_full_1b.log 2>&1 &
+              CUDA_VISIBLE_DEVICES=1 python3 scripts/bench_recipes.py --cases lora_8b --reps 2 --work /tmp/bw \
+                --run-timeout 240 --out "$OUT/recipes_lora_8b.json" > /tmp/speed_lora_8b.log 2>&1 &
+              wait
+            else
+              wait
+              python3 scripts/bench_recipes.py --cases "${CASES:-full_1b,lora_8b}" --reps 2 --run-timeout 240 \
+                --work /tmp/bw --out "$OUT/recipes_speed.json" > /tmp/speed.log 2>&1
+            fi
+            tar czf "$OUT/speed_logs.tgz" /tmp/speed*.log /tmp/bw/*.log /tmp/bw/*.yaml /tmp/ckpt8b.log 2>/dev/null
+            grep -h "^|\|^loss curve\|^checkpoint\|Error" /tmp/speed*.log | cut -c1-230 ;;
+    ckpt8b) CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 )) python3 scripts/make_random_checkpoint.py \
+              --builder torchtune.models.llama3_1.llama3_1_8b --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & ;;
     smoke)  for r in full lora; do
               timeout 300 python3 -m tune_recipes run ${r}_finetune_single_device --config tiny/${r}_single_device \
                 device=cuda dtype=bf16 max_steps_per_epoch=5 output_dir=/tmp/smoke_$r log_peak_memory_stats=True 2>&1 | tail -3

@@ -171,6 +171,9 @@ class Rule:
         return self.key.split(".")[0]
 
 
+# torchao 0.15's float8 training recipes (Float8LinearRecipeName), for ``fp8_recipe_name``.
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
 _bf16_or_fp32 = one_of("bf16", "fp32", hint="fp16 needs loss scaling, which no recipe does")
 
 # NOTE: one table for every recipe. A rule applies when its top-level key is in the recipe's
@@ -222,6 +225,8 @@ SCHEMA: List[Rule] = [
     Rule("quantizer.groupsize", integer(1)),
     Rule("fake_quant_after_n_steps", optional(integer(0))),
     Rule("kd_ratio", number(0, maximum=1)),
+    Rule("enable_fp8_training", boolean),
+    Rule("fp8_recipe_name", optional(one_of(*FP8_RECIPES))),
 ]
 
 # Keys a recipe reads without a default (cfg.<key>): required when the recipe declares them.
@@ -265,10 +270,19 @@ def _fake_quant_needs_quantizer(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
+    # Whether the GPU has FP8 tensor cores (SM >= 8.9) is checked by the recipe, on the GPU.
+    if cfg.get("enable_fp8_training", False) is True and not str(cfg.get("device", "cuda")).startswith("cuda"):
+        return (f"enable_fp8_training=True with device={cfg.device}: FP8 matmuls need a CUDA "
+                "GPU with compute capability >= 8.9; set enable_fp8_training=False")
+    return None
+
+
 # (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
 CROSS_KEY: List[tuple] = [
     (("optimizer_in_bwd",), _in_backward_rules),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
+    (("enable_fp8_training", "device"), _fp8_needs_cuda),
 ]
 
 

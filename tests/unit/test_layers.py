@@ -77,6 +77,7 @@ TESTS = {
     "training/setup/__init__.py": "training/setup/test_recipe.py",
     "training/setup/data.py": "training/setup/test_data.py",
     "training/setup/distributed.py": "training/setup/test_setup_distributed.py",
+    "training/setup/fp8.py": "training/setup/test_fp8.py",
     "training/setup/model.py": "training/setup/test_model.py",
     "training/setup/offloading.py": "training/setup/test_offloading.py",
     "training/setup/profiling.py": "training/setup/test_profiling.py",

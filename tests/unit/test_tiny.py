@@ -33,3 +33,11 @@ def test_synthetic_data_is_seeded_and_fully_labelled():
     a, b = synthetic_dataset(num_samples=3, seq_len=5, vocab_size=11), synthetic_dataset(
         num_samples=3, seq_len=5, vocab_size=11)
     assert a[2] == b[2] and a[2]["tokens"] == a[2]["labels"] and len(a) == 3
+
+
+def test_synthetic_repeat_tiles_one_block_per_sequence():
+    ds = synthetic_dataset(num_samples=4, seq_len=10, vocab_size=50, repeat=4)
+    for i in range(4):
+        t = ds[i]["tokens"]
+        assert len(t) == 10 and t[4:8] == t[:4] and t[8:] == t[:2] and t == ds[i]["labels"]
+    assert ds[0]["tokens"][:4] != ds[1]["tokens"][:4]

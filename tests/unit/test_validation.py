@@ -65,6 +65,11 @@ CASES = [
     ("tiny/full_single_device", ["output_dir={file}/run"], "output_dir="),
     ("tiny/full_single_device", ["~model"], "missing required key(s) model"),
     ("tiny/full_single_device", ["bach_size=4"], "'bach_size' (did you mean 'batch_size'?)"),
+    ("tiny/full_single_device", ["enable_fp8_training=2"], "enable_fp8_training=2: expected True or False"),
+    ("tiny/full_single_device", ["enable_fp8_training=True", "fp8_recipe_name=blockwise"],
+     "fp8_recipe_name=blockwise: expected one of tensorwise, rowwise, rowwise_with_gw_hp"),
+    ("tiny/full_single_device", ["enable_fp8_training=True", "device=cpu"],
+     "enable_fp8_training=True with device=cpu: FP8 matmuls need a CUDA GPU"),
     # LoRA, QLoRA, DoRA
     ("tiny/lora_single_device", ["model.lora_rank=0"], "model.lora_rank=0: expected an integer >= 1"),
     ("tiny/lora_single_device", ["model.lora_attn_modules=[q_proj,foo]"],
@@ -110,6 +115,7 @@ CASES = [
     # distributed
     ("tiny/full_distributed", ["gradient_accumulation_steps=0"], "gradient_accumulation_steps=0"),
     ("tiny/full_distributed", ["batch_size=-3"], "batch_size=-3"),
+    ("tiny/full_distributed", ["enable_fp8_training=True", "device=cpu"], "enable_fp8_training=True with device=cpu"),
     ("tiny/lora_distributed", ["model.lora_attn_modules=[q_proj,foo]"], "item 'foo'"),
     ("tiny/lora_distributed", ["epochs=abc"], "epochs=abc"),
 ]

@@ -10,18 +10,24 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
+from tune_recipes.training.setup.fp8 import convert_to_fp8
 
 
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
                      compile_model: bool = False, enable_activation_checkpointing: bool = False,
-                     before_load: Optional[Callable[[nn.Module], nn.Module]] = None) -> nn.Module:
+                     before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
+                     fp8_recipe: Optional[str] = None) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
-    names), compile / activation checkpointing, and ``state_dict`` loaded strictly."""
+    names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
+    (``setup.fp8``), compile / activation checkpointing, and ``state_dict`` loaded strictly."""
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg_model)
     if before_load is not None:
         model = before_load(model)
+    # Before compile (which must trace the Float8Linear forward) and before the load (names
+    # are unchanged, so the strict load below also checks the swap).
+    convert_to_fp8(model, fp8_recipe)
     if compile_model:
         training.compile_model(model)
     if enable_activation_checkpointing:

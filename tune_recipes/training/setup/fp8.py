@@ -1,0 +1,117 @@
+"""``enable_fp8_training``: the transformer's linear layers compute in FP8 (torchao float8).
+
+torchao's ``convert_to_float8_training`` swaps ``nn.Linear`` modules for ``Float8Linear``: the
+weights, optimizer states and master copy stay in the training dtype; each forward casts the
+input and the weight to float8 e4m3 with a dynamic scale (one per tensor for ``tensorwise``, one
+per row for ``rowwise``), and backward casts the output gradient to e5m2, so the three matmuls
+of a linear layer run on the FP8 tensor cores (about twice the bf16 rate on Hopper). Parameter
+names do not change, so checkpoints load and save exactly as in bf16.
+
+``fp8_recipe_name`` picks torchao's recipe: ``tensorwise`` (default; the fastest on H100/H200
+in issue #15's measurement), ``rowwise`` (finer scales, more robust to outliers, slower there),
+``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision).
+
+Trade-offs: the casts are separate memory-bound kernels unless ``compile: True`` fuses them into
+their neighbours; without compile FP8 is usually *slower* than bf16, so a run without compile
+gets a warning (not an error: it still trains, and an eager run is what one debugs with). Loss
+curves follow bf16 within a small tolerance rather than bit-for-bit (docs/benchmarks.md).
+
+A recipe calls two functions::
+
+    self._fp8 = fp8_recipe_wanted(cfg, device)      # __init__: None, or the recipe name
+    convert_to_fp8(model, self._fp8)                # on the built (or meta) model, before
+                                                    # compile, sharding and the state-dict load
+"""
+
+import dataclasses
+from typing import Callable, List, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune.utils import get_logger
+
+from tune_recipes.config import ConfigError
+from tune_recipes.validation import FP8_RECIPES
+
+log = get_logger("INFO")
+
+# Modules never converted, by fully-qualified name (see should_convert).
+SKIPPED_FQNS = ("output",)
+
+
+def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = True) -> Optional[str]:
+    """The torchao float8 recipe this run trains with, or None when ``enable_fp8_training`` is
+    off. A ConfigError where FP8 cannot run: a non-CUDA device or a GPU without FP8 tensor
+    cores (compute capability below 8.9, i.e. before Ada/Hopper)."""
+    if not cfg.get("enable_fp8_training", False):
+        return None
+    name = cfg.get("fp8_recipe_name", None) or "tensorwise"
+    if name not in FP8_RECIPES:
+        raise ConfigError(f"fp8_recipe_name={name}: expected one of {', '.join(FP8_RECIPES)}")
+    if device.type != "cuda":
+        raise ConfigError(
+            f"enable_fp8_training=True needs a CUDA GPU with FP8 tensor cores (compute "
+            f"capability >= 8.9: Ada, Hopper or newer); this run's device is {device.type}. "
+            "Set enable_fp8_training=False")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(
+            f"enable_fp8_training=True needs FP8 tensor cores (compute capability >= 8.9); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}. "
+            "Set enable_fp8_training=False")
+    if not cfg.get("compile", False) and is_main:
+        log.warning("enable_fp8_training without compile: the float8 casts run as separate "
+                    "kernels and the step is usually slower than bf16; set compile=True")
+    return name
+
+
+def should_convert(module: nn.Module, fqn: str) -> bool:
+    """Whether the module at ``fqn`` trains in FP8.
+
+    NOTE: two kinds of Linear stay in the training dtype, on purpose:
+    - the output projection (LM head): its [tokens, vocab] product is the logits, so its
+      rounding error goes straight into the softmax and the loss (torchtitan's float8 converter
+      skips it by default too; FP8 there is untested here). It is also the layer our fused
+      linear-CE loss computes on its own; a tied head (TiedLinear) is not an nn.Linear.
+    - layers whose in or out features are not multiples of 16: the FP8 matmul
+      (torch._scaled_mm) needs both dims of each operand divisible by 16, and torchao does not
+      check this when it swaps, so such a layer would fail at its first forward on the GPU.
+    """
+    if not isinstance(module, nn.Linear):
+        return False
+    if fqn in SKIPPED_FQNS or fqn.split(".")[-1] in SKIPPED_FQNS:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_fp8(model: nn.Module, recipe_name: Optional[str],
+                   module_filter: Callable[[nn.Module, str], bool] = should_convert) -> List[str]:
+    """Swap the model's eligible ``nn.Linear`` modules for torchao's ``Float8Linear`` in place
+    (``recipe_name`` None: nothing). Returns the converted modules' names. Call it before
+    compile, FSDP sharding and loading the state dict (parameter names are unchanged)."""
+    if recipe_name is None:
+        return []
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted: List[str] = []
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        ok = module_filter(module, fqn)
+        if ok and isinstance(module, nn.Linear):
+            converted.append(fqn)
+        return ok
+
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    # NOTE: pad_inner_dim: the weight-gradient matmul's inner dimension is the micro-batch's
+    # token count, which torch._scaled_mm also needs to be a multiple of 16; padded batches of
+    # real data rarely are. torchao pads such operands with zeros (a no-op in value) instead of
+    # failing mid-run; at aligned sizes the pad is empty.
+    config = dataclasses.replace(config, pad_inner_dim=True)
+    convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    if not converted:
+        raise ConfigError("enable_fp8_training=True, but the model has no nn.Linear whose "
+                          "dims are multiples of 16 (the output projection is never converted)")
+    log.info("FP8 training (torchao float8, %s): %d linear layers converted", recipe_name,
+             len(converted))
+    return converted
