@@ -149,6 +149,21 @@ def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_a_fresh_run_beside_an_earlier_runs_step_checkpoints_is_refused(tmp_path):
+    """A resume takes the newest step_<n>/; a fresh run into a folder holding an older run's
+    step_<n>/ would make that the one resumed later. Refused before anything is written, and
+    the old checkpoint is left as it was."""
+    out = tmp_path / "run"
+    (out / "step_7").mkdir(parents=True)
+    (out / "step_7" / "recipe_state.pt").write_bytes(b"earlier run")
+    proc = run_recipe(*FULL, out, ["max_steps_per_epoch=1"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "step_7" in last and "resume_from_checkpoint=True" in last, last
+    assert not (out / "metrics.jsonl").exists()
+    assert (out / "step_7" / "recipe_state.pt").read_bytes() == b"earlier run"
+
+
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     out = tmp_path / "run"
     cmd = [*tune_cmd(), "run", *FULL[:1], "--config", FULL[1], f"output_dir={out}",

@@ -69,6 +69,21 @@ def step_dirs(output_dir: Path) -> List[Path]:
     return [p for _, p in _numbered_dirs(output_dir, _STEP_DIR)]
 
 
+def refuse_stale_step_checkpoints(output_dir: Path) -> None:
+    """A fresh run (no ``resume_from_checkpoint``) must not start beside an earlier run's
+    ``step_<n>/`` folders: a later resume would take the newest of them, the old run's step,
+    and this run's own checkpoints would not be the ones resumed. Deleting them would lose a
+    run that was meant to be resumed, so this is a ConfigError naming both ways out."""
+    stale = step_dirs(output_dir)
+    if stale:
+        names = ", ".join(p.name for p in stale[:3]) + (" ..." if len(stale) > 3 else "")
+        raise ConfigError(
+            f"output_dir {output_dir} holds mid-epoch checkpoints of an earlier run ({names}): "
+            "resume it with resume_from_checkpoint=True, or remove them or choose another "
+            "output_dir to start afresh"
+        )
+
+
 def newest_checkpoint_dir(output_dir: Path) -> Optional[Path]:
     """The newest checkpoint in ``output_dir``: the last ``epoch_<e>/`` or the last
     ``step_<n>/``, whichever the run wrote later.

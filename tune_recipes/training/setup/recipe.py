@@ -2,6 +2,7 @@
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -13,6 +14,7 @@ from tune_recipes.config import ConfigError
 from tune_recipes.training.checkpointing.io import (
     checkpointer_config_for_resume,
     instantiate_checkpointer_for_resume,
+    refuse_stale_step_checkpoints,
 )
 from tune_recipes.training.checkpointing.lock import OutputDirLock
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
@@ -50,6 +52,8 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         # First, before anything is written: one run per output_dir (released at exit).
         OutputDirLock(cfg.output_dir).acquire()
     resume = cfg.get("resume_from_checkpoint", False)
+    if not resume:
+        refuse_stale_step_checkpoints(Path(cfg.output_dir))
     cfg_checkpointer = cfg.checkpointer
     if resume:
         cfg_checkpointer = checkpointer_config_for_resume(

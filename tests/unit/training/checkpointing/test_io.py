@@ -195,3 +195,15 @@ def test_a_step_folder_whose_state_is_not_its_own_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"step_4/recipe_state.pt is not the state of a "
                                           r"mid-epoch checkpoint at step 4"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+
+
+def test_refuse_stale_step_checkpoints_names_them_and_passes_an_empty_dir(tmp_path):
+    from tune_recipes.training.checkpointing.io import refuse_stale_step_checkpoints
+
+    refuse_stale_step_checkpoints(tmp_path)  # nothing there: a fresh run may start
+    (tmp_path / "epoch_0").mkdir()
+    refuse_stale_step_checkpoints(tmp_path)  # epoch folders are overwritten, as in torchtune
+    for n in (2, 4, 6, 8):
+        (tmp_path / f"step_{n}").mkdir()
+    with pytest.raises(ConfigError, match=r"step_2, step_4, step_6 \.\.\..*resume_from_checkpoint=True"):
+        refuse_stale_step_checkpoints(tmp_path)
