@@ -20,3 +20,20 @@ def _isolated_cache(tmp_path_factory):
     if "TUNE_RECIPES_CACHE" not in os.environ:
         os.environ["TUNE_RECIPES_CACHE"] = str(tmp_path_factory.mktemp("tune_recipes_cache"))
     yield
+
+
+@pytest.fixture
+def one_rank():
+    """A one-process gloo group in this test's process (FSDP2 and DTensor code paths that need
+    an initialized process group), destroyed afterwards."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

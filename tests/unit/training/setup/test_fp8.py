@@ -156,22 +156,6 @@ def test_fp8_loss_follows_bf16(recipe):
         assert abs(a - b) <= 0.03 * a + 0.01, (bf16, fp8)
 
 
-@pytest.fixture
-def one_rank():
-    import os
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_distributed_path_swaps_on_the_meta_model_then_shards_and_loads(one_rank):
     # What full_finetune_distributed does: convert_to_fp8 as shard_and_load's before_shard.
     from torchtune import training

@@ -1,12 +1,9 @@
 """tune_recipes.training.setup.distributed: FSDP2 sharding and loading (one gloo rank here; the
 2-rank runs are in tests/recipes)."""
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from tune_recipes.config import ConfigError
@@ -35,17 +32,6 @@ def test_fused_loss_needs_the_output_in_the_root_unit():
     check_fused_loss_sharding(FusedLinearCrossEntropyLoss(), None)
     with pytest.raises(ConfigError, match="root FSDP unit"):
         check_fused_loss_sharding(FusedLinearCrossEntropyLoss(), ["output"])
-
-
-@pytest.fixture
-def one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_shard_and_load_gives_the_checkpoint_back(one_rank):
