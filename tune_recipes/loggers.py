@@ -66,6 +66,12 @@ class _WithJsonl:
         if self._jsonl is not None:
             self._jsonl.log_dict(payload, step)
 
+    def drop_rows_after(self, step: int) -> None:
+        """A resumed run drops the rows a killed run logged after its checkpoint (the file
+        ``tune plot`` and resume read; the other backend keeps its own history)."""
+        if self._jsonl is not None:
+            self._jsonl.drop_rows_after(step)
+
     def _close_jsonl(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -215,6 +215,14 @@ def test_mid_epoch_resume_equals_uninterrupted_and_keeps_last_n(tmp_path):
     assert state["global_step"] == 4 and state["epochs_run"] == 1 and "optimizer" in state
     assert state["rank_states"][0]["dataloader"]["_num_yielded"] == 1
     _killed_after(out, killed, keep={"epoch_0", "step_4"})
+    # Another batch_size would continue on other data (the sampler resumes by sample count):
+    # refused in one line naming it, before anything is written.
+    before = (killed / "metrics.jsonl").read_bytes()
+    proc = run_recipe(*FULL, killed, [*saving, "resume_from_checkpoint=True", "batch_size=4"],
+                      check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "batch_size=4 (the checkpoint's: 8)" in proc.stderr.strip().splitlines()[-1]
+    assert (killed / "metrics.jsonl").read_bytes() == before
     run_recipe(*FULL, killed, [*saving, "resume_from_checkpoint=True"])
     assert read_metrics(killed / "metrics.jsonl", "step") == list(range(1, 7))
     assert losses(killed) == losses(ref)

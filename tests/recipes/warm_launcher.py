@@ -55,7 +55,7 @@ def _serve() -> None:
 def _child(req) -> None:
     code = 1
     try:
-        os.setsid()  # its own process group: a timeout kills the command and its ranks
+        os.setsid()  # its own process group, for a timeout to signal
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -67,6 +67,15 @@ def _child(req) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.environ.clear()
         os.environ.update(req["env"])
+        # What a fresh `tune` would differ in: OMP_NUM_THREADS is read when torch starts (it
+        # already has, in the server), and sys.path[0] is the script's folder, not this one's.
+        import torch
+
+        if os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path[:] = [os.path.dirname(sys.executable)] + [
+            p for p in sys.path if p not in ("", here, os.getcwd())]
         sys.argv = ["tune", *req["argv"]]
         from tune_recipes._cli.main import main
 
@@ -98,12 +107,12 @@ class WarmLauncher:
     def __init__(self) -> None:
         self.proc = None
 
-    def _start(self) -> None:
+    def _start(self, env) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import warm_launcher as w; w._serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])},
+            env={**env, "PYTHONPATH": os.pathsep.join(
+                [os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")])},
         )
         self._buffer = b""
 
@@ -127,7 +136,7 @@ class WarmLauncher:
 
     def run(self, argv, env, timeout, workdir):
         if self.proc is None or self.proc.poll() is not None:
-            self._start()
+            self._start(env)
         os.makedirs(workdir, exist_ok=True)
         out, err = os.path.join(workdir, "stdout"), os.path.join(workdir, "stderr")
         request = {"argv": list(argv), "env": env, "stdout": out, "stderr": err}
@@ -135,11 +144,15 @@ class WarmLauncher:
         pid = self._reply()["pid"]
         reply = self._reply(timeout)
         if reply is None:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._reply()
+            # SIGTERM first: an in-process torchrun passes it on to its ranks (they run in
+            # sessions of their own, out of reach of killpg); then SIGKILL what is left.
+            for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+                if self._reply(grace) is not None:
+                    break
             raise subprocess.TimeoutExpired(["tune", *argv], timeout)
         with open(out) as f_out, open(err) as f_err:
             return reply["rc"], f_out.read(), f_err.read()

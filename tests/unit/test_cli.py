@@ -1,5 +1,6 @@
 """The `tune` command: name resolution, ls/cp/validate, and one-line errors."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -230,3 +231,33 @@ def test_failed_child_processes_end_in_one_line_not_a_torchrun_traceback(capsys,
     assert rc == 3
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert err.strip().splitlines() == ["tune: error: 1 of 2 processes failed (exit code 3); their output is above"]
+
+
+def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_path):
+    """launch.py ends a torchrun rank whose recipe finished with os._exit after the atexit
+    handlers (a gloo rank once aborted in finalization, failing a finished run). Shown by a
+    non-daemon thread: interpreter shutdown would join it and it would write its file."""
+    script = tmp_path / "recipe.py"
+    script.write_text(
+        "import atexit, sys, threading, time\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'atexit_ran')!r}, 'w').close())\n"
+        "def late():\n"
+        "    time.sleep(2)\n"
+        f"    open({str(tmp_path / 'joined')!r}, 'w').close()\n"
+        "threading.Thread(target=late).start()\n"
+        "code = int(sys.argv[1])\n"
+        "sys.exit(None if code == 0 else code)\n"
+    )
+    run = lambda code, env: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "tune_recipes._cli.launch", str(script), str(code)],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    proc = run(0, {"TORCHELASTIC_RUN_ID": "test"})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "atexit_ran").exists() and not (tmp_path / "joined").exists()
+    (tmp_path / "atexit_ran").unlink()
+    # A failing rank keeps its exit code; outside torchrun the interpreter shuts down as usual.
+    assert run(3, {"TORCHELASTIC_RUN_ID": "test"}).returncode == 3
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    proc = subprocess.run([sys.executable, "-m", "tune_recipes._cli.launch", str(script), "0"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "joined").exists()

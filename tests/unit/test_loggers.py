@@ -29,6 +29,22 @@ def test_stdout_logger_prints_numbers_not_tensors_and_writes_jsonl(tmp_path, cap
     assert f"log_dir: {tmp_path}" in cfg  # resolved
 
 
+def test_a_resumed_run_drops_the_killed_runs_later_rows_through_every_jsonl_logger(tmp_path, capsys):
+    # build_reporter calls drop_rows_after on whichever logger the config names; the loggers
+    # that also write metrics.jsonl must pass it on, or resumed steps appear twice.
+    lg = loggers.StdoutLogger(log_dir=tmp_path)
+    for step in (1, 2, 3, 4):
+        lg.log_dict({"loss": float(step)}, step=step)
+    lg.close()
+    resumed = loggers.StdoutLogger(log_dir=tmp_path)
+    resumed.drop_rows_after(2)
+    resumed.log_dict({"loss": 30.0}, step=3)
+    resumed.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    loggers.StdoutLogger(log_dir=tmp_path / "none", jsonl=False).drop_rows_after(1)  # no file: no-op
+
+
 def test_jsonl_off(tmp_path, capsys):
     lg = loggers.StdoutLogger(log_dir=tmp_path, jsonl=False)
     lg.log_dict({"loss": 1.0}, step=1)

@@ -37,7 +37,8 @@ def exit_without_finalization(code: int = 0) -> None:
     to abort in interpreter finalization on gloo ("terminate called without an active
     exception", exit -6, once in ~80 CI launches), and torchrun then reports the whole run
     failed. Interpreter teardown has nothing left to do for a finished rank: the atexit
-    handlers (the output_dir lock) and the flushes are all of it.
+    handlers (the output_dir lock) and the flushes are all of it; the recipe closed its
+    metric logger in cleanup(). Non-daemon threads still running are not joined.
     """
     import atexit
 
@@ -50,6 +51,10 @@ def exit_without_finalization(code: int = 0) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tune_recipes._cli.launch <recipe.py> [args ...]")
-    run_script(Path(sys.argv[1]), sys.argv[2:])
+    try:
+        run_script(Path(sys.argv[1]), sys.argv[2:])
+    except SystemExit as e:  # recipes end with sys.exit(recipe_main())
+        if e.code not in (None, 0):
+            raise
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank
         exit_without_finalization(0)

@@ -26,7 +26,13 @@ from tune_recipes.training.setup.data import (
 )
 from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
-from tune_recipes.training.step.driver import DATALOADER_STATE, StepDriver, StepHook
+from tune_recipes.training.step.driver import (
+    DATA_SHAPE,
+    DATALOADER_STATE,
+    StepDriver,
+    StepHook,
+    data_shape,
+)
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule
 from tune_recipes.training.step.validation import Validator
@@ -151,6 +157,16 @@ def setup_data_and_schedule(
     if resume is not None and resume.mid_epoch:
         first_step = resume.global_step - global_step
         loader_state = resume.rank_states[rank][DATALOADER_STATE]
+        saved_shape = resume.rank_states[rank].get(DATA_SHAPE, {})
+        here = data_shape(dataloader, gradient_accumulation_steps)
+        changed = [f"{k}={here[k]} (the checkpoint's: {saved_shape[k]})" for k in here
+                   if k in saved_shape and saved_shape[k] != here[k]]
+        if changed:
+            raise ConfigError(
+                f"the mid-epoch checkpoint at step {resume.global_step} in {cfg.output_dir} was "
+                f"written with other data settings: {', '.join(changed)}; resume with the "
+                "values it was written with (the data order depends on them)"
+            )
         consumed = loader_state.get("_num_yielded")
         if not 0 < first_step < steps or consumed != first_step * gradient_accumulation_steps:
             raise ConfigError(

@@ -49,6 +49,9 @@ log = get_logger("INFO")
 RNG_STATE = "rng_state"
 CUDA_RNG_STATE = "cuda_rng_state"
 DATALOADER_STATE = "dataloader"
+# What the data order of a mid-epoch checkpoint depends on besides the seed: a resume with
+# other values would continue on other data (the sampler resumes by sample count).
+DATA_SHAPE = "data_shape"
 
 
 @dataclass
@@ -58,6 +61,11 @@ class Position:
 
     global_step: int
     ranks: List[Dict[str, Any]]
+
+
+def data_shape(dataloader, gradient_accumulation_steps: int) -> Dict[str, int]:
+    return {"batch_size": dataloader.batch_size, "dataset_size": len(dataloader.dataset),
+            "gradient_accumulation_steps": gradient_accumulation_steps}
 
 
 class StepHook(Protocol):
@@ -173,7 +181,8 @@ class StepDriver:
         entries are all-gathered). A non-finite step so far stops the run first: such weights
         are never checkpointed."""
         self.check_finite()
-        mine = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict()}
+        mine = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict(),
+                DATA_SHAPE: data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)}
         if self.device.type == "cuda":
             mine[CUDA_RNG_STATE] = torch.cuda.get_rng_state(self.device)
         ranks = [mine]
