@@ -51,6 +51,8 @@ def shard_and_load(
     custom_sharded_layers: Optional[List[str]] = None,
     cpu_offload: bool = False,
     before_shard=None,
+    device_mesh=None,
+    tensor_parallel_plan: Optional[Dict[str, Any]] = None,
 ):
     """Build the model on the meta device, shard it with FSDP2 (each transformer layer, any
     ``custom_sharded_layers``, then the root) and load full state dicts shard by shard.
@@ -67,6 +69,13 @@ def shard_and_load(
     memory, copied to the GPU for each all-gather, and the optimizer steps on the CPU (much less
     GPU memory, much slower steps). On a CPU device there is nothing to offload (and FSDP2's
     policy needs an accelerator to pin memory): a warning, and the run is as with it off.
+
+    ``device_mesh`` (a 2-D ("dp", "tp") mesh, ``Runtime.mesh``) with ``tensor_parallel_plan``
+    (``tensor_parallel_options``): tensor parallelism as torchtune 0.6.1 does it: attention
+    modules count their local heads (``prepare_mha_for_tp``), the plan's layers become DTensor
+    slices over the tp dimension (``parallelize_module``), then FSDP2 shards over the dp
+    dimension only (none when it has size 1, as in stock). Loading slices the full state dict
+    onto each parameter's own mesh and placements.
     """
     if cpu_offload and device.type != "cuda":
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -80,14 +89,29 @@ def shard_and_load(
     if adapter_state_dict is None and adapter_init_seed is not None:
         adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
     check_tied_embedding_sharding(model, custom_sharded_layers)
+    if device_mesh is None:
+        dp_mesh = init_device_mesh(device.type, (world_size,))
+    else:
+        tp_mesh, dp_mesh = device_mesh["tp"], device_mesh["dp"]
+        if tensor_parallel_plan is None:
+            raise ConfigError(f"tensor_parallel_dim={tp_mesh.size()} needs "
+                              "tensor_parallel_plan._component_")
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        # NOTE: before activation checkpointing, whose wrappers rename the layers
+        # (layers.0._checkpoint_wrapped_module.attn...) so the plan's names would match
+        # nothing; and before FSDP, which shards the tensor-parallel slices over dp.
+        check_tensor_parallel_model(model, tp_mesh.size())
+        training.prepare_mha_for_tp(model, tp_mesh)
+        parallelize_module(model, tp_mesh, parallelize_plan=dict(tensor_parallel_plan))
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    mesh = init_device_mesh(device.type, (world_size,))
-    conditions = [
-        lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
-    ]
-    training.shard_model(model, conditions, cpu_offload=cpu_offload,
-                         reshard_after_forward=reshard_after_forward, dp_mesh=mesh)
+    if dp_mesh.size() > 1 or device_mesh is None:
+        conditions = [
+            lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
+        ]
+        training.shard_model(model, conditions, cpu_offload=cpu_offload,
+                             reshard_after_forward=reshard_after_forward, dp_mesh=dp_mesh)
     with training.set_default_dtype(dtype), device:
         for m in model.modules():
             # RoPE caches are buffers built at init; meta init left them empty.
@@ -152,10 +176,56 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
     return model
 
 
-def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
+def check_tensor_parallel_model(model: nn.Module, tensor_parallel_dim: int) -> None:
+    """What tensor parallelism over ``tensor_parallel_dim`` ranks needs from the model (checked
+    on the meta model, before any weight is loaded): every attention module's heads and kv
+    heads divide evenly, and the output projection is its own layer."""
+    from torchtune.modules import MultiHeadAttention, TiedLinear
+
+    if isinstance(getattr(model, "output", None), TiedLinear):
+        raise ConfigError(
+            f"tensor_parallel_dim={tensor_parallel_dim}: this model ties its output projection "
+            "to tok_embeddings (Llama-3.2 1B/3B, Qwen2.5 up to 3B); the tensor-parallel plan "
+            "slices them as two layers. Use tensor_parallel_dim=1 (FSDP only)")
+    for name, m in model.named_modules():
+        if isinstance(m, MultiHeadAttention):
+            for what, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+                if n % tensor_parallel_dim:
+                    raise ConfigError(
+                        f"tensor_parallel_dim={tensor_parallel_dim}: the model's {what} ({n}, "
+                        f"in {name}) is not divisible by it; each rank needs whole heads")
+
+
+def tensor_parallel_options(cfg, runtime) -> Dict[str, Any]:
+    """``shard_and_load`` keyword arguments for ``tensor_parallel_dim``/``tensor_parallel_plan``:
+    the runtime's 2-D mesh and the instantiated plan (nothing when tensor_parallel_dim is 1;
+    the plan is then ignored, as in stock)."""
+    if runtime.mesh is None:
+        return {}
+    plan_cfg = cfg.get("tensor_parallel_plan", None)
+    if plan_cfg is None:
+        raise ConfigError(f"tensor_parallel_dim={runtime.tensor_parallel_dim} needs "
+                          "tensor_parallel_plan._component_ (e.g. "
+                          "torchtune.models.llama3.base_llama_tp_plan)")
+    plan = tt_config.instantiate(plan_cfg)
+    if not isinstance(plan, dict) or not plan:
+        raise ConfigError(f"tensor_parallel_plan: {plan_cfg.get('_component_')} returned "
+                          f"{type(plan).__name__}, not a non-empty dict of module name -> "
+                          "ParallelStyle")
+    return dict(device_mesh=runtime.mesh, tensor_parallel_plan=plan)
+
+
+def check_fused_loss_sharding(loss_fn, custom_sharded_layers, tensor_parallel_dim: int = 1) -> None:
     """The fused loss reads the output weight after the model's forward, from the root FSDP
-    unit; a separately sharded output/embedding would hand it a shard."""
+    unit; a separately sharded output/embedding, or a tensor-parallel slice of the output
+    projection, would hand it a shard."""
     custom = custom_sharded_layers or []
+    if getattr(loss_fn, "is_fused_linear_loss", False) and tensor_parallel_dim > 1:
+        raise ConfigError(
+            f"tensor_parallel_dim={tensor_parallel_dim} with loss={type(loss_fn).__name__}: the "
+            "fused loss multiplies by the whole output weight, which tensor parallelism slices "
+            "over the tp ranks; use torch.nn.CrossEntropyLoss or "
+            "torchtune.modules.loss.CEWithChunkedOutputLoss, or tensor_parallel_dim=1")
     if getattr(loss_fn, "is_fused_linear_loss", False) and (
         "output" in custom or "tok_embeddings" in custom
     ):
