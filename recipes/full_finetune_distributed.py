@@ -74,8 +74,7 @@ class FullFinetuneRecipeDistributed:
     def setup(self, cfg: DictConfig) -> None:
         checkpointer, ckpt, resume = load_checkpoint(cfg, adapter=False)
         self._loss_fn = tt_config.instantiate(cfg.loss)
-        check_fused_loss_sharding(self._loss_fn, cfg.get("custom_sharded_layers", None),
-                                  tensor_parallel_dim=self._runtime.tensor_parallel_dim)
+        check_fused_loss_sharding(self._loss_fn, cfg.get("custom_sharded_layers", None))
         self._model, _ = shard_and_load(
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             world_size=self._runtime.world_size, full_state_dict=ckpt[training.MODEL_KEY],

@@ -15,6 +15,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import tensor_parallel_model_problem
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 
 log = get_logger("INFO")
@@ -177,23 +178,11 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
 
 
 def check_tensor_parallel_model(model: nn.Module, tensor_parallel_dim: int) -> None:
-    """What tensor parallelism over ``tensor_parallel_dim`` ranks needs from the model (checked
-    on the meta model, before any weight is loaded): every attention module's heads and kv
-    heads divide evenly, and the output projection is its own layer."""
-    from torchtune.modules import MultiHeadAttention, TiedLinear
-
-    if isinstance(getattr(model, "output", None), TiedLinear):
-        raise ConfigError(
-            f"tensor_parallel_dim={tensor_parallel_dim}: this model ties its output projection "
-            "to tok_embeddings (Llama-3.2 1B/3B, Qwen2.5 up to 3B); the tensor-parallel plan "
-            "slices them as two layers. Use tensor_parallel_dim=1 (FSDP only)")
-    for name, m in model.named_modules():
-        if isinstance(m, MultiHeadAttention):
-            for what, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
-                if n % tensor_parallel_dim:
-                    raise ConfigError(
-                        f"tensor_parallel_dim={tensor_parallel_dim}: the model's {what} ({n}, "
-                        f"in {name}) is not divisible by it; each rank needs whole heads")
+    """``tensor_parallel_model_problem`` (heads split evenly, untied output) as a ConfigError.
+    The config check already ran it in the parent process; this guards direct callers."""
+    problem = tensor_parallel_model_problem(model, tensor_parallel_dim)
+    if problem:
+        raise ConfigError(problem)
 
 
 def tensor_parallel_options(cfg, runtime) -> Dict[str, Any]:
@@ -215,17 +204,11 @@ def tensor_parallel_options(cfg, runtime) -> Dict[str, Any]:
     return dict(device_mesh=runtime.mesh, tensor_parallel_plan=plan)
 
 
-def check_fused_loss_sharding(loss_fn, custom_sharded_layers, tensor_parallel_dim: int = 1) -> None:
+def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
     """The fused loss reads the output weight after the model's forward, from the root FSDP
-    unit; a separately sharded output/embedding, or a tensor-parallel slice of the output
-    projection, would hand it a shard."""
+    unit; a separately sharded output/embedding would hand it a shard. (With tensor
+    parallelism it is refused by the config check, tune_recipes.validation.)"""
     custom = custom_sharded_layers or []
-    if getattr(loss_fn, "is_fused_linear_loss", False) and tensor_parallel_dim > 1:
-        raise ConfigError(
-            f"tensor_parallel_dim={tensor_parallel_dim} with loss={type(loss_fn).__name__}: the "
-            "fused loss multiplies by the whole output weight, which tensor parallelism slices "
-            "over the tp ranks; use torch.nn.CrossEntropyLoss or "
-            "torchtune.modules.loss.CEWithChunkedOutputLoss, or tensor_parallel_dim=1")
     if getattr(loss_fn, "is_fused_linear_loss", False) and (
         "output" in custom or "tok_embeddings" in custom
     ):

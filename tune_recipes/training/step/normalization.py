@@ -141,13 +141,15 @@ def grad_norm_and_clip_(
     groups = grads_by_mesh([p.grad for p in params])
     if len(groups) > 1:
         # Tensor parallelism: one norm per mesh, each materialized, then combined; the clip
-        # coefficient is applied per group (see grads_by_mesh).
+        # coefficient multiplies each group separately (see grads_by_mesh).
         norms = [torch.nn.utils.get_total_norm(g) for g in groups]
         norm = torch.linalg.vector_norm(torch.stack(
             [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
         if max_norm != float("inf"):
+            # As torch.nn.utils.clip_grads_with_norm_ computes it (same eps, clamped at 1).
+            coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
             for g in groups:
-                torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm)
+                torch._foreach_mul_(g, coef)
         return norm
     if max_norm == float("inf"):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
