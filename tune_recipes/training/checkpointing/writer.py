@@ -37,6 +37,7 @@ def publish_dir(staged: Path, final: Path, trash: Path) -> None:
         os.rename(final, trash)
     os.rename(staged, final)
     shutil.rmtree(trash, ignore_errors=True)
+from tune_recipes.training.checkpointing.low_ram import file_backed_state_dict, merge_lora_in_place
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.nonfinite import NonFiniteError
@@ -68,7 +69,8 @@ class CheckpointWriter:
 
     def __init__(self, checkpointer, *, output_dir: str, distributed: bool = False,
                  is_main: bool = True, lora: Optional[LoRASpec] = None,
-                 adapter_only: bool = False, base_checkpoint_dir: Optional[str] = None) -> None:
+                 adapter_only: bool = False, base_checkpoint_dir: Optional[str] = None,
+                 low_cpu_ram: bool = False) -> None:
         self.checkpointer = checkpointer
         self.output_dir = Path(output_dir)
         self.distributed = distributed
@@ -76,6 +78,9 @@ class CheckpointWriter:
         self.lora = lora
         self.adapter_only = adapter_only
         self.base_checkpoint_dir = base_checkpoint_dir
+        if low_cpu_ram and (distributed or lora is None):
+            raise ValueError("low_cpu_ram applies to a single-device LoRA-type save")
+        self.low_cpu_ram = low_cpu_ram
 
     @classmethod
     def from_config(cls, cfg, checkpointer, runtime, lora: Optional[LoRASpec] = None
@@ -86,7 +91,8 @@ class CheckpointWriter:
                    is_main=runtime.is_main, lora=lora,
                    adapter_only=cfg.get("save_adapter_weights_only", False) if lora else False,
                    base_checkpoint_dir=(str(Path(cfg.checkpointer.checkpoint_dir).resolve())
-                                        if lora else None))
+                                        if lora else None),
+                   low_cpu_ram=bool(cfg.get("low_cpu_ram", False)))
 
     def save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int) -> None:
         intermediate = epoch + 1 < state.total_epochs
@@ -95,7 +101,9 @@ class CheckpointWriter:
         if self.is_main:
             refuse_nonfinite_weights(model_sd, epoch)
             if self.lora is not None:
-                ckpt = lora_checkpoint_entries(model_sd, self.lora, self.adapter_only)
+                ckpt = lora_checkpoint_entries(
+                    model_sd, self.lora, self.adapter_only,
+                    merge=merge_lora_in_place if self.low_cpu_ram else None)
             else:
                 ckpt = {training.MODEL_KEY: model_sd}
             if intermediate:
@@ -147,6 +155,9 @@ class CheckpointWriter:
         if self.distributed:
             # Collective: every rank gathers its shards; fresh full CPU tensors on the main rank.
             return training.gather_cpu_state_dict(model, self.is_main, device=None)
+        if self.low_cpu_ram and not self.adapter_only:
+            # The merged model tensor by tensor in a memory-mapped scratch file (low_ram.py).
+            return file_backed_state_dict(model, self.output_dir)
         if self.lora is not None:
             # NOTE: copy=True even on a CPU run, where .to("cpu") would return the live parameter
             # itself: the LoRA merge adds the adapter delta into these tensors in place.
