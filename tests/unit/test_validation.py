@@ -111,7 +111,7 @@ CASES = [
     ("tiny/full_distributed", ["tensor_parallel_dim=0"], "tensor_parallel_dim=0: expected an integer >= 1"),
     ("tiny/full_distributed", ["tensor_parallel_dim=two"], "tensor_parallel_dim=two: expected an integer >= 1"),
     ("tiny/full_distributed", ["tensor_parallel_dim=2.0"], "tensor_parallel_dim=2.0: expected an integer >= 1"),
-    ("tiny/full_distributed", ["tensor_parallel_dim=2"],
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", "~tensor_parallel_plan"],
      "tensor_parallel_dim=2 needs tensor_parallel_plan._component_"),
     ("tiny/full_distributed", ["tensor_parallel_dim=2", "tensor_parallel_plan=llama3"],
      "tensor_parallel_plan=llama3: expected a mapping with a _component_"),

@@ -80,3 +80,35 @@ def test_fsdp_cpu_offload_from_either_key():
             OmegaConf.create({"fsdp_cpu_offload": False, "fsdp": {"cpu_offload": True}}))
     with pytest.raises(ConfigError, match="only cpu_offload"):
         fsdp_cpu_offload_requested(OmegaConf.create({"fsdp": {"cpu_ofload": True}}))
+
+
+def test_tensor_parallel_options_instantiate_the_plan_only_with_a_mesh():
+    from types import SimpleNamespace
+
+    from tune_recipes.training.setup.distributed import tensor_parallel_options
+
+    plan_cfg = {"tensor_parallel_plan": {"_component_": "torchtune.models.llama3.base_llama_tp_plan"}}
+    plain = SimpleNamespace(mesh=None, tensor_parallel_dim=1)
+    assert tensor_parallel_options(OmegaConf.create(plan_cfg), plain) == {}
+    tp = SimpleNamespace(mesh="the 2-D mesh", tensor_parallel_dim=2)
+    opts = tensor_parallel_options(OmegaConf.create(plan_cfg), tp)
+    assert opts["device_mesh"] == "the 2-D mesh"
+    assert "layers.*.attn.q_proj" in opts["tensor_parallel_plan"]
+    with pytest.raises(ConfigError, match="tensor_parallel_dim=2 needs tensor_parallel_plan"):
+        tensor_parallel_options(OmegaConf.create({}), tp)
+    with pytest.raises(ConfigError, match="not a non-empty dict"):
+        tensor_parallel_options(OmegaConf.create(
+            {"tensor_parallel_plan": {"_component_": "builtins.list"}}), tp)
+
+
+def test_tensor_parallel_model_check_names_the_heads():
+    from tune_recipes.models.tiny import tiny_llama3, tiny_llama3_2
+    from tune_recipes.training.setup.distributed import check_tensor_parallel_model
+
+    with torch.device("meta"):
+        model, tied = tiny_llama3(), tiny_llama3_2()
+    check_tensor_parallel_model(model, 2)  # 8 heads, 2 kv heads
+    with pytest.raises(ConfigError, match=r"num_kv_heads=2 \(layers.0.attn\)"):
+        check_tensor_parallel_model(model, 4)
+    with pytest.raises(ConfigError, match="ties its output projection"):
+        check_tensor_parallel_model(tied, 2)
