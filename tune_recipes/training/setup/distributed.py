@@ -105,6 +105,19 @@ def shard_and_load(
         check_tensor_parallel_model(model, tp_mesh.size())
         training.prepare_mha_for_tp(model, tp_mesh)
         parallelize_module(model, tp_mesh, parallelize_plan=dict(tensor_parallel_plan))
+        from torch.distributed.tensor import DTensor
+
+        # NOTE: a plan whose names match nothing leaves every rank a full replica that trains
+        # the same numbers (all ranks see one batch), so nothing else would ever show it.
+        params = list(model.parameters())
+        sliced = sum(isinstance(p, DTensor) for p in params)
+        if sliced == 0:
+            raise ConfigError(f"tensor_parallel_plan: none of its module names "
+                              f"({', '.join(sorted(tensor_parallel_plan))}) matches a layer of "
+                              f"{getattr(cfg_model, '_component_', 'the model')}")
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.info("tensor parallelism: %d of %d parameters sliced over %d ranks, FSDP2 over "
+                     "%d replicas", sliced, len(params), tp_mesh.size(), dp_mesh.size())
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     if dp_mesh.size() > 1 or device_mesh is None:

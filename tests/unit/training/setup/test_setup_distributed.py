@@ -112,3 +112,33 @@ def test_tensor_parallel_model_check_names_the_heads():
         check_tensor_parallel_model(model, 4)
     with pytest.raises(ConfigError, match="ties its output projection"):
         check_tensor_parallel_model(tied, 2)
+
+
+def test_shard_and_load_with_a_tensor_parallel_mesh(one_rank):
+    """On a 1 x 1 (dp, tp) mesh: the plan's layers become DTensors, the checkpoint comes back
+    whole; a plan that names no layer is an error (it would leave silent full replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torchtune import training
+    from torchtune.models.llama3 import base_llama_tp_plan
+
+    from tune_recipes.models.tiny import tiny_llama3
+
+    torch.manual_seed(0)
+    full = tiny_llama3().state_dict()
+    cfg = OmegaConf.create({"_component_": "tune_recipes.models.tiny_llama3"})
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model, _ = shard_and_load(cfg, dtype=torch.float32, device=torch.device("cpu"), world_size=1,
+                              full_state_dict=full, device_mesh=mesh,
+                              tensor_parallel_plan=base_llama_tp_plan())
+    assert isinstance(model.layers[0].attn.q_proj.weight, DTensor)
+    assert not isinstance(model.norm.scale, DTensor)  # not in the plan; dp of 1: no FSDP
+    gathered = training.gather_cpu_state_dict(model, True, device=None)
+    for k, v in full.items():
+        assert torch.equal(gathered[k], v), k
+    with pytest.warns(UserWarning, match="could not be resolved"), \
+            pytest.raises(ConfigError, match=r"tensor_parallel_plan: none of its module names \(decoder"):
+        shard_and_load(cfg, dtype=torch.float32, device=torch.device("cpu"), world_size=1,
+                       full_state_dict=full, device_mesh=mesh,
+                       tensor_parallel_plan={"decoder.*.wq": ColwiseParallel()})
