@@ -1,4 +1,4 @@
-"""FSDP2 sharding and loading for the distributed recipes.
+"""FSDP2 sharding (and tensor parallelism under it) and loading for the distributed recipes.
 
 Runs on GPUs with NCCL and on CPUs with gloo (so CI can test 2 processes); nothing here calls a
 CUDA-only API unless the device is CUDA.
@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torchtune import config as tt_config, training
 from torchtune.modules import TransformerSelfAttentionLayer
 
@@ -97,16 +99,12 @@ def shard_and_load(
         if tensor_parallel_plan is None:
             raise ConfigError(f"tensor_parallel_dim={tp_mesh.size()} needs "
                               "tensor_parallel_plan._component_")
-        from torch.distributed.tensor.parallel import parallelize_module
-
         # NOTE: before activation checkpointing, whose wrappers rename the layers
         # (layers.0._checkpoint_wrapped_module.attn...) so the plan's names would match
         # nothing; and before FSDP, which shards the tensor-parallel slices over dp.
         check_tensor_parallel_model(model, tp_mesh.size())
         training.prepare_mha_for_tp(model, tp_mesh)
         parallelize_module(model, tp_mesh, parallelize_plan=dict(tensor_parallel_plan))
-        from torch.distributed.tensor import DTensor
-
         # NOTE: a plan whose names match nothing leaves every rank a full replica that trains
         # the same numbers (all ranks see one batch), so nothing else would ever show it.
         params = list(model.parameters())
@@ -120,6 +118,8 @@ def shard_and_load(
                      "%d replicas", sliced, len(params), tp_mesh.size(), dp_mesh.size())
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    # Pure tensor parallelism (dp of 1) has nothing to shard: no FSDP2, as in stock (so
+    # custom_sharded_layers, fsdp_reshard_after_forward and fsdp_cpu_offload do nothing then).
     if dp_mesh.size() > 1 or device_mesh is None:
         conditions = [
             lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
