@@ -4,7 +4,9 @@
     tune run --nproc_per_node 8 full_finetune_distributed --config llama3_1/8B_full_distributed
 
 Parameters, gradients and optimizer states are sharded over the ranks (``fully_shard`` per
-transformer layer, then the root). NCCL on CUDA, gloo on CPU.
+transformer layer, then the root). NCCL on CUDA, gloo on CPU. ``tensor_parallel_dim: N`` (with
+``tensor_parallel_plan``) splits each layer over groups of N ranks first (DTensor tensor
+parallelism) and shards with FSDP2 over the world_size / N data-parallel replicas.
 
 The step's loss is the mean over the unmasked tokens of all micro-batches on all ranks (the NOTE
 in ``__init__``), so 1-rank and N-rank runs log the same numbers.
@@ -27,7 +29,12 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
-from tune_recipes.training.setup.distributed import check_fused_loss_sharding, fsdp_options, shard_and_load
+from tune_recipes.training.setup.distributed import (
+    check_fused_loss_sharding,
+    fsdp_options,
+    shard_and_load,
+    tensor_parallel_options,
+)
 from tune_recipes.training.setup.fp8 import convert_to_fp8, fp8_recipe_wanted
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
@@ -46,13 +53,16 @@ CONFIG_KEYS = {
     "on_nonfinite", "profiler", "enable_activation_offloading", "fsdp_cpu_offload",
     "save_every_n_steps", "keep_last_n_checkpoints",
     "enable_fp8_training", "fp8_recipe_name",
+    "tensor_parallel_dim", "tensor_parallel_plan",
 }
 
 
 class FullFinetuneRecipeDistributed:
     def __init__(self, cfg: DictConfig) -> None:
         check_known_keys(cfg, CONFIG_KEYS, "full_finetune_distributed")
-        self._runtime = init_distributed(cfg.get("device", "cuda"))
+        # tensor_parallel_dim > 1: a 2-D (dp, tp) mesh; data and token counts go by dp.
+        self._runtime = init_distributed(cfg.get("device", "cuda"),
+                                         tensor_parallel_dim=cfg.get("tensor_parallel_dim", 1))
         self._dtype = training_dtype(cfg, self._runtime.device)
         self._offload_activations = activation_offloading_wanted(
             cfg, self._runtime.device, self._runtime.is_main)
@@ -78,7 +88,7 @@ class FullFinetuneRecipeDistributed:
             # FP8 linears are swapped in on the meta model, before fully_shard; FSDP2 then
             # all-gathers their weights in bf16 (torchao's float8 all-gather is not enabled).
             before_shard=lambda meta_model: convert_to_fp8(meta_model, self._fp8),
-            **fsdp_options(cfg),
+            **fsdp_options(cfg), **tensor_parallel_options(cfg, self._runtime),
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)

@@ -15,7 +15,9 @@ step's total once.
 Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
 format, loadable with ``peft.PeftModel.from_pretrained``), ``adapter_model.pt`` (torchtune
-format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``.
+format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``. ``low_cpu_ram: True``
+builds the merged model for saving tensor by tensor in a memory-mapped scratch file in
+``output_dir`` instead of CPU memory (tune_recipes/training/checkpointing/low_ram.py).
 """
 
 import sys
@@ -44,7 +46,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
-    "enable_activation_offloading",
+    "enable_activation_offloading", "low_cpu_ram",
     "save_every_n_steps", "keep_last_n_checkpoints",
 }
 

@@ -15,7 +15,8 @@ What is checked, in order:
 2. required keys (``REQUIRED``), those the recipe declares only.
 3. each value in ``SCHEMA`` whose key the recipe declares and the config has (type, range,
    enum; ``env=True`` rules look at this machine: paths exist, device and dtype available).
-4. ``CROSS_KEY`` rules (optimizer_in_bwd with accumulation or clipping, ...).
+4. ``CROSS_KEY`` rules (optimizer_in_bwd with accumulation or clipping, tensor parallelism
+   with what it cannot run with, ...).
 5. launcher arguments (``check_launch``), in ``tune run`` only.
 
 ``env=False`` (``tune validate --portable``) skips the machine checks, for a config written for
@@ -114,6 +115,14 @@ def no_dict(feature: str) -> Check:
         return boolean(v)
 
     return check
+
+
+def component(v) -> Optional[str]:
+    """A ``{_component_: dotted.path, ...}`` mapping (whether the path imports and its keys bind
+    is checked with every other component, by ``tune_recipes.config.validate_config``)."""
+    if isinstance(v, dict) and isinstance(v.get("_component_"), str) and v["_component_"].strip():
+        return None
+    return "expected a mapping with a _component_"
 
 
 _LORA_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
@@ -227,6 +236,9 @@ SCHEMA: List[Rule] = [
     Rule("kd_ratio", number(0, maximum=1)),
     Rule("enable_fp8_training", boolean),
     Rule("fp8_recipe_name", optional(one_of(*FP8_RECIPES))),
+    Rule("tensor_parallel_dim", integer(1)),
+    Rule("tensor_parallel_plan", optional(component)),
+    Rule("low_cpu_ram", boolean),
 ]
 
 # Keys a recipe reads without a default (cfg.<key>): required when the recipe declares them.
@@ -278,11 +290,97 @@ def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def _resolves_to(dotted: Any) -> Any:
+    """The object a ``_component_`` path names, or None when it does not import (that is
+    reported, naming the key, by the component check)."""
+    import importlib
+
+    if not isinstance(dotted, str) or "." not in dotted:
+        return None
+    module, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001 - any import failure is the component check's to report
+        return None
+
+
+def tensor_parallel_model_problem(model, tensor_parallel_dim: int) -> Optional[str]:
+    """What tensor parallelism over ``tensor_parallel_dim`` ranks cannot do with ``model`` (a
+    torchtune decoder, on the meta device is enough), or None: every attention module's heads
+    and kv heads must split evenly, and the output projection must be a layer of its own."""
+    from torchtune.modules import MultiHeadAttention, TiedLinear
+
+    tp = tensor_parallel_dim
+    if isinstance(getattr(model, "output", None), TiedLinear):
+        return (f"tensor_parallel_dim={tp}: this model ties its output projection to "
+                "tok_embeddings (Llama-3.2 1B/3B, Qwen2.5 up to 3B), which the tensor-parallel "
+                "plan slices as two layers; use tensor_parallel_dim=1 (FSDP only)")
+    for name, m in model.named_modules():
+        if isinstance(m, MultiHeadAttention):
+            for what, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+                if n % tp:
+                    return (f"tensor_parallel_dim={tp}: the model's {what}={n} ({name}) is not "
+                            "divisible by it; each rank needs whole heads")
+    return None
+
+
+def _tensor_parallel_rules(cfg: DictConfig) -> Optional[str]:
+    tp = cfg.get("tensor_parallel_dim", 1)
+    if not _is_int(tp) or tp == 1:
+        return None  # the schema reports a malformed value; 1 ignores the plan, as stock does
+    if cfg.get("tensor_parallel_plan", None) is None:
+        return (f"tensor_parallel_dim={tp} needs tensor_parallel_plan._component_ "
+                "(e.g. torchtune.models.llama3.base_llama_tp_plan)")
+    optimizer = cfg.get("optimizer", None)
+    if isinstance(optimizer, DictConfig) and optimizer.get("fused", False) is True:
+        return (f"tensor_parallel_dim={tp} with optimizer.fused=True: the fused optimizer does "
+                "not take tensor-parallel (DTensor) parameters; set optimizer.fused=False")
+    if cfg.get("optimizer_in_bwd", False) is True:
+        return (f"tensor_parallel_dim={tp} with optimizer_in_bwd=True: the in-backward "
+                "optimizer is not supported with tensor parallelism; set optimizer_in_bwd=False")
+    if cfg.get("enable_fp8_training", False) is True:
+        return (f"tensor_parallel_dim={tp} with enable_fp8_training=True: FP8 linears need "
+                "torchao's float8 tensor-parallel styles, not built here; set one of them off")
+    if cfg.get("save_every_n_steps", None) is not None:
+        return (f"tensor_parallel_dim={tp} with save_every_n_steps: mid-epoch checkpoints keep "
+                "one data position per data-parallel rank, not yet per tensor-parallel group; "
+                "set save_every_n_steps=null (epoch checkpoints resume exactly)")
+    loss = cfg.get("loss", None)
+    if isinstance(loss, DictConfig) and getattr(
+            _resolves_to(loss.get("_component_")), "is_fused_linear_loss", False):
+        return (f"tensor_parallel_dim={tp} with loss._component_={loss._component_}: the fused "
+                "loss multiplies by the whole output weight, which tensor parallelism slices; "
+                "use torchtune.modules.loss.CEWithChunkedOutputLoss or torch.nn.CrossEntropyLoss")
+    # The model's heads: build it on the meta device (no memory, no weights; a second for 70B).
+    model_cfg = cfg.get("model", None)
+    if isinstance(model_cfg, DictConfig) and _resolves_to(model_cfg.get("_component_")):
+        import torch
+        from torchtune import config as tt_config
+
+        try:
+            with torch.device("meta"):
+                model = tt_config.instantiate(model_cfg)
+        except Exception:  # noqa: BLE001 - a bad model config is reported where it is built
+            return None
+        return tensor_parallel_model_problem(model, tp)
+    return None
+
+
 # (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
 CROSS_KEY: List[tuple] = [
+    (("tensor_parallel_dim",), _tensor_parallel_rules),
     (("optimizer_in_bwd",), _in_backward_rules),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
+]
+
+
+# Keys that only modify another feature: set while that feature is off, a one-line warning.
+NO_EFFECT_WITHOUT: List[tuple] = [
+    ("keep_last_n_checkpoints", "save_every_n_steps",
+     "limits the mid-epoch step_<n>/ checkpoints, which only save_every_n_steps writes "
+     "(epoch_<n>/ folders are all kept)"),
+    ("fp8_recipe_name", "enable_fp8_training", "picks the recipe FP8 training uses"),
 ]
 
 
@@ -438,6 +536,11 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
 
             if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
                 raise ConfigError("dtype=bf16: this GPU does not support bf16; set dtype=fp32")
+    for key, needs, what in NO_EFFECT_WITHOUT:
+        if (keys is None or key in keys) and cfg.get(key, None) is not None \
+                and not cfg.get(needs, None):
+            # A warning, not an error: a config may set both and a command line turn one off.
+            _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
     for needs, rule in CROSS_KEY:
         if keys is not None and not set(needs) <= keys:
             continue
@@ -459,6 +562,12 @@ def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, en
         raise ConfigError(
             f"--nproc_per_node {nproc_per_node}: {recipe} runs on one device; use its "
             "_distributed recipe or drop --nproc_per_node")
+    tp = cfg.get("tensor_parallel_dim", 1) if "tensor_parallel_dim" in set(keys) else 1
+    if _is_int(tp) and tp > 1 and nproc_per_node % tp:
+        # `tune run` starts one node: the world size is nproc_per_node.
+        raise ConfigError(
+            f"tensor_parallel_dim={tp} with --nproc_per_node {nproc_per_node}: the number of "
+            "processes must be a multiple of tensor_parallel_dim")
     if env and str(cfg.get("device", "cuda")).startswith("cuda"):
         import torch
 

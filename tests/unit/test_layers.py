@@ -74,6 +74,7 @@ TESTS = {
     "training/checkpointing/lock.py": "training/checkpointing/test_lock.py",
     "training/checkpointing/state.py": "training/checkpointing/test_state.py",
     "training/checkpointing/writer.py": "training/checkpointing/test_writer.py",
+    "training/checkpointing/low_ram.py": "training/checkpointing/test_low_ram.py",
     "training/setup/__init__.py": "training/setup/test_recipe.py",
     "training/setup/data.py": "training/setup/test_data.py",
     "training/setup/distributed.py": "training/setup/test_setup_distributed.py",

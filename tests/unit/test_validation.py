@@ -17,6 +17,9 @@ from tune_recipes.validation import SCHEMA, TORCHTUNE_KEYS, check_config, check_
 REPO = Path(__file__).resolve().parents[2]
 NO_CUDA = not torch.cuda.is_available()
 
+TP_PLAN = "tensor_parallel_plan._component_"
+LLAMA_PLAN = "torchtune.models.llama3.base_llama_tp_plan"
+
 # (config, overrides, the fragment the one error line holds). "{file}" is an existing file,
 # "{tmp}" an empty directory; "--portable" skips the machine checks (tiny/quantize reads a QAT
 # run's output, which does not exist here).
@@ -118,6 +121,39 @@ CASES = [
     ("tiny/full_distributed", ["enable_fp8_training=True", "device=cpu"], "enable_fp8_training=True with device=cpu"),
     ("tiny/lora_distributed", ["model.lora_attn_modules=[q_proj,foo]"], "item 'foo'"),
     ("tiny/lora_distributed", ["epochs=abc"], "epochs=abc"),
+    # tensor parallelism (full_finetune_distributed)
+    ("tiny/full_distributed", ["tensor_parallel_dim=0"], "tensor_parallel_dim=0: expected an integer >= 1"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=two"], "tensor_parallel_dim=two: expected an integer >= 1"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2.0"], "tensor_parallel_dim=2.0: expected an integer >= 1"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", "~tensor_parallel_plan"],
+     "tensor_parallel_dim=2 needs tensor_parallel_plan._component_"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", "tensor_parallel_plan=llama3"],
+     "tensor_parallel_plan=llama3: expected a mapping with a _component_"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}=torchtune.models.llama3.no_such_plan"],
+     "tensor_parallel_plan._component_: 'torchtune.models.llama3.no_such_plan' does not resolve"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=4", f"{TP_PLAN}={LLAMA_PLAN}"],
+     "tensor_parallel_dim=4: the model's num_kv_heads=2 (layers.0.attn) is not divisible by it"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=3", f"{TP_PLAN}={LLAMA_PLAN}"],
+     "tensor_parallel_dim=3: the model's num_heads=8 (layers.0.attn) is not divisible by it"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}",
+                               "model._component_=tune_recipes.models.tiny_llama3_2"],
+     "tensor_parallel_dim=2: this model ties its output projection to tok_embeddings"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}", "optimizer.fused=True"],
+     "tensor_parallel_dim=2 with optimizer.fused=True"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}",
+                               "optimizer_in_bwd=True", "clip_grad_norm=null"],
+     "tensor_parallel_dim=2 with optimizer_in_bwd=True"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}",
+                               "loss._component_=tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"],
+     "tensor_parallel_dim=2 with loss._component_=tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}", "save_every_n_steps=5"],
+     "tensor_parallel_dim=2 with save_every_n_steps"),
+    ("tiny/full_distributed", ["tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}",
+                               "enable_fp8_training=True"],
+     "tensor_parallel_dim=2 with enable_fp8_training=True"),
+    # low_cpu_ram (lora_finetune_single_device)
+    ("tiny/lora_single_device", ["low_cpu_ram=maybe"], "low_cpu_ram=maybe: expected True or False"),
+    ("tiny/lora_single_device", ["low_cpu_ram=1"], "low_cpu_ram=1: expected True or False"),
 ]
 
 
@@ -168,6 +204,9 @@ def test_empty_yaml_names_the_missing_keys(tmp_path, capsys):
      "--nproc_per_node 2: lora_finetune_single_device runs on one device"),
     (["--nproc_per_node", "2", "qat_distributed", "--config", "tiny/qat_distributed",
       "quantizer.groupsize=-3"], "quantizer.groupsize=-3"),
+    (["--nproc_per_node", "3", "full_finetune_distributed", "--config", "tiny/full_distributed",
+      "tensor_parallel_dim=2", f"{TP_PLAN}={LLAMA_PLAN}"],
+     "tensor_parallel_dim=2 with --nproc_per_node 3: the number of processes must be a multiple"),
 ])
 def test_launcher_and_values_fail_before_torchrun(argv, fragment, capsys, monkeypatch):
     import torch.distributed.run as torchrun
@@ -312,3 +351,20 @@ def test_a_renamed_copy_of_a_distributed_recipe_may_use_several_processes(tmp_pa
     shutil.copyfile(registry.recipes_dir() / "lora_finetune_single_device.py", mine_single)
     assert main(["run", "--nproc_per_node", "2", str(mine_single), "--config", "tiny/lora_single_device"]) == 2
     assert "my_lora runs on one device" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config, overrides, warning", [
+    ("tiny/lora_single_device", ["keep_last_n_checkpoints=3"],
+     "keep_last_n_checkpoints=3 has no effect without save_every_n_steps"),
+    ("tiny/full_single_device", ["fp8_recipe_name=rowwise"],
+     "fp8_recipe_name=rowwise has no effect without enable_fp8_training"),
+])
+def test_a_modifier_of_a_feature_that_is_off_is_a_warning(config, overrides, warning, capsys,
+                                                          monkeypatch):
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    assert main(["validate", config, *overrides]) == 0
+    assert f"warning: {warning}" in capsys.readouterr().err
+    if "keep_last" in warning:  # with the feature on, no warning
+        assert main(["validate", config, *overrides, "save_every_n_steps=10"]) == 0
+        assert warning not in capsys.readouterr().err

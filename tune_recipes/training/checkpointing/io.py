@@ -247,9 +247,10 @@ class LoRASpec:
 
 
 def lora_checkpoint_entries(full_cpu_state_dict: Dict[str, torch.Tensor], spec: LoRASpec,
-                            adapter_only: bool) -> Dict[str, object]:
+                            adapter_only: bool, merge=None) -> Dict[str, object]:
     """Checkpoint entries of a LoRA-type run: the adapter, its PEFT config and (unless
-    ``adapter_only``) the merged model.
+    ``adapter_only``) the merged model. ``merge(state_dict, rank=, alpha=)`` defaults to
+    torchtune's ``get_merged_lora_ckpt`` (``low_cpu_ram`` passes its in-place one).
 
     NOTE: ``full_cpu_state_dict`` must hold tensors this call may modify: torchtune's merge
     adds the LoRA delta to the base weights in place. Pass CPU copies, never the live model's
@@ -260,8 +261,8 @@ def lora_checkpoint_entries(full_cpu_state_dict: Dict[str, torch.Tensor], spec: 
 
     out: Dict[str, object] = {training.ADAPTER_KEY: get_adapter_state_dict(full_cpu_state_dict)}
     if not adapter_only:
-        out[training.MODEL_KEY] = get_merged_lora_ckpt(full_cpu_state_dict, rank=spec.rank,
-                                                       alpha=spec.alpha)
+        out[training.MODEL_KEY] = (merge or get_merged_lora_ckpt)(
+            full_cpu_state_dict, rank=spec.rank, alpha=spec.alpha)
     out[training.ADAPTER_CONFIG] = {
         "r": spec.rank,
         "lora_alpha": spec.alpha,

@@ -38,6 +38,7 @@ def publish_dir(staged: Path, final: Path, trash: Path) -> None:
         os.rename(final, trash)
     os.rename(staged, final)
     shutil.rmtree(trash, ignore_errors=True)
+from tune_recipes.training.checkpointing.low_ram import file_backed_state_dict, merge_lora_in_place
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.driver import Position
@@ -74,7 +75,8 @@ class CheckpointWriter:
     def __init__(self, checkpointer, *, output_dir: str, distributed: bool = False,
                  is_main: bool = True, lora: Optional[LoRASpec] = None,
                  adapter_only: bool = False, base_checkpoint_dir: Optional[str] = None,
-                 keep_last_n_checkpoints: Optional[int] = None) -> None:
+                 keep_last_n_checkpoints: Optional[int] = None,
+                 low_cpu_ram: bool = False) -> None:
         if keep_last_n_checkpoints is not None and (
                 isinstance(keep_last_n_checkpoints, bool)
                 or not isinstance(keep_last_n_checkpoints, int) or keep_last_n_checkpoints < 1):
@@ -88,6 +90,9 @@ class CheckpointWriter:
         self.lora = lora
         self.adapter_only = adapter_only
         self.base_checkpoint_dir = base_checkpoint_dir
+        if low_cpu_ram and (distributed or lora is None):
+            raise ValueError("low_cpu_ram applies to a single-device LoRA-type save")
+        self.low_cpu_ram = low_cpu_ram
 
     @classmethod
     def from_config(cls, cfg, checkpointer, runtime, lora: Optional[LoRASpec] = None
@@ -100,7 +105,8 @@ class CheckpointWriter:
                    is_main=runtime.is_main, lora=lora,
                    adapter_only=cfg.get("save_adapter_weights_only", False) if lora else False,
                    base_checkpoint_dir=(str(Path(cfg.checkpointer.checkpoint_dir).resolve())
-                                        if lora else None))
+                                        if lora else None),
+                   low_cpu_ram=bool(cfg.get("low_cpu_ram", False)))
 
     def save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int,
              position: Optional[Position] = None) -> None:
@@ -118,7 +124,9 @@ class CheckpointWriter:
             refuse_nonfinite_weights(model_sd, epoch, what=f"step {position.global_step}"
                                      if mid_epoch else None)
             if self.lora is not None:
-                ckpt = lora_checkpoint_entries(model_sd, self.lora, adapter_only)
+                ckpt = lora_checkpoint_entries(
+                    model_sd, self.lora, adapter_only,
+                    merge=merge_lora_in_place if self.low_cpu_ram else None)
             else:
                 ckpt = {training.MODEL_KEY: model_sd}
             if intermediate:
@@ -200,6 +208,9 @@ class CheckpointWriter:
         if self.distributed:
             # Collective: every rank gathers its shards; fresh full CPU tensors on the main rank.
             return training.gather_cpu_state_dict(model, self.is_main, device=None)
+        if self.low_cpu_ram and not self.adapter_only:
+            # The merged model tensor by tensor in a memory-mapped scratch file (low_ram.py).
+            return file_backed_state_dict(model, self.output_dir)
         if self.lora is not None:
             # NOTE: copy=True even on a CPU run, where .to("cpu") would return the live parameter
             # itself: the LoRA merge adds the adapter delta into these tensors in place.

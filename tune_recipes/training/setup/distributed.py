@@ -1,4 +1,4 @@
-"""FSDP2 sharding and loading for the distributed recipes.
+"""FSDP2 sharding (and tensor parallelism under it) and loading for the distributed recipes.
 
 Runs on GPUs with NCCL and on CPUs with gloo (so CI can test 2 processes); nothing here calls a
 CUDA-only API unless the device is CUDA.
@@ -9,12 +9,15 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torchtune import config as tt_config, training
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import tensor_parallel_model_problem
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 
 log = get_logger("INFO")
@@ -51,6 +54,8 @@ def shard_and_load(
     custom_sharded_layers: Optional[List[str]] = None,
     cpu_offload: bool = False,
     before_shard=None,
+    device_mesh=None,
+    tensor_parallel_plan: Optional[Dict[str, Any]] = None,
 ):
     """Build the model on the meta device, shard it with FSDP2 (each transformer layer, any
     ``custom_sharded_layers``, then the root) and load full state dicts shard by shard.
@@ -67,6 +72,13 @@ def shard_and_load(
     memory, copied to the GPU for each all-gather, and the optimizer steps on the CPU (much less
     GPU memory, much slower steps). On a CPU device there is nothing to offload (and FSDP2's
     policy needs an accelerator to pin memory): a warning, and the run is as with it off.
+
+    ``device_mesh`` (a 2-D ("dp", "tp") mesh, ``Runtime.mesh``) with ``tensor_parallel_plan``
+    (``tensor_parallel_options``): tensor parallelism as torchtune 0.6.1 does it: attention
+    modules count their local heads (``prepare_mha_for_tp``), the plan's layers become DTensor
+    slices over the tp dimension (``parallelize_module``), then FSDP2 shards over the dp
+    dimension only (none when it has size 1, as in stock). Loading slices the full state dict
+    onto each parameter's own mesh and placements.
     """
     if cpu_offload and device.type != "cuda":
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -80,14 +92,40 @@ def shard_and_load(
     if adapter_state_dict is None and adapter_init_seed is not None:
         adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
     check_tied_embedding_sharding(model, custom_sharded_layers)
+    if device_mesh is None:
+        dp_mesh = init_device_mesh(device.type, (world_size,))
+    else:
+        tp_mesh, dp_mesh = device_mesh["tp"], device_mesh["dp"]
+        if tensor_parallel_plan is None:
+            raise ConfigError(f"tensor_parallel_dim={tp_mesh.size()} needs "
+                              "tensor_parallel_plan._component_")
+        # NOTE: before activation checkpointing, whose wrappers rename the layers
+        # (layers.0._checkpoint_wrapped_module.attn...) so the plan's names would match
+        # nothing; and before FSDP, which shards the tensor-parallel slices over dp.
+        check_tensor_parallel_model(model, tp_mesh.size())
+        training.prepare_mha_for_tp(model, tp_mesh)
+        parallelize_module(model, tp_mesh, parallelize_plan=dict(tensor_parallel_plan))
+        # NOTE: a plan whose names match nothing leaves every rank a full replica that trains
+        # the same numbers (all ranks see one batch), so nothing else would ever show it.
+        params = list(model.parameters())
+        sliced = sum(isinstance(p, DTensor) for p in params)
+        if sliced == 0:
+            raise ConfigError(f"tensor_parallel_plan: none of its module names "
+                              f"({', '.join(sorted(tensor_parallel_plan))}) matches a layer of "
+                              f"{getattr(cfg_model, '_component_', 'the model')}")
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.info("tensor parallelism: %d of %d parameters sliced over %d ranks, FSDP2 over "
+                     "%d replicas", sliced, len(params), tp_mesh.size(), dp_mesh.size())
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    mesh = init_device_mesh(device.type, (world_size,))
-    conditions = [
-        lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
-    ]
-    training.shard_model(model, conditions, cpu_offload=cpu_offload,
-                         reshard_after_forward=reshard_after_forward, dp_mesh=mesh)
+    # Pure tensor parallelism (dp of 1) has nothing to shard: no FSDP2, as in stock (so
+    # custom_sharded_layers, fsdp_reshard_after_forward and fsdp_cpu_offload do nothing then).
+    if dp_mesh.size() > 1 or device_mesh is None:
+        conditions = [
+            lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
+        ]
+        training.shard_model(model, conditions, cpu_offload=cpu_offload,
+                             reshard_after_forward=reshard_after_forward, dp_mesh=dp_mesh)
     with training.set_default_dtype(dtype), device:
         for m in model.modules():
             # RoPE caches are buffers built at init; meta init left them empty.
@@ -152,9 +190,37 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
     return model
 
 
+def check_tensor_parallel_model(model: nn.Module, tensor_parallel_dim: int) -> None:
+    """``tensor_parallel_model_problem`` (heads split evenly, untied output) as a ConfigError.
+    The config check already ran it in the parent process; this guards direct callers."""
+    problem = tensor_parallel_model_problem(model, tensor_parallel_dim)
+    if problem:
+        raise ConfigError(problem)
+
+
+def tensor_parallel_options(cfg, runtime) -> Dict[str, Any]:
+    """``shard_and_load`` keyword arguments for ``tensor_parallel_dim``/``tensor_parallel_plan``:
+    the runtime's 2-D mesh and the instantiated plan (nothing when tensor_parallel_dim is 1;
+    the plan is then ignored, as in stock)."""
+    if runtime.mesh is None:
+        return {}
+    plan_cfg = cfg.get("tensor_parallel_plan", None)
+    if plan_cfg is None:
+        raise ConfigError(f"tensor_parallel_dim={runtime.tensor_parallel_dim} needs "
+                          "tensor_parallel_plan._component_ (e.g. "
+                          "torchtune.models.llama3.base_llama_tp_plan)")
+    plan = tt_config.instantiate(plan_cfg)
+    if not isinstance(plan, dict) or not plan:
+        raise ConfigError(f"tensor_parallel_plan: {plan_cfg.get('_component_')} returned "
+                          f"{type(plan).__name__}, not a non-empty dict of module name -> "
+                          "ParallelStyle")
+    return dict(device_mesh=runtime.mesh, tensor_parallel_plan=plan)
+
+
 def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
     """The fused loss reads the output weight after the model's forward, from the root FSDP
-    unit; a separately sharded output/embedding would hand it a shard."""
+    unit; a separately sharded output/embedding would hand it a shard. (With tensor
+    parallelism it is refused by the config check, tune_recipes.validation.)"""
     custom = custom_sharded_layers or []
     if getattr(loss_fn, "is_fused_linear_loss", False) and (
         "output" in custom or "tok_embeddings" in custom

@@ -194,25 +194,30 @@ def setup_step_driver(
     """The last setup step of every recipe: apply a resumed state, build the data and the LR
     schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
     ``path`` over the model's trainable parameters, with the ``profiler`` key's hook (if on)
-    after the recipe's ``hooks``."""
+    after the recipe's ``hooks``.
+
+    NOTE: data, token counts and the gradient average go by the *data-parallel* size and rank
+    (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
+    the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
-                                   resume=resume, world_size=runtime.world_size, rank=runtime.rank)
+                                   resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
         optimizer_in_bwd=path in (NormalizationPath.IN_BACKWARD, NormalizationPath.IN_BACKWARD_GLOBAL),
-        distributed=runtime.distributed, world_size=runtime.world_size, device=runtime.device,
+        distributed=runtime.distributed, world_size=runtime.dp_size, device=runtime.device,
+        group=runtime.dp_group,
     )
     if normalizer.path != path:
         raise ValueError(f"path {path.value} does not match the run's flags ({normalizer.path.value})")
     validator = None
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
-                                             world_size=runtime.world_size, rank=runtime.rank)
+                                             world_size=runtime.dp_size, rank=runtime.dp_rank)
     if val_loader is not None:
         if eval_loss is None:
             raise ConfigError("dataset_val: this recipe has no validation loss")
         validator = Validator(model, eval_loss, val_loader, ignore_index=ignore_index,
                               device=runtime.device, distributed=runtime.distributed,
-                              every_n_steps=cfg.get("run_val_every_n_steps", None))
+                              group=runtime.dp_group, every_n_steps=cfg.get("run_val_every_n_steps", None))
     profiler = setup_profiler(cfg.get("profiler", None), output_dir=cfg.output_dir,
                               device=runtime.device, rank=runtime.rank,
                               distributed=runtime.distributed)

@@ -3,6 +3,7 @@ so CI can test 2 processes); nothing here calls a CUDA-only API unless the devic
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -13,14 +14,36 @@ from tune_recipes.config import ConfigError
 
 @dataclass(frozen=True)
 class Runtime:
+    """``world_size``/``rank`` count processes; ``dp_size``/``dp_rank`` count data-parallel
+    replicas, which differ under tensor parallelism: the ``tensor_parallel_dim`` ranks of one
+    tensor-parallel group hold slices of one model and must see the same batch. Data loading,
+    token counts and the data-parallel gradient average go by ``dp_*`` (and all-reduce over
+    ``dp_group``); process-level things (who writes, barriers) by ``rank``."""
+
     device: torch.device
     distributed: bool = False
     world_size: int = 1
     rank: int = 0
+    tensor_parallel_dim: int = 1
+    dp_size: int = 1
+    dp_rank: int = 0
+    #: the 2-D ("dp", "tp") device mesh when tensor_parallel_dim > 1, else None
+    mesh: Optional[object] = None
+
+    def __post_init__(self) -> None:
+        if self.mesh is None and self.tensor_parallel_dim == 1 and self.distributed:
+            # Pure data parallelism: every process is its own replica.
+            object.__setattr__(self, "dp_size", self.world_size)
+            object.__setattr__(self, "dp_rank", self.rank)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_group(self):
+        """The process group of this rank's data-parallel peers (None: all processes)."""
+        return None if self.mesh is None else self.mesh["dp"].get_group()
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
@@ -32,9 +55,14 @@ def single_device(device_name: str) -> Runtime:
     return Runtime(utils.get_device(device_name))
 
 
-def init_distributed(device_name: str) -> Runtime:
+def init_distributed(device_name: str, tensor_parallel_dim: int = 1) -> Runtime:
     """Start the process group for ``device_name`` ("cuda" or "cpu"): NCCL for CUDA, gloo for
-    CPU. Must run under torchrun (``tune run --nproc_per_node N``)."""
+    CPU. Must run under torchrun (``tune run --nproc_per_node N``).
+
+    ``tensor_parallel_dim > 1``: a 2-D device mesh (dp = world_size / tensor_parallel_dim, tp),
+    row-major, so each tensor-parallel group is ``tensor_parallel_dim`` consecutive ranks (on one
+    node with ``tune run``). DTensor tensor parallelism runs on gloo too (CI tests it on CPU).
+    """
     if "RANK" not in os.environ:
         raise ConfigError(
             "distributed recipes run under torchrun: use `tune run --nproc_per_node N <recipe> "
@@ -51,7 +79,20 @@ def init_distributed(device_name: str) -> Runtime:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    tp = int(tensor_parallel_dim)
+    if tp < 1 or world_size % tp != 0:
+        # Before the process group starts: a config error, not a hung rendezvous.
+        raise ConfigError(f"tensor_parallel_dim={tp}: the world size ({world_size} processes) "
+                          "must be a multiple of it")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
-    return Runtime(device, distributed=True, world_size=dist.get_world_size(),
-                   rank=dist.get_rank())
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if tp == 1:
+        return Runtime(device, distributed=True, world_size=world_size, rank=rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Runtime(device, distributed=True, world_size=world_size, rank=rank,
+                   tensor_parallel_dim=tp, dp_size=mesh["dp"].size(),
+                   dp_rank=mesh["dp"].get_local_rank(), mesh=mesh)

@@ -106,9 +106,22 @@ def scale_grads_(parameters: Iterable[torch.nn.Parameter], factor: float) -> Non
     A Python float, not a 0-dim device tensor: ``_foreach_mul_`` with a scalar runs about three
     times faster than with a tensor operand on an H200 (docs/benchmarks.md).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
+    for grads in grads_by_mesh([p.grad for p in parameters if p.grad is not None]):
         torch._foreach_mul_(grads, float(factor))
+
+
+def grads_by_mesh(grads: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """``grads`` grouped so each group is all plain tensors or all DTensors of one device mesh.
+
+    NOTE: one group in every run but tensor parallelism. There, the planned layers' gradients
+    are DTensors on the tp mesh (or the 2-D mesh under FSDP) while the norms' are plain tensors
+    (or dp-mesh DTensors), and a foreach op over a list mixing them fails ("mixed torch.Tensor
+    and DTensor"): keep the grouping even though it looks redundant.
+    """
+    groups: Dict[object, List[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    return list(groups.values())
 
 
 def grad_norm_and_clip_(
@@ -125,6 +138,19 @@ def grad_norm_and_clip_(
     if not params:
         return None
     max_norm = float(max_norm)
+    groups = grads_by_mesh([p.grad for p in params])
+    if len(groups) > 1:
+        # Tensor parallelism: one norm per mesh, each materialized, then combined; the clip
+        # coefficient multiplies each group separately (see grads_by_mesh).
+        norms = [torch.nn.utils.get_total_norm(g) for g in groups]
+        norm = torch.linalg.vector_norm(torch.stack(
+            [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
+        if max_norm != float("inf"):
+            # As torch.nn.utils.clip_grads_with_norm_ computes it (same eps, clamped at 1).
+            coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            for g in groups:
+                torch._foreach_mul_(g, coef)
+        return norm
     if max_norm == float("inf"):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     else:
@@ -147,14 +173,18 @@ class StepLossNormalizer:
         gradient_accumulation_steps: micro-batches per optimizer step.
         optimizer_in_bwd: the optimizer steps inside backward (requires GA == 1).
         distributed: gradients are averaged over ``world_size`` data-parallel ranks.
-        world_size: number of data-parallel ranks (1 when not distributed).
+        world_size: number of data-parallel ranks (1 when not distributed); under tensor
+            parallelism the data-parallel size, not the number of processes.
+        group: the data-parallel process group the token counts are all-reduced over (None:
+            every process). Under tensor parallelism the ranks of one tensor-parallel group see
+            the same batch and must count it once.
         device: where the pre-forward token all-reduce runs (``IN_BACKWARD_GLOBAL`` only; the
             CPU for gloo, the rank's GPU for NCCL).
     """
 
     def __init__(self, gradient_accumulation_steps: int, optimizer_in_bwd: bool = False,
                  distributed: bool = False, world_size: int = 1,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, group=None) -> None:
         if not distributed and world_size != 1:
             raise ConfigError(f"world_size={world_size} needs distributed=True")
         self.path = normalization_path(distributed=distributed,
@@ -163,6 +193,7 @@ class StepLossNormalizer:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.distributed = distributed
         self.world_size = world_size
+        self.group = group
         self.device = device if device is not None else torch.device("cpu")
         self.extras: Dict[str, torch.Tensor] = {}
         self._reset()
@@ -184,7 +215,7 @@ class StepLossNormalizer:
         step (every rank asks at the same point, before its forward) and cached."""
         if self._global_tokens is None:
             count = torch.tensor([float(num_tokens)], dtype=torch.float64, device=self.device)
-            dist.all_reduce(count)
+            dist.all_reduce(count, group=self.group)
             self._global_tokens = int(count.item())
             if self._global_tokens <= 0:
                 raise RuntimeError(
@@ -287,7 +318,7 @@ class StepLossNormalizer:
                                                      device=dev)]
                 + [e.double().to(dev) for e in extras]
             )
-            dist.all_reduce(packed)
+            dist.all_reduce(packed, group=self.group)
             running_loss = packed[0]
             extras = list(packed[2:])
             # The only host sync of the step: the count becomes a Python number so the

@@ -31,13 +31,14 @@ def shard_for_rank(dataset, world_size: int, rank: int):
 class Validator:
     def __init__(self, model: nn.Module, eval_loss: EvalLoss, dataloader: DataLoader, *,
                  ignore_index: int, device: torch.device, distributed: bool,
-                 every_n_steps: Optional[int] = None) -> None:
+                 every_n_steps: Optional[int] = None, group=None) -> None:
         self.model = model
         self.eval_loss = eval_loss
         self.dataloader = dataloader
         self.ignore_index = ignore_index
         self.device = device
         self.distributed = distributed
+        self.group = group  # data-parallel peers (tensor parallelism); None: all processes
         self.every_n_steps = every_n_steps
 
     def due(self, global_step: int) -> bool:
@@ -47,6 +48,8 @@ class Validator:
         if not self.distributed:
             return local
         n = torch.tensor([local], device=self.device)
+        # NOTE: over every process, not the dp group: FSDP and tensor-parallel forwards are
+        # collectives on both mesh dimensions, so all ranks run the same number of them.
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return int(n.item())
 
@@ -73,7 +76,7 @@ class Validator:
         if self.distributed:
             packed = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64,
                                                           device=self.device)])
-            dist.all_reduce(packed)
+            dist.all_reduce(packed, group=self.group)
             loss_sum, tokens = packed[0], int(packed[1].item())
         if was_training:
             self.model.train()

@@ -27,3 +27,21 @@ def test_cuda_without_cuda_is_a_config_error(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="set device=cpu"):
         init_distributed("cuda")
+
+
+def test_data_parallel_rank_and_size_are_the_process_ones_without_tensor_parallelism():
+    rt = Runtime(torch.device("cpu"), distributed=True, world_size=4, rank=3)
+    assert (rt.dp_size, rt.dp_rank, rt.dp_group, rt.tensor_parallel_dim) == (4, 3, None, 1)
+    assert (single_device("cpu").dp_size, single_device("cpu").dp_rank) == (1, 0)
+
+
+def test_tensor_parallel_dim_must_divide_the_world_before_any_rendezvous(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(a))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_dim=2: the world size \(3 processes\)"):
+        init_distributed("cpu", tensor_parallel_dim=2)
+    assert not started

@@ -280,3 +280,49 @@ def test_extras_are_token_weighted_like_the_loss():
     logged = norm.finish_step([])
     assert logged.item() == pytest.approx((3 * 1.0 + 1 * 4.0) / 4)
     assert norm.extras["kd"].item() == pytest.approx(logged.item())
+
+
+@pytest.fixture
+def one_gloo_rank():
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _mixed_tp_params():
+    """What tensor parallelism leaves: a planned layer's gradient is a DTensor on a device mesh,
+    a norm's a plain tensor (one foreach op over both fails: 'mixed torch.Tensor and DTensor')."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(0)
+    full, plain = torch.randn(4, 6, generator=g), torch.randn(5, generator=g)
+    sliced = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)]))
+    sliced.grad = distribute_tensor(full.clone(), mesh, [Shard(0)])
+    norm_weight = torch.nn.Parameter(torch.zeros(5))
+    norm_weight.grad = plain.clone()
+    return [sliced, norm_weight], full, plain
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 100.0, math.inf])
+def test_clip_and_scale_over_dtensor_and_plain_gradients(one_gloo_rank, max_norm):
+    params, full, plain = _mixed_tp_params()
+    total = torch.cat([full.flatten(), plain]).norm()
+    norm = grad_norm_and_clip_(params, max_norm)
+    torch.testing.assert_close(norm, total)
+    coef = min(1.0, max_norm / (total.item() + 1e-6))  # no clipping when the norm is below
+    torch.testing.assert_close(params[0].grad.full_tensor(), full * coef)
+    torch.testing.assert_close(params[1].grad, plain * coef)
+    scale_grads_(params, 0.5)
+    torch.testing.assert_close(params[0].grad.full_tensor(), full * coef * 0.5)
+    torch.testing.assert_close(params[1].grad, plain * coef * 0.5)
