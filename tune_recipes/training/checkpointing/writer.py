@@ -118,7 +118,7 @@ class CheckpointWriter:
         # and a merged full model every save_every_n_steps would be a full-model write each time.
         adapter_only = self.adapter_only or (mid_epoch and self.lora is not None)
         name = f"step_{position.global_step}" if mid_epoch else f"epoch_{epoch}"
-        model_sd = self._model_state_dict(model)
+        model_sd = self._model_state_dict(model, adapter_only=adapter_only and self.lora is not None)
         opt_sd = self._optimizer_state_dict(model, optimizer) if intermediate else None
         if self.is_main:
             refuse_nonfinite_weights(model_sd, epoch, what=f"step {position.global_step}"
@@ -204,11 +204,18 @@ class CheckpointWriter:
             os.rename(path, staging / path.name)
         shutil.rmtree(staging, ignore_errors=True)
 
-    def _model_state_dict(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+    def _model_state_dict(self, model: nn.Module, adapter_only: bool = False) -> Dict[str, torch.Tensor]:
+        # adapter_only (a LoRA-type save that writes no merged model): the adapter's tensors
+        # only, not a gather or copy of the whole base model (8B+ at every save_every_n_steps).
         if self.distributed:
             # Collective: every rank gathers its shards; fresh full CPU tensors on the main rank.
-            return training.gather_cpu_state_dict(model, self.is_main, device=None)
-        if self.low_cpu_ram and not self.adapter_only:
+            return training.gather_cpu_state_dict(model, self.is_main, device=None,
+                                                  adapter_weights_only=adapter_only)
+        if adapter_only:
+            from torchtune.modules.peft import get_adapter_state_dict
+
+            return get_adapter_state_dict(model.state_dict(), device="cpu")
+        if self.low_cpu_ram:
             # The merged model tensor by tensor in a memory-mapped scratch file (low_ram.py).
             return file_backed_state_dict(model, self.output_dir)
         if self.lora is not None:
