@@ -25,6 +25,14 @@ from tune_recipes.validation import ConfigError, check_config, check_top_level_k
 _OVERRIDE_KEY = re.compile(r"^~?[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*$")
 
 
+def positive_int_or_none(key: str, value: Any) -> Optional[int]:
+    """``value`` for an ``every N`` / ``keep N`` argument: a positive int (not a bool) or None.
+    Config files are checked earlier by the schema (validation.py); this guards direct calls."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{key} must be a positive int or None, got {value!r}")
+    return value
+
+
 def check_overrides(overrides: Sequence[str]) -> None:
     for item in overrides:
         if item.startswith("~"):

@@ -15,7 +15,7 @@ from tune_recipes.config import ConfigError
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
 # Mid-epoch checkpoints (save_every_n_steps), named by the global optimizer step.
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)$")
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
 # Each intermediate epoch folder holds its own copy: a folder and its state appear together.
 EPOCH_STATE_FILE = "recipe_state.pt"
@@ -66,7 +66,7 @@ def latest_epoch_dir(output_dir: Path) -> Optional[Path]:
 def step_dirs(output_dir: Path) -> List[Path]:
     """The mid-epoch checkpoints ``step_<n>/`` in ``output_dir``, oldest first. Each one is
     complete: the writer renames a folder into place only after everything in it is written."""
-    return [p for _, p in _numbered_dirs(output_dir, _STEP_DIR)]
+    return [p for _, p in _numbered_dirs(output_dir, STEP_DIR)]
 
 
 def refuse_stale_step_checkpoints(output_dir: Path) -> None:
@@ -128,10 +128,10 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     """
     out = Path(output_dir)
     ckpt_dir = newest_checkpoint_dir(out)
-    if ckpt_dir is not None and _STEP_DIR.match(ckpt_dir.name):
+    if ckpt_dir is not None and STEP_DIR.match(ckpt_dir.name):
         state_path = ckpt_dir / EPOCH_STATE_FILE  # checked by newest_checkpoint_dir
         state = load_recipe_state(state_path)
-        step = int(_STEP_DIR.match(ckpt_dir.name).group(1))
+        step = int(STEP_DIR.match(ckpt_dir.name).group(1))
         if state.get(GLOBAL_STEP_KEY) != step or state.get(RANK_STATES_KEY) is None:
             raise CheckpointError(
                 f"{state_path} is not the state of a mid-epoch checkpoint at step {step} "

@@ -10,9 +10,11 @@ import torch.distributed as dist
 from torch import nn
 from torchtune import training
 
+from tune_recipes.config import positive_int_or_none
 from tune_recipes.training.checkpointing.io import (
     EPOCH_STATE_FILE,
     RECIPE_STATE_FILE,
+    STEP_DIR,
     CheckpointError,
     LoRASpec,
     complete_peft_adapter_config,
@@ -77,12 +79,8 @@ class CheckpointWriter:
                  adapter_only: bool = False, base_checkpoint_dir: Optional[str] = None,
                  keep_last_n_checkpoints: Optional[int] = None,
                  low_cpu_ram: bool = False) -> None:
-        if keep_last_n_checkpoints is not None and (
-                isinstance(keep_last_n_checkpoints, bool)
-                or not isinstance(keep_last_n_checkpoints, int) or keep_last_n_checkpoints < 1):
-            raise ValueError(f"keep_last_n_checkpoints must be a positive int or None, got "
-                             f"{keep_last_n_checkpoints!r}")
-        self.keep_last_n_checkpoints = keep_last_n_checkpoints
+        self.keep_last_n_checkpoints = positive_int_or_none("keep_last_n_checkpoints",
+                                                            keep_last_n_checkpoints)
         self.checkpointer = checkpointer
         self.output_dir = Path(output_dir)
         self.distributed = distributed
@@ -148,7 +146,7 @@ class CheckpointWriter:
         the previous checkpoints as they were."""
         name = name or f"epoch_{epoch}"
         adapter_only = self.adapter_only if adapter_only is None else adapter_only
-        what = (f"the step {name[len('step_'):]} checkpoint" if name.startswith("step_")
+        what = (f"the step {name[len('step_'):]} checkpoint" if STEP_DIR.match(name)
                 else f"the epoch {epoch} checkpoint")
         # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
         # at the staging folder for one call is what makes their writes atomic here.

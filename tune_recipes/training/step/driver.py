@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torchtune.utils import get_logger
 
+from tune_recipes.config import positive_int_or_none
 from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.batch import count_valid_tokens, to_device
 from tune_recipes.training.step.nonfinite import NonFiniteGuard, check_clip_grad_norm, check_mode
@@ -133,12 +134,7 @@ class StepDriver:
         # each epoch end; None without dataset_val.
         self.validator = validator
         self._validated_at: Optional[int] = None
-        if save_every_n_steps is not None and (
-                isinstance(save_every_n_steps, bool) or not isinstance(save_every_n_steps, int)
-                or save_every_n_steps < 1):
-            raise ValueError(f"save_every_n_steps must be a positive int or None, got "
-                             f"{save_every_n_steps!r}")
-        self.save_every_n_steps = save_every_n_steps
+        self.save_every_n_steps = positive_int_or_none("save_every_n_steps", save_every_n_steps)
         if not 0 <= first_step_in_epoch < steps_per_epoch:
             raise ValueError(f"first_step_in_epoch={first_step_in_epoch} is outside an epoch of "
                              f"{steps_per_epoch} steps")

@@ -44,6 +44,16 @@ def test_every_projection_is_swapped_and_the_output_head_is_not(recipe):
     assert granularity == {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
 
 
+def test_the_schema_offers_exactly_torchaos_recipes():
+    # validation.py lists them by hand (the parent process of `tune run` does not import
+    # torchao); a torchao upgrade that adds or renames one must fail here.
+    from torchao.float8.config import Float8LinearRecipeName
+
+    from tune_recipes.validation import FP8_RECIPES
+
+    assert set(FP8_RECIPES) == {r.value for r in Float8LinearRecipeName}
+
+
 def test_layers_whose_dims_are_not_multiples_of_16_stay_plain():
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 30), nn.Linear(30, 48), nn.Linear(48, 16))
     converted = convert_to_fp8(model, "tensorwise")
