@@ -282,22 +282,6 @@ def test_extras_are_token_weighted_like_the_loss():
     assert norm.extras["kd"].item() == pytest.approx(logged.item())
 
 
-@pytest.fixture
-def one_gloo_rank():
-    import os
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _mixed_tp_params():
     """What tensor parallelism leaves: a planned layer's gradient is a DTensor on a device mesh,
     a norm's a plain tensor (one foreach op over both fails: 'mixed torch.Tensor and DTensor')."""
@@ -315,7 +299,7 @@ def _mixed_tp_params():
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 100.0, math.inf])
-def test_clip_and_scale_over_dtensor_and_plain_gradients(one_gloo_rank, max_norm):
+def test_clip_and_scale_over_dtensor_and_plain_gradients(one_rank, max_norm):
     params, full, plain = _mixed_tp_params()
     total = torch.cat([full.flatten(), plain]).norm()
     norm = grad_norm_and_clip_(params, max_norm)
