@@ -73,10 +73,16 @@ def test_a_huge_lr_stops_at_the_first_nan_step_without_saving(tmp_path):
 
 def test_skip_drops_nan_steps_counts_them_and_saves_finite_weights(tmp_path):
     out = tmp_path / "run"
-    run_recipe(*FULL, out, ["max_steps_per_epoch=6", "optimizer.lr=1e10", "on_nonfinite=skip"])
+    args = ["max_steps_per_epoch=6", "optimizer.lr=1e10", "on_nonfinite=skip", "save_every_n_steps=3"]
+    run_recipe(*FULL, out, args)
     rows = read_metrics(out / "metrics.jsonl")
     assert rows[-1]["skipped_steps"] > 0
     assert all(torch.isfinite(v).all() for v in weights(out, 0).values())
+    # The running total is checkpointed: a run resumed at step 3 counts on from there.
+    killed = tmp_path / "killed"
+    _killed_after(out, killed, keep={"step_3"})
+    run_recipe(*FULL, killed, [*args, "resume_from_checkpoint=True"])
+    assert read_metrics(killed / "metrics.jsonl", "skipped_steps") == [r["skipped_steps"] for r in rows]
 
 
 # Runs the CLI in-process after wrapping one kind of write: its ``nth`` call writes a partial

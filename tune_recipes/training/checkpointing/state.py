@@ -14,6 +14,7 @@ from tune_recipes.training.step.driver import CUDA_RNG_STATE, RNG_STATE
 
 RNG_KEY = "rng_state"
 CUDA_RNG_KEY = "cuda_rng_state"
+SKIPPED_STEPS_KEY = "skipped_steps"  # on_nonfinite=skip's running total of dropped updates
 # Mid-epoch checkpoints (step_<n>/) only: GLOBAL_STEP_KEY, the optimizer steps run so far, and
 # RANK_STATES_KEY, per rank (in rank order) its RNG state(s) and its dataloader's position.
 
@@ -32,6 +33,7 @@ class SavedState:
     # Set for a mid-epoch checkpoint: it continues epoch ``epochs_run`` after ``global_step``.
     global_step: Optional[int] = None
     rank_states: Optional[List[Dict[str, Any]]] = None
+    skipped_steps: int = 0
 
     @property
     def mid_epoch(self) -> bool:
@@ -57,6 +59,7 @@ class SavedState:
             cuda_rng_state=ckpt.get(CUDA_RNG_KEY),
             global_step=ckpt.get(GLOBAL_STEP_KEY),
             rank_states=ckpt.get(RANK_STATES_KEY),
+            skipped_steps=ckpt.get(SKIPPED_STEPS_KEY, 0),
         )
 
 
@@ -73,6 +76,7 @@ class RecipeState:
     total_epochs: int
     max_steps_per_epoch: Optional[int]
     epochs_run: int = 0
+    skipped_steps: int = 0  # on_nonfinite=skip; kept in sync by the step driver
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
@@ -90,6 +94,7 @@ class RecipeState:
             training.TOTAL_EPOCHS_KEY: self.total_epochs,
             training.MAX_STEPS_KEY: self.max_steps_per_epoch,
             RNG_KEY: torch.get_rng_state(),
+            SKIPPED_STEPS_KEY: self.skipped_steps,
         }
         if optimizer_state is not None:
             out[training.OPT_KEY] = optimizer_state
@@ -113,6 +118,7 @@ class RecipeState:
                           f"the checkpoint's {saved.max_steps_per_epoch}; using the checkpoint's")
             self.max_steps_per_epoch = saved.max_steps_per_epoch
         self.epochs_run = saved.epochs_run
+        self.skipped_steps = saved.skipped_steps
         rng, cuda_rng = saved.rng_state, saved.cuda_rng_state
         if saved.mid_epoch:
             if not 0 <= rank < len(saved.rank_states):

@@ -129,6 +129,7 @@ class StepDriver:
         self.clip_grad_norm = check_clip_grad_norm(clip_grad_norm)
         self.guard = NonFiniteGuard(check_mode(
             on_nonfinite, optimizer_in_bwd=normalizer.path == NormalizationPath.IN_BACKWARD))
+        self.guard.skipped_steps = state.skipped_steps  # a resumed run continues the count
         self.hooks: List[StepHook] = list(hooks)
         # Validation loss (training/step/validation.py): every run_val_every_n_steps and at
         # each epoch end; None without dataset_val.
@@ -295,6 +296,7 @@ class Step:
             d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
             guard=d.guard, step=number, where=where)
         d.global_step += 1
+        d.state.skipped_steps = d.guard.skipped_steps  # a running total, checkpointed
         run_status.step_finished(d.global_step)
         metrics = dict(d.normalizer.extras)
         for hook in d.hooks:

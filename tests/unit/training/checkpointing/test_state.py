@@ -21,7 +21,8 @@ def test_from_config_seeds_and_reads_the_counters():
 
 
 def test_checkpoint_round_trip_restores_counters_and_rng():
-    state = RecipeState(seed=1, total_epochs=4, max_steps_per_epoch=None, epochs_run=2)
+    state = RecipeState(seed=1, total_epochs=4, max_steps_per_epoch=None, epochs_run=2,
+                        skipped_steps=3)
     entries = state.checkpoint_entries(optimizer_state={"opt": 1})
     assert entries[training.EPOCHS_KEY] == 2 and entries[training.OPT_KEY] == {"opt": 1}
     expected = torch.rand(4)  # what comes next after the checkpoint
@@ -29,7 +30,7 @@ def test_checkpoint_round_trip_restores_counters_and_rng():
     assert saved.optimizer == {"opt": 1}
     resumed = RecipeState(seed=1, total_epochs=4, max_steps_per_epoch=None)
     resumed.resume(saved)
-    assert resumed.epochs_run == 2
+    assert resumed.epochs_run == 2 and resumed.skipped_steps == 3
     assert torch.equal(torch.rand(4), expected)
 
 
