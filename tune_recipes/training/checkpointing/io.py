@@ -149,8 +149,12 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
         cfg.recipe_checkpoint = str(state_path.relative_to(out))
     if full_weights:
         files = _model_files(ckpt_dir)
-        if not files:
-            raise ConfigError(f"no model weights found in {ckpt_dir} to resume from")
+        missing = [f for f in files if not (ckpt_dir / f).is_file()]
+        if not files or missing:
+            what = f"{', '.join(missing)} (named by its index) is missing" if missing else \
+                "it holds no model weights"
+            raise CheckpointError(f"cannot resume from {ckpt_dir}: {what}; restore it, or remove "
+                                  "that folder to resume from the checkpoint before it")
         # Relative to output_dir, where torchtune looks when it loads recipe state.
         cfg.checkpoint_files = [f"{ckpt_dir.name}/{f}" for f in files]
     elif not cfg.get("adapter_checkpoint") and (ckpt_dir / ADAPTER_FILE).is_file():

@@ -207,3 +207,18 @@ def test_refuse_stale_step_checkpoints_names_them_and_passes_an_empty_dir(tmp_pa
         (tmp_path / f"step_{n}").mkdir()
     with pytest.raises(ConfigError, match=r"step_2, step_4, step_6 \.\.\..*resume_from_checkpoint=True"):
         refuse_stale_step_checkpoints(tmp_path)
+
+
+def test_resume_from_a_folder_missing_its_weights_names_them(tmp_path):
+    import json
+
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    step = _step_dir(tmp_path, 4, epochs_run=0)
+    (step / "model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"cannot resume from .*step_4: it holds no model weights"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    # An index that names a file no longer there (torchtune would fail deep in its loader).
+    (step / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"tok_embeddings.weight": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"model-00001-of-00001.safetensors \(named by its index\) is missing"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
