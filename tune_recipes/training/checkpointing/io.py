@@ -77,6 +77,13 @@ def refuse_stale_step_checkpoints(output_dir: Path) -> None:
     stale = step_dirs(output_dir)
     if stale:
         names = ", ".join(p.name for p in stale[:3]) + (" ..." if len(stale) > 3 else "")
+        if newest_checkpoint_dir(output_dir) == latest_epoch_dir(output_dir):
+            raise ConfigError(
+                f"output_dir {output_dir} holds mid-epoch checkpoints of an earlier run ({names}) "
+                f"older than its {latest_epoch_dir(output_dir).name}/: remove the step_<n>/ "
+                "folders or choose another output_dir to start afresh (a later resume could "
+                "take one of them)"
+            )
         raise ConfigError(
             f"output_dir {output_dir} holds mid-epoch checkpoints of an earlier run ({names}): "
             "resume it with resume_from_checkpoint=True, or remove them or choose another "
@@ -193,6 +200,13 @@ def _checked_epoch_dir(out: Path) -> Path:
     state_path = out / RECIPE_STATE_FILE
     if epoch_dir is not None and (epoch_dir / EPOCH_STATE_FILE).is_file():
         state_path = epoch_dir / EPOCH_STATE_FILE  # written with the folder (crash-safe)
+    if epoch_dir is not None and not state_path.is_file():
+        raise ConfigError(
+            f"resume_from_checkpoint=True but {epoch_dir} is the final checkpoint of a finished "
+            "run (the last epoch saves no recipe state): there is nothing to resume; to train "
+            f"further, start a new run from its weights (checkpointer.checkpoint_dir={epoch_dir})"
+            " into another output_dir"
+        )
     if epoch_dir is None or not state_path.is_file():
         raise ConfigError(
             f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ or step_<n>/ "

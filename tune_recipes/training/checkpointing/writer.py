@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -171,6 +172,8 @@ class CheckpointWriter:
                 # The folder's own copy travels with it: resume reads it from there.
                 os.replace(staging / RECIPE_STATE_FILE, written / EPOCH_STATE_FILE)
             publish_dir(written, out / name, staging / "replaced")
+            # torchtune's own lines name the staging folder; this names where it ended up.
+            print(f"saved {what}: {out / name}", file=sys.stderr)
             run_status.checkpoint_saved(out / name)
             if intermediate and shared_state:
                 # Where torchtune's tools look for it. NOTE: epoch checkpoints only: the

@@ -1,6 +1,7 @@
 """Setup steps every recipe performs the same way (one correct answer each)."""
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -66,6 +67,9 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
             cfg.checkpointer, cfg.output_dir, full_weights=not adapter
         )
     if resume:
+        if int(os.environ.get("RANK", "0")) == 0:
+            state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
+            print(f"resuming from {state_file.parent}", file=sys.stderr)
         checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
     else:
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)

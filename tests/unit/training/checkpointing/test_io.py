@@ -15,6 +15,7 @@ from tune_recipes.training.checkpointing.io import (
     latest_epoch_dir,
     lora_checkpoint_entries,
     newest_checkpoint_dir,
+    refuse_stale_step_checkpoints,
     step_dirs,
 )
 
@@ -198,13 +199,12 @@ def test_a_step_folder_whose_state_is_not_its_own_is_refused(tmp_path):
 
 
 def test_refuse_stale_step_checkpoints_names_them_and_passes_an_empty_dir(tmp_path):
-    from tune_recipes.training.checkpointing.io import refuse_stale_step_checkpoints
 
     refuse_stale_step_checkpoints(tmp_path)  # nothing there: a fresh run may start
     (tmp_path / "epoch_0").mkdir()
     refuse_stale_step_checkpoints(tmp_path)  # epoch folders are overwritten, as in torchtune
     for n in (2, 4, 6, 8):
-        (tmp_path / f"step_{n}").mkdir()
+        _step_dir(tmp_path, n, epochs_run=1)  # newer than epoch_0/: an unfinished run
     with pytest.raises(ConfigError, match=r"step_2, step_4, step_6 \.\.\..*resume_from_checkpoint=True"):
         refuse_stale_step_checkpoints(tmp_path)
 
@@ -222,3 +222,17 @@ def test_resume_from_a_folder_missing_its_weights_names_them(tmp_path):
         json.dumps({"weight_map": {"tok_embeddings.weight": "model-00001-of-00001.safetensors"}}))
     with pytest.raises(ConfigError, match=r"model-00001-of-00001.safetensors \(named by its index\) is missing"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+
+
+def test_a_finished_runs_folder_says_so_for_resume_and_for_a_fresh_run(tmp_path):
+    """A finished run leaves its last epoch_<n>/ without recipe state, and maybe older step
+    folders: resume says the run finished (not 'run without resume first'), and a fresh run is
+    told to remove the superseded step folders (not to resume them)."""
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    _step_dir(tmp_path, 19, epochs_run=0)
+    (tmp_path / "epoch_0").mkdir()
+    (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"epoch_0 is the final checkpoint of a finished run"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    with pytest.raises(ConfigError, match=r"\(step_19\) older than its epoch_0/: remove the step_<n>/"):
+        refuse_stale_step_checkpoints(tmp_path)
