@@ -69,6 +69,21 @@ def run_recipe(recipe: str, config: str, output_dir: Path, overrides: Sequence[s
                 check=check)
 
 
+def run_dist(nproc: int, recipe: str, config: str, out: Path, overrides: Sequence[str] = (),
+             check: bool = True):
+    return tune("run", "--nproc_per_node", str(nproc), recipe, "--config", config,
+                f"output_dir={out}", *overrides, check=check)
+
+
+def assert_runs_agree(reference: Path, *others: Path, steps: int, name: str = "model-00001-of-00001.safetensors"):
+    """fp32 CPU runs that must train alike: losses rtol 1e-5, final weights rtol 1e-4 / atol 1e-5."""
+    ref = losses(reference)
+    assert len(ref) == steps
+    for other in others:
+        torch.testing.assert_close(torch.tensor(ref), torch.tensor(losses(other)), rtol=1e-5, atol=0)
+        assert_same_weights(weights(reference, name=name), weights(other, name=name), rtol=1e-4, atol=1e-5)
+
+
 def losses(output_dir: Path) -> List[float]:
     return read_metrics(Path(output_dir) / "metrics.jsonl", "loss")
 
