@@ -2,7 +2,7 @@
 # One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
-#   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed)
+#   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -45,6 +45,26 @@ for step in "$@"; do
             fi
             tar czf "$OUT/speed_logs.tgz" /tmp/speed*.log /tmp/bw/*.log /tmp/bw/*.yaml /tmp/ckpt8b.log 2>/dev/null
             grep -h "^|\|^loss curve\|^checkpoint\|Error" /tmp/speed*.log | cut -c1-230 ;;
+    heads)  # Issue #15 in two calls of < 10 min: the head-to-head rows and the FP8 loss curve now
+            # (1B on GPU 0; the 8B checkpoint, then its heads, on GPU 1), the levers in 'levers'.
+            CUDA_VISIBLE_DEVICES=0 timeout 550 python3 scripts/bench_recipes.py --cases full_1b --reps 2 --work /tmp/bw \
+              --only stock_best,ours_best,ours_fused,ours_fused_fp8 --run-timeout 200 \
+              --out "$OUT/heads_full_1b.json" > /tmp/speed_heads_full_1b.log 2>&1 &
+            CUDA_VISIBLE_DEVICES=1 timeout 550 python3 scripts/bench_recipes.py --cases lora_8b --reps 2 --work /tmp/bw \
+              --only stock_best,ours_best --run-timeout 300 \
+              --out "$OUT/heads_lora_8b.json" > /tmp/speed_heads_lora_8b.log 2>&1 &
+            wait
+            tar czf "$OUT/heads_logs.tgz" /tmp/speed*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
+            grep -h "^|\|^loss curve\|^checkpoint\|Error\|rror" /tmp/speed_heads*.log | cut -c1-300 ;;
+    levers) CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
+              --only ours_fused_inbwd,ours_best_ac --run-timeout 200 \
+              --out "$OUT/levers_full_1b.json" > /tmp/speed_levers_full_1b.log 2>&1 &
+            CUDA_VISIBLE_DEVICES=1 timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
+              --only ours_fused_ac,ours_fused_ac_offload --run-timeout 200 \
+              --out "$OUT/levers_lora_8b.json" > /tmp/speed_levers_lora_8b.log 2>&1 &
+            wait
+            tar czf "$OUT/levers_logs.tgz" /tmp/speed_levers*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
+            grep -h "^|\|^checkpoint\|Error\|rror" /tmp/speed_levers*.log | cut -c1-300 ;;
     ckpt8b) CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 )) python3 scripts/make_random_checkpoint.py \
               --builder torchtune.models.llama3_1.llama3_1_8b --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & ;;
     smoke)  for r in full lora; do
