@@ -60,7 +60,7 @@ for step in "$@"; do
               --only ours_fused_inbwd,ours_best_ac --run-timeout 200 \
               --out "$OUT/levers_full_1b.json" > /tmp/speed_levers_full_1b.log 2>&1 &
             CUDA_VISIBLE_DEVICES=1 timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
-              --only ours_fused_ac,ours_fused_ac_offload --run-timeout 200 \
+              --only ours_fused_ac,ours_fused_ac_offload --run-timeout 300 \
               --out "$OUT/levers_lora_8b.json" > /tmp/speed_levers_lora_8b.log 2>&1 &
             wait
             tar czf "$OUT/levers_logs.tgz" /tmp/speed_levers*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
