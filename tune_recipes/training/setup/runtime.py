@@ -75,7 +75,10 @@ def init_distributed(device_name: str, tensor_parallel_dim: int = 1) -> Runtime:
     if want_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # NCCL for CUDA tensors, gloo for CPU ones: with fsdp_cpu_offload the gradients (and
+        # so the clipping norm's reduction) live on the CPU, which NCCL alone refuses ("No
+        # backend type associated with device type cpu", seen on 2 H200s).
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -45,3 +45,20 @@ def test_tensor_parallel_dim_must_divide_the_world_before_any_rendezvous(monkeyp
     with pytest.raises(ConfigError, match=r"tensor_parallel_dim=2: the world size \(3 processes\)"):
         init_distributed("cpu", tensor_parallel_dim=2)
     assert not started
+
+
+def test_cuda_process_group_also_has_a_cpu_backend(monkeypatch):
+    """CPU-offloaded FSDP reduces CPU tensors: the group must carry gloo beside NCCL."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **k: started.append(k["backend"]))
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    rt = init_distributed("cuda")
+    assert started == ["cuda:nccl,cpu:gloo"] and rt.device == torch.device("cuda", 0)
