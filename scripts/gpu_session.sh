@@ -65,6 +65,37 @@ for step in "$@"; do
             wait
             tar czf "$OUT/levers_logs.tgz" /tmp/speed_levers*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
             grep -h "^|\|^checkpoint\|Error\|rror" /tmp/speed_levers*.log | cut -c1-300 ;;
+    fusedv3) # Issue #11: block-shifted logits beside fp32 logits, the pre-issue-11 loss and peers.
+            python3 scripts/bench_fused_ce.py --shapes 8192x4096 --baseline .whl/baseline_4f17736 \
+              --methods baseline,ours,ours_fp32_logits,ours_fp32_logits_9,ours_block4k,ours_block16k,ours_block32k,ours_block16k_638,ours_fp32,compiled,liger,cce \
+              --out "$OUT/fused_8192.json" > /tmp/fused_8192.log 2>&1
+            python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 --baseline .whl/baseline_4f17736 \
+              --methods baseline,ours,ours_fp32_logits,ours_block16k,compiled,liger,cce --out "$OUT/fused_large.json" > /tmp/fused_large.log 2>&1
+            grep -h "^|" /tmp/fused_8192.log /tmp/fused_large.log | cut -c1-160 ;;
+    fp8dist) mkdir -p /tmp/dbg  # Bisect the 2-GPU FP8 + compile hang: FP8 eager, compile alone, both (stacks dumped at 70 s).
+            export PYTHONFAULTHANDLER=1
+            for extra in "enable_fp8_training=True" "compile=True" "enable_fp8_training=True compile=True"; do
+              tag=$(echo $extra | tr -c 'a-z0-9\n' _ | cut -c1-40)
+              TORCH_LOGS=recompiles timeout 150 python3 -m tune_recipes run --nproc_per_node 2 full_finetune_distributed \
+                --config tiny/full_distributed device=cuda dtype=bf16 max_steps_per_epoch=3 output_dir=/tmp/fd_$tag \
+                log_peak_memory_stats=True $extra > "/tmp/dbg/fp8dist_$tag.log" 2>&1 &
+              pid=$!; for i in $(seq 70); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+              kill -0 $pid 2>/dev/null && pkill -ABRT -f "recipes/full_finetune_distributed.py"; wait $pid
+              echo "$extra rc=$? steps=$(grep -c loss /tmp/fd_$tag/metrics.jsonl 2>/dev/null)"
+            done; tar czf "$OUT/dbg.tgz" /tmp/dbg ;;
+    where)  # Each side's best 1B step under the profiler (GPU 0) beside the lr-3e-4 FP8 curve (GPU 1).
+            CUDA_VISIBLE_DEVICES=0 timeout 240 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
+              --only stock_best_profiled,ours_best_profiled --run-timeout 200 \
+              --out "$OUT/profiled_full_1b.json" > /tmp/where_prof.log 2>&1 &
+            CUDA_VISIBLE_DEVICES=1 timeout 240 python3 scripts/bench_recipes.py --cases full_1b_curve --reps 1 --work /tmp/bw \
+              --run-timeout 200 --out "$OUT/curve_full_1b.json" > /tmp/where_curve.log 2>&1 &
+            wait
+            python3 scripts/trace_summary.py /tmp/bw/prof_stock_best /tmp/bw/prof_ours_best > /tmp/where_traces.txt 2>&1
+            tar czf "$OUT/where.tgz" /tmp/where*.log /tmp/where_traces.txt /tmp/bw/full_1b_curve*.log /tmp/bw/full_1b_*profiled*.log 2>/dev/null
+            grep -h "^|\|^loss curve\|rror" /tmp/where_prof.log /tmp/where_curve.log | cut -c1-250; cut -c1-150 /tmp/where_traces.txt ;;
+    offload) timeout 120 python3 -m tune_recipes run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed \
+              device=cuda dtype=bf16 max_steps_per_epoch=3 output_dir=/tmp/fs_offload log_peak_memory_stats=True \
+              fsdp_cpu_offload=True > /tmp/offload.log 2>&1; echo "fsdp_cpu_offload rc=$? $(tail -1 /tmp/fs_offload/metrics.jsonl | cut -c1-200)"; grep -m5 "rror" /tmp/offload.log ;;
     ckpt8b) CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 )) python3 scripts/make_random_checkpoint.py \
               --builder torchtune.models.llama3_1.llama3_1_8b --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & ;;
     smoke)  for r in full lora; do

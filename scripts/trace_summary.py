@@ -1,0 +1,80 @@
+"""Where a profiled step's GPU time goes: sums the kernels of a torch.profiler chrome trace
+(``.json`` or ``.json.gz``, as torchtune's profiler writes them) by kind, per profiled step.
+
+    python3 scripts/trace_summary.py /tmp/bw/prof_ours_best [more dirs or files ...]
+
+Kinds are matched on kernel names (first match wins): FP8 GEMMs, other GEMMs, attention,
+Triton kernels (compiled elementwise/reduction code and our fused loss), optimizer, collectives,
+copies, the rest. "GPU busy" is the union of kernel intervals; "step wall" the span of the
+ProfilerStep annotations: their difference is time the GPU waited on the host.
+"""
+
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+KINDS = [
+    ("gemm fp8", re.compile(r"e4m3|e5m2|f8f8|fp8|_f8_|nvjet_q", re.I)),
+    ("gemm bf16/fp32", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("triton (compiled / fused CE)", re.compile(r"^triton|ce_grad", re.I)),
+    ("collectives", re.compile(r"nccl", re.I)),
+    ("copies / casts", re.compile(r"copy|memcpy|memset|cast|fill", re.I)),
+]
+
+
+def load(path: Path) -> list:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as fh:
+        return json.load(fh)["traceEvents"]
+
+
+def union_ms(intervals):
+    total, end = 0.0, -1.0
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1000
+
+
+def summarize(path: Path) -> None:
+    events = load(path)
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e]
+    n_steps = max(1, len(steps))
+    by_kind = {}
+    for k in kernels:
+        kind = next((name for name, pat in KINDS if pat.search(k["name"])), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"] / 1000
+    busy = union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    wall = sum(s["dur"] for s in steps) / 1000
+    total = sum(by_kind.values())
+    print(f"\n{path} : {len(steps)} profiled steps, per step: wall {wall / n_steps:.1f} ms, "
+          f"GPU busy {busy / n_steps:.1f} ms, kernels summed {total / n_steps:.1f} ms")
+    print("| kind | ms per step | share of kernel time |\n|---|---|---|")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {ms / n_steps:.1f} | {100 * ms / total:.1f}% |")
+    top = {}
+    for k in kernels:
+        top[k["name"]] = top.get(k["name"], 0.0) + k["dur"] / 1000
+    print("top kernels (ms per step):")
+    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {ms / n_steps:7.2f}  {name[:110]}")
+
+
+def main():
+    for arg in sys.argv[1:]:
+        p = Path(arg)
+        files = sorted(p.rglob("*.json*")) if p.is_dir() else [p]
+        for f in files:
+            if f.name.endswith((".json", ".json.gz")):
+                summarize(f)
+
+
+if __name__ == "__main__":
+    main()
