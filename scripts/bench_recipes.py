@@ -310,6 +310,8 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
     stock_mem = max((r["peak_alloc_gib"] or 0 for r in stock), default=0) or None  # None on CPU
     for v in case["variants"]:
         runs = [r for r in rows if r.get("variant") == v["name"]]
+        if not runs:  # left out by --only (or by the run that was merged)
+            continue
         ok = [r for r in runs if "error" not in r]
         line = {"case": case_name, "variant": v["name"], "label": v["label"], "runs": len(runs)}
         if not ok:
@@ -386,6 +388,8 @@ def plot(result: dict, path: Path) -> None:
             ax.set_title(f"{c['case']}: loss, FP8 vs bf16 (max |diff| {c['max_abs_diff']})", fontsize=9)
             ax.set_xlabel("step")
             ax.legend(fontsize=8)
+        for i in range(len(curves[:2]), 2):
+            axes[i][ncol - 1].axis("off")
     meta = result["meta"]
     fig.suptitle(f"tune-recipes vs torchtune 0.6.1, {meta['gpu']}, torch {meta['torch']}, {meta['date']}",
                  fontsize=10)
@@ -433,7 +437,23 @@ def main():
     ap.add_argument("--work", default="/tmp/bench_recipes")
     ap.add_argument("--run-timeout", type=float, default=420, help="seconds per run")
     ap.add_argument("--plot", default=None, help="only draw the chart of this results JSON")
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="results JSONs of separate runs (e.g. heads and levers) to combine into --out: "
+                         "rows concatenated, ratios to stock recomputed, table and chart redrawn")
     args = ap.parse_args()
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        merged = {"meta": {**parts[0]["meta"], "merged_from": args.merge}, "rows": [], "summary": []}
+        for part in parts:
+            merged["rows"] += part["rows"]
+        for name in dict.fromkeys(r["case"] for r in merged["rows"]):
+            merged["summary"] += aggregate(name, CASES[name], [r for r in merged["rows"] if r["case"] == name])
+        merged["loss_curves"] = loss_curves(merged["rows"])
+        out = Path(args.out)
+        out.write_text(json.dumps(merged, indent=1))
+        plot(merged, out.with_suffix(".png"))
+        print_table(merged)
+        return
     if args.plot:
         result = json.loads(Path(args.plot).read_text())
         plot(result, Path(args.plot).with_suffix(".png"))

@@ -96,6 +96,16 @@ for step in "$@"; do
     offload) timeout 120 python3 -m tune_recipes run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed \
               device=cuda dtype=bf16 max_steps_per_epoch=3 output_dir=/tmp/fs_offload log_peak_memory_stats=True \
               fsdp_cpu_offload=True > /tmp/offload.log 2>&1; echo "fsdp_cpu_offload rc=$? $(tail -1 /tmp/fs_offload/metrics.jsonl | cut -c1-200)"; grep -m5 "rror" /tmp/offload.log ;;
+    tpsmoke) # Tensor parallelism over NCCL: 2 GPUs at tp=2 (one data-parallel group, so the same batches as
+            # 1 process), eager and compiled, beside 1 process; fp32 so the losses can be compared.
+            plan="tensor_parallel_plan._component_=torchtune.models.llama3.base_llama_tp_plan"
+            for run in "1:tensor_parallel_dim=1" "2:tensor_parallel_dim=2 $plan" "2:tensor_parallel_dim=2 $plan compile=True"; do
+              n=${run%%:*}; extra=${run#*:}; tag=$(echo "$n $extra" | tr -c 'a-z0-9\n' _ | cut -c1-30)$(echo $extra | grep -c compile)
+              timeout 150 python3 -m tune_recipes run --nproc_per_node $n full_finetune_distributed --config tiny/full_distributed \
+                device=cuda dtype=fp32 max_steps_per_epoch=4 output_dir=/tmp/tp_$tag $extra > /tmp/tp_$tag.log 2>&1
+              rc=$?; echo "nproc $n ${extra%% tensor_parallel_plan*} $(echo $extra | grep -o compile=True) rc=$rc losses: $(grep -o '"loss": [0-9.]*' /tmp/tp_$tag/metrics.jsonl | cut -c9-18 | tr '\n' ' ')"
+              grep -m3 "rror" /tmp/tp_$tag.log
+            done ;;
     ckpt8b) CUDA_VISIBLE_DEVICES=$(( $(nvidia-smi -L | wc -l) - 1 )) python3 scripts/make_random_checkpoint.py \
               --builder torchtune.models.llama3_1.llama3_1_8b --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & ;;
     smoke)  for r in full lora; do
