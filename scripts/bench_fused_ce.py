@@ -86,6 +86,8 @@ def load_baseline(path):
     sys.modules["baseline_triton_ce"] = tce
     src = (d / "loss.py").read_text()
     src = src.replace("from tune_recipes.modules import _triton_ce", "import baseline_triton_ce as _triton_ce")
+    # The ignore-index constant has moved since (tune_recipes.constants).
+    src = src.replace("from tune_recipes.training.normalization import", "from tune_recipes.constants import")
     mod = type(sys)("baseline_loss")
     exec(compile(src, str(d / "loss.py"), "exec"), mod.__dict__)
     _baseline["fn"] = mod.fused_linear_cross_entropy
