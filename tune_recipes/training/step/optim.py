@@ -22,6 +22,29 @@ def optimizer_in_bwd_flag(cfg) -> bool:
     return in_bwd
 
 
+def multi_tensor_options(cfg_optimizer, params) -> Dict[str, Any]:
+    """``foreach=False`` where the trainable parameters mix DTensors and plain tensors, which
+    torch's multi-tensor (foreach) kernels refuse ("got mixed torch.Tensor and DTensor").
+
+    That mix is pure tensor parallelism (``tensor_parallel_dim`` = the world size): the plan
+    slices the projections into DTensors, there is no FSDP to make the rest (norms) DTensors
+    too, and on CUDA the optimizers default to foreach. Seen on 2 H200s; CPU optimizers default
+    to the per-parameter loop, so CPU runs never showed it. An explicit ``foreach: True`` is a
+    config error naming the key rather than a traceback at the first step."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) < 2:
+        return {}
+    foreach = cfg_optimizer.get("foreach", None)
+    if foreach:
+        raise ConfigError(
+            "optimizer.foreach=True: the trainable parameters mix tensor-parallel DTensors and "
+            "plain tensors (tensor parallelism without data parallelism), which the multi-tensor "
+            "kernels refuse; set optimizer.foreach=False or leave it unset")
+    return {} if foreach is False else {"foreach": False}
+
+
 class OptimizerInBackward:
     """One optimizer per trainable parameter, stepped by a post-accumulate-grad hook as soon as
     that parameter's gradient is ready, then its gradient is freed. Peak memory never holds all
@@ -100,7 +123,8 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
     if optimizer_in_bwd:
         opt = OptimizerInBackward(cfg_optimizer, model)
     else:
-        opt = tt_config.instantiate(cfg_optimizer, [p for p in model.parameters() if p.requires_grad])
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = tt_config.instantiate(cfg_optimizer, params, **multi_tensor_options(cfg_optimizer, params))
     if state_dict is not None:
         if distributed and optimizer_in_bwd:
             # torchtune's helper takes one optimizer; torch's takes the per-parameter ones

@@ -124,6 +124,21 @@ def test_fp8_without_compile_warns(monkeypatch):
     assert len(warnings) == 1
 
 
+def test_fp8_compile_on_unpacked_data_warns_of_dynamic_shape_recompiles(monkeypatch):
+    """Each new batch length recompiled the FP8 layers for minutes on 2 H200s: packed data
+    (one length) is quiet, unpacked data (or one unpacked dataset of a list) warns."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    warnings = []
+    monkeypatch.setattr(fp8_setup.log, "warning", lambda msg, *a: warnings.append(msg % a))
+    packed = {"_component_": "torchtune.datasets.alpaca_dataset", "packed": True}
+    for dataset, warns in ((packed, False), ({**packed, "packed": False}, True),
+                           ([packed, {"_component_": "x"}], True), ([packed, packed], False)):
+        warnings.clear()
+        fp8_recipe_wanted(_cfg(compile=True, dataset=dataset), torch.device("cuda"))
+        assert bool(warnings) == warns, dataset
+        assert not warnings or "dataset.packed=True" in warnings[0]
+
+
 def _train_losses(recipe, steps=8):
     """Losses of ``steps`` AdamW steps of a small Llama (dims multiples of 16) in bf16, on one
     fixed batch, with the linear layers in FP8 when ``recipe`` names one."""

@@ -113,3 +113,39 @@ def test_in_backward_optimizer_iterates_its_per_parameter_optimizers():
     optimizers = list(opt)
     assert len(optimizers) == len([p for p in model.parameters() if p.requires_grad])
     assert all(isinstance(o, torch.optim.AdamW) for o in optimizers)
+
+
+def _half_tensor_parallel_model():
+    """One DTensor weight (as a tensor-parallel plan makes it) beside plain ones (the rest)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model = _mlp()
+    mesh = init_device_mesh("cpu", (1,))
+    model[0].weight = torch.nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Replicate()]))
+    return model
+
+
+def test_mixed_dtensor_and_plain_parameters_get_the_per_parameter_loop(one_rank):
+    """Pure tensor parallelism on CUDA failed at the first step: the foreach kernels refuse a
+    list mixing DTensors and plain tensors. The optimizer is built with foreach=False then (and
+    still steps); an explicit foreach=True is a config error naming the key."""
+    from tune_recipes.training.step.optim import build_optimizer
+
+    model = _half_tensor_parallel_model()
+    cfg = OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-2})
+    opt = build_optimizer(cfg, model)
+    assert opt.defaults["foreach"] is False
+    x = torch.randn(3, 4)
+    from torch.distributed.tensor import DTensor, Replicate
+
+    w0 = model[0].weight
+    hidden = torch.nn.functional.linear(DTensor.from_local(x, w0.device_mesh, [Replicate()]), w0)
+    (model[1](hidden.to_local() + model[0].bias)).sum().backward()
+    before = model[1].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model[1].weight, before)
+    with pytest.raises(ConfigError, match="optimizer.foreach=True"):
+        build_optimizer(OmegaConf.create({**cfg, "foreach": True}), model)
+    # Without the mix nothing is forced (CUDA keeps its foreach default).
+    assert build_optimizer(cfg, _mlp()).defaults["foreach"] is None
