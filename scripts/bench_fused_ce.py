@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import tune_recipes.modules.loss as loss_module  # noqa: E402
 from tune_recipes.modules.loss import fused_linear_cross_entropy  # noqa: E402
 
 V = 128256
@@ -50,27 +49,9 @@ def ours_fp32(h, w, y):
     return fused_linear_cross_entropy(h, w, y, weight_grad_fp32=True)
 
 
-def ours_fp32_logits(h, w, y):
-    # The chunk logits as plain fp32 rows (the default before block-shifted storage): 16 chunks
-    # at 8192 x 4096 within the same byte budget.
-    return fused_linear_cross_entropy(h, w, y, logits_storage="fp32")
-
-
-def ours_fp32_logits_9(h, w, y):
-    # fp32 logits in 638-row chunks (9 at 8192 x 4096): the speed of 9 chunks, 1.33 GiB.
-    return fused_linear_cross_entropy(h, w, y, logits_storage="fp32", chunk_size=638)
-
-
-def _shift_block(block, **kwargs):
-    """The default storage with another column block (each block is one fp32-output product)."""
-    def run(h, w, y):
-        old = loss_module.SHIFT_BLOCK_COLS
-        loss_module.SHIFT_BLOCK_COLS = block
-        try:
-            return fused_linear_cross_entropy(h, w, y, **kwargs)
-        finally:
-            loss_module.SHIFT_BLOCK_COLS = old
-    return run
+def ours_16_chunks(h, w, y):
+    # The same code within 1.2 GiB at 8192 x 4096: 359-row chunks (16 instead of 9).
+    return fused_linear_cross_entropy(h, w, y, chunk_size=359)
 
 
 _baseline = {}
@@ -138,13 +119,7 @@ METHODS = {
     "baseline": ("tune-recipes fused before issue 11 (bf16 logits)", baseline),
     "ours": ("tune-recipes fused (default)", ours),
     "ours_fp32": ("tune-recipes fused, weight_grad_fp32=True", ours_fp32),
-    "ours_fp32_logits": ("tune-recipes fused, logits_storage=fp32", ours_fp32_logits),
-    "ours_fp32_logits_9": ("tune-recipes fused, fp32 logits, chunk_size=638", ours_fp32_logits_9),
-    "ours_block16k": ("tune-recipes fused, shift blocks of 16384", _shift_block(16384)),
-    "ours_block32k": ("tune-recipes fused, shift blocks of 32768", _shift_block(32768)),
-    "ours_block16k_638": ("tune-recipes fused, shift blocks of 16384, chunk_size=638",
-                          _shift_block(16384, chunk_size=638)),
-    "ours_block4k": ("tune-recipes fused, shift blocks of 4096", _shift_block(4096)),
+    "ours_16": ("tune-recipes fused, chunk_size=359", ours_16_chunks),
     "eager": ("plain PyTorch eager", plain_eager),
     "compiled": ("plain PyTorch torch.compile", plain_compiled),
     "torchtune": ("torchtune 0.6.1 CEWithChunkedOutputLoss", torchtune_chunked),

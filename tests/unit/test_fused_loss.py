@@ -102,13 +102,13 @@ def test_default_bf16_accumulation_error_grows_like_a_random_walk(chunk_size):
     """Default mode: each chunk rounds the running weight gradient to bf16 once, so its error
     is bounded by 2.5e-3 * sqrt(chunks / 2) (one chunk: the plain bf16 bound). A dropped or
     doubled chunk would be off by 1/chunks or more and fail."""
-    from tune_recipes.modules.loss import chunk_row_bytes, chunk_rows
+    from tune_recipes.modules.loss import chunk_rows
 
     h, w, b, y = _inputs(256, 64, 500, 0.3, torch.bfloat16, 21)
     fused_linear_cross_entropy(h, w, y, b, chunk_size=chunk_size).backward()
     _, ref = _reference(h, w, b, y, "mean")
     n_valid = int((y != IGNORE).sum())
-    n_chunks = math.ceil(n_valid / chunk_rows(n_valid, chunk_row_bytes(500, torch.bfloat16), chunk_size))
+    n_chunks = math.ceil(n_valid / chunk_rows(n_valid, 500, 2, chunk_size))
     assert (n_chunks > 1) == (chunk_size is not None)
     bound = 2.5e-3 * max(1.0, math.sqrt(n_chunks / 2))
     assert _rel_l2(w.grad, ref[1]) <= bound, (n_chunks, _rel_l2(w.grad, ref[1]))
@@ -128,55 +128,22 @@ def test_bf16_weight_grad_accumulation_modes():
     assert errs[False] > errs[True]
 
 
-@pytest.mark.parametrize("storage, block", [("fp32", None), ("block_shifted", None),
-                                            ("block_shifted", 1000)])
-def test_peaked_logits_stay_within_the_fp32_logits_bound(storage, block, monkeypatch):
-    """The logits are never rounded to bf16 as they are before the softmax. Rounding them
-    (what the loss did before) costs |logit| * 2^-9 on the largest logits, and on peaked logits
-    those dominate the gradient: measured here over seeds 0-3 (512 x 256 x 8192), fp32 logits
-    gave 2.29e-3 to 2.44e-3 (hidden and weight gradients) and bf16 logits 4.69e-3 to 5.05e-3
-    against float64. Block-shifted storage (bf16 minus each (row, column block)'s fp32 max) gave
-    2.29e-3 to 2.48e-3 at blocks of 8192 (one per row here), 2048, 500 and 128 columns (seeds
-    0-1); 1000 runs 9 blocks, the last a partial one. The bound, 3e-3, is the fp32-logits
-    maximum plus ~20%: the bf16 rounding of the gradients themselves, which no bf16 method
-    avoids, sets that floor."""
-    import tune_recipes.modules.loss as loss_module
-
-    if block is not None:
-        monkeypatch.setattr(loss_module, "SHIFT_BLOCK_COLS", block)
+def test_peaked_logits_stay_within_the_fp32_logits_bound():
+    """The logits stay fp32 from the product to the softmax gradient. Rounding them to bf16
+    first (what the loss did before) costs |logit| * 2^-9 on the largest logits, and on peaked
+    logits those dominate the gradient: measured here over seeds 0-3 (512 x 256 x 8192), fp32
+    logits gave 2.29e-3 to 2.44e-3 (hidden and weight gradients) and bf16 logits 4.69e-3 to
+    5.05e-3 against float64. The bound, 3e-3, is the fp32-logits maximum plus ~20%: the bf16
+    rounding of the gradients themselves, which no bf16 method avoids, sets that floor."""
     h, w, y = _peaked_inputs(512, 256, 8192, seed=1)
-    loss = fused_linear_cross_entropy(h, w, y, chunk_size=64, weight_grad_fp32=True, logits_storage=storage)
+    loss = fused_linear_cross_entropy(h, w, y, chunk_size=64, weight_grad_fp32=True)
     loss.backward()
     ref_loss, (ref_h, ref_w, _) = _reference(h, w, None, y, "mean")
     assert 1.5 < ref_loss.item() < 2.5  # the kind of logits this test is about
     assert _rel_l2(h.grad, ref_h) <= 3e-3, _rel_l2(h.grad, ref_h)
     assert _rel_l2(w.grad, ref_w) <= 3e-3, _rel_l2(w.grad, ref_w)
-    # The loss value: bf16 logits moved it by ~4e-4 relative here, fp32 logits by ~1e-7, block-
-    # shifted ones by up to 6.9e-5 (the background logits' rounding in the log-sum-exp).
-    loss_tol = 1e-5 if storage == "fp32" else 1e-4
-    assert abs(loss.item() - ref_loss.item()) <= loss_tol * ref_loss.item()
-
-
-def test_block_shifted_storage_is_16_bit_with_one_fp32_shift_per_row_and_block(monkeypatch):
-    """The stored chunk: bf16 values whose largest per (row, block) is exactly 0, and shifts
-    that add back to the fp32 product within bf16 rounding of the distance to the block max."""
-    import tune_recipes.modules.loss as loss_module
-
-    g = torch.Generator().manual_seed(3)
-    h = torch.randn(5, 32, generator=g).bfloat16()
-    w = torch.randn(250, 32, generator=g).bfloat16()
-    out = torch.empty(5, 250, dtype=torch.bfloat16)
-    scratch = torch.empty(5 * 100)
-    shifts = torch.empty(3, 5)
-    loss_module._block_shifted_logits(loss_module._LogitsProduct(w, torch.float32), h, None, out,
-                                      scratch, shifts, 100)
-    exact = h.double() @ w.double().t()
-    for j, (a, b) in enumerate(((0, 100), (100, 200), (200, 250))):
-        assert torch.equal(out[:, a:b].float().amax(1), torch.zeros(5))
-        torch.testing.assert_close(shifts[j].double(), exact[:, a:b].amax(1), rtol=1e-6, atol=1e-6)
-        restored = out[:, a:b].double() + shifts[j].double()[:, None]
-        dist = (exact[:, a:b] - shifts[j].double()[:, None]).abs()
-        assert ((restored - exact[:, a:b]).abs() <= dist * 2**-8 + 1e-5).all()
+    # bf16 logits also moved the loss by ~4e-4 relative here; fp32 logits by ~1e-7.
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
 
 
 def test_ignored_rows_get_exactly_zero_hidden_gradient():
@@ -311,24 +278,20 @@ def test_module_and_input_validation():
 
 
 def test_chunks_are_even_and_within_the_byte_budget():
-    """Chunks never exceed DEFAULT_CHUNK_BYTES of temporaries, use no more chunks than that
-    bound needs (each costs a pass over the weight gradient), and differ in size by at most one
-    row per chunk (no sliver at the end)."""
-    from tune_recipes.modules.loss import DEFAULT_CHUNK_BYTES, chunk_row_bytes, chunk_rows
+    """Chunks never exceed DEFAULT_CHUNK_BYTES of logits, use no more chunks than that bound
+    needs (each costs a pass over the weight gradient), and differ in size by at most one row
+    per chunk (no sliver at the end)."""
+    from tune_recipes.modules.loss import DEFAULT_CHUNK_BYTES, chunk_rows
 
     vocab = 128256
-    for storage, row_bytes in (("block_shifted", vocab * 2 + 8192 * 4), ("fp32", vocab * 4)):
-        assert chunk_row_bytes(vocab, torch.bfloat16, storage) == row_bytes
-        max_rows = DEFAULT_CHUNK_BYTES // row_bytes
-        for n in (1, 7, max_rows, max_rows + 1, 5734, 22938):
-            rows = chunk_rows(n, row_bytes)
-            chunks = math.ceil(n / rows)
-            assert rows <= max_rows
-            assert chunks == math.ceil(n / max_rows)
-            assert rows - (n - (chunks - 1) * rows) < chunks
-    # fp32 models keep fp32 logits whatever the storage setting.
-    assert chunk_row_bytes(vocab, torch.float32) == vocab * 4
-    assert chunk_rows(100, vocab * 2, chunk_size=30) == 25  # 4 even chunks, not 30+30+30+10
+    max_rows = DEFAULT_CHUNK_BYTES // (vocab * 2)
+    for n in (1, 7, max_rows, max_rows + 1, 5734, 22938):
+        rows = chunk_rows(n, vocab, 2)
+        chunks = math.ceil(n / rows)
+        assert rows <= max_rows
+        assert chunks == math.ceil(n / max_rows)
+        assert rows - (n - (chunks - 1) * rows) < chunks
+    assert chunk_rows(100, vocab, 2, chunk_size=30) == 25  # 4 even chunks, not 30+30+30+10
 
 
 def test_known_valid_count_gives_identical_results_without_the_host_sync():

@@ -70,43 +70,16 @@ def test_fp32_logits_narrowed_in_place_equal_torch_path():
     torch.testing.assert_close(grads[0].float(), grad_t.float(), rtol=2**-7, atol=1e-30)
 
 
-def test_block_shifted_kernel_equals_torch_path():
-    """bf16 logits stored relative to a fp32 shift per (row, 1000-column block; the last one
-    partial): the kernel adds the shifts back exactly as the torch path does."""
-    from tune_recipes.modules import _triton_ce
-    from tune_recipes.modules.loss import _softmax_grad_torch
-
-    v, n, block = 9500, 48, 1000
-    g = torch.Generator(device="cuda").manual_seed(4)
-    logits = (torch.randn(n, v, device="cuda", generator=g) * 2.5).bfloat16()
-    shifts = torch.randn(-(-v // block), n + 7, device="cuda", generator=g)[:, :n] * 10  # row stride > n
-    target = torch.randint(0, v, (n,), device="cuda", generator=g)
-    loss_t, grad_t = _softmax_grad_torch(logits.clone(), target, 0.37, torch.bfloat16, shifts, block)
-    loss_k = torch.full((n,), float("nan"), device="cuda")
-    _, grad_k = _triton_ce.softmax_grad_inplace(logits.clone(), target, 0.37, loss_out=loss_k,
-                                                grad_dtype=torch.bfloat16, shifts=shifts,
-                                                shift_block=block)
-    torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_k.float(), grad_t.float(), rtol=2**-7, atol=1e-30)
-
-
-@pytest.mark.parametrize("storage, block", [("fp32", None), ("block_shifted", None), ("block_shifted", 1000)])
 @pytest.mark.parametrize("weight_grad_fp32", [True, False])
-def test_cuda_peaked_logits_within_the_fp32_logits_bound(weight_grad_fp32, storage, block, monkeypatch):
+def test_cuda_peaked_logits_within_the_fp32_logits_bound(weight_grad_fp32):
     """As test_fused_loss.py's peaked test, on the CUDA path (cuBLAS fp32-output product and
     the Triton kernel); bf16 accumulation of the weight gradient adds one rounding per chunk
     (4 chunks here), bounded as in test_fused_loss.py by tol * sqrt(chunks / 2)."""
-    import tune_recipes.modules.loss as loss_module
-
-    if block is not None:
-        monkeypatch.setattr(loss_module, "SHIFT_BLOCK_COLS", block)
     h, w, y = _peaked_inputs(1024, 256, 8192, seed=2)
     h, w = (t.detach().cuda().requires_grad_() for t in (h, w))
-    loss = fused_linear_cross_entropy(h, w, y.cuda(), chunk_size=180, weight_grad_fp32=weight_grad_fp32,
-                                      logits_storage=storage)
+    loss = fused_linear_cross_entropy(h, w, y.cuda(), chunk_size=180, weight_grad_fp32=weight_grad_fp32)
     loss.backward()
     ref_loss, (ref_h, ref_w, _) = _reference(h.cpu(), w.cpu(), None, y, "mean")
     assert _rel_l2(h.grad.cpu(), ref_h) <= 3e-3
     assert _rel_l2(w.grad.cpu(), ref_w) <= (3e-3 if weight_grad_fp32 else 3e-3 * 2**0.5)
-    loss_tol = 1e-5 if storage == "fp32" else 1e-4  # as test_fused_loss.py's peaked test
-    assert abs(loss.item() - ref_loss.item()) <= loss_tol * ref_loss.item()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()

@@ -2,9 +2,8 @@
 logits twice (log-sum-exp, then the gradient) and writes ``(softmax - onehot) * grad_scale``
 over them, in place; no other copy of the chunk is made.
 
-The logits arrive in fp32 (the GEMM's fp32 output), or block-shifted in bf16 with a fp32 shift
-per (row, column block) that the kernel adds back (rounding plain bf16 logits doubled the
-gradient error on peaked, trained-LM-like logits), and the gradient leaves in the dtype the two
+The logits arrive in fp32 (the GEMM's fp32 output: rounding them to bf16 first doubled the
+gradient error on peaked, trained-LM-like logits) and the gradient leaves in the dtype the two
 gradient products want (bf16 for bf16 models). It is written into the first half of each fp32
 row's bytes, so the gradient is a [rows, V] view with a row stride of 2V elements: no second
 buffer. That is safe because a block's bf16 stores land on fp32 elements at half its column
@@ -46,8 +45,7 @@ def _kernel():
 
     @triton.jit
     def ce_grad(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, loss_ptr, n_rows,
-                n_cols, grad_scale, shift_ptr, shift_stride_block, BLOCK: tl.constexpr,
-                NARROWING: tl.constexpr, SHIFT_BLOCK: tl.constexpr):
+                n_cols, grad_scale, BLOCK: tl.constexpr, NARROWING: tl.constexpr):
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             base = logits_ptr + row.to(tl.int64) * stride_row
             gbase = grad_ptr + row.to(tl.int64) * grad_stride_row
@@ -59,9 +57,6 @@ def _kernel():
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 x = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-                if SHIFT_BLOCK > 0:
-                    x += tl.load(shift_ptr + (cols // SHIFT_BLOCK) * shift_stride_block + row,
-                                 mask=cols < n_cols, other=0.0)
                 # One exponential per element: exp(-|x - max|) rescales whichever side is lower.
                 d = x - lane_max
                 e = tl.exp(-tl.abs(d))
@@ -70,16 +65,11 @@ def _kernel():
             row_max = tl.max(lane_max, 0)
             lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
             x_target = tl.load(base + target).to(tl.float32)
-            if SHIFT_BLOCK > 0:
-                x_target += tl.load(shift_ptr + (target // SHIFT_BLOCK) * shift_stride_block + row)
             tl.store(loss_ptr + row, lse - x_target)
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                if SHIFT_BLOCK > 0:
-                    x += tl.load(shift_ptr + (cols // SHIFT_BLOCK) * shift_stride_block + row,
-                                 mask=mask, other=0.0)
                 g = tl.exp(x - lse) * grad_scale
                 g = tl.where(cols == target, g - grad_scale, g)
                 if NARROWING:
@@ -93,16 +83,13 @@ def _kernel():
 
 
 def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                         loss_out=None, launch=None, grad_dtype=None, shifts=None, shift_block=0):
+                         loss_out=None, launch=None, grad_dtype=None):
     """Returns (per-row loss in fp32, written to ``loss_out`` if given; the logits' scaled
     gradient in ``grad_dtype``, default the logits' dtype).
 
     The gradient overwrites ``logits``: with the same dtype it is ``logits`` itself; with a
     narrower one (fp32 logits, bf16 gradient) it is a [rows, V] view of the same memory whose
-    rows start where the logits' rows start (row stride in elements: 4/2 times the logits').
-
-    With ``shifts`` ([blocks, rows] fp32, row stride >= rows) the stored logits are
-    block-shifted: the logit of column c is ``logits[r, c] + shifts[c // shift_block, r]``."""
+    rows start where the logits' rows start (row stride in elements: 4/2 times the logits')."""
     assert logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
     n_rows, n_cols = logits.shape
     grad_dtype = grad_dtype or logits.dtype
@@ -118,14 +105,9 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
     grid = n_rows if per_sm == 0 else min(n_rows, per_sm * _sm_count(device))
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
     assert loss.dtype == torch.float32 and loss.is_contiguous() and loss.numel() == n_rows
-    if shifts is not None:
-        assert shift_block > 0 and shifts.dtype == torch.float32 and shifts.stride(1) == 1
-        assert shifts.shape == (-(-n_cols // shift_block), n_rows)
     if n_rows:
         _kernel()[(max(1, grid),)](
             logits, logits.stride(0), grad, grad.stride(0), target.contiguous(), loss, n_rows,
-            n_cols, float(grad_scale), loss if shifts is None else shifts,
-            0 if shifts is None else shifts.stride(0), BLOCK=block, NARROWING=grad is not logits,
-            SHIFT_BLOCK=0 if shifts is None else shift_block, num_warps=warps,
+            n_cols, float(grad_scale), BLOCK=block, NARROWING=grad is not logits, num_warps=warps,
         )
     return loss, grad

@@ -27,26 +27,18 @@ from torch import nn
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
-# How a 16-bit model's chunk logits are held between the product and the softmax gradient.
-# "fp32": the GEMM's fp32 output, 4 bytes a logit. "block_shifted": each column block
-# (SHIFT_BLOCK_COLS wide) of the product goes through a small fp32 scratch and is stored in the
-# model's 16-bit dtype minus that (row, block)'s maximum, which is kept in fp32; the softmax adds
-# it back. A stored logit's rounding error is then |x - block max| * 2^-9 instead of |x| * 2^-9:
-# the largest logits of each row, which dominate the gradient, are stored almost exactly, while
-# the chunk takes 2 bytes a logit (+ the scratch), so twice the rows fit in the same memory.
-# NOTE: do not "simplify" this into bf16 logits: rounding |x| ~ 15-20 logits to bf16 doubled the
-# gradient error on peaked, trained-LM-like logits (4.8e-3 vs 2.4e-3; docs/benchmarks.md).
-LOGITS_STORAGE = "block_shifted"
-SHIFT_BLOCK_COLS = 8192
-
-# Bytes of one chunk's temporaries (logits, and the fp32 scratch when block-shifted): the loss's
-# one large temporary besides the weight gradient (the chunk's 16-bit gradient is written over
-# its logits). Each chunk also reads the whole [V, D] weight for two products and re-reads and
-# re-writes the whole weight gradient when W trains, so larger chunks are faster and smaller
-# ones leaner: on an H200 each chunk cost 0.6-0.8 ms at 128256 x 4096. 180 MiB keeps a
-# forward+backward at 8192 x 4096 (30% of labels ignored) near 1.2 GiB above its inputs, the
-# weight gradient included: 9 chunks block-shifted, 16 with fp32 logits (docs/benchmarks.md).
-DEFAULT_CHUNK_BYTES = 180 * 1024**2
+# Bytes of one chunk's fp32 logits: the loss's one large temporary (the chunk's bf16 gradient
+# is written over it). Each chunk also reads the whole [V, D] weight for two products and
+# re-reads and re-writes the whole weight gradient when W trains, so larger chunks are faster
+# and smaller ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 320 MiB is 654 rows
+# at V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks,
+# 1.8% (random logits) / 3.6% (peaked) slower than the bf16-logits loss before issue 11, at
+# 1.327 GiB above its inputs, the weight gradient included. Within 1.2 GiB (chunk_size: 359,
+# 16 chunks) it ran 17-18% slower, and block-shifted bf16 storage (2 bytes a logit, 9 chunks
+# in 1.194 GiB) 15% slower: its extra fp32 pass cost what the chunks saved (docs/benchmarks.md).
+# NOTE: do not go back to bf16 logits for the extra rows: rounding them doubled the gradient
+# error on peaked, trained-LM-like logits (4.8e-3 vs 2.4e-3).
+DEFAULT_CHUNK_BYTES = 320 * 1024**2
 
 
 def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
@@ -64,15 +56,11 @@ def logits_dtype(compute_dtype: torch.dtype) -> torch.dtype:
 
 
 def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                        grad_dtype: Optional[torch.dtype] = None, shifts: Optional[torch.Tensor] = None,
-                        shift_block: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                        grad_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference path (CPU, or CUDA without Triton): per-row loss, and the logits' gradient
     ``(softmax - onehot) * grad_scale`` in ``grad_dtype`` (default: the logits' dtype)."""
     # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if shifts is not None:
-        # Block-shifted storage: logit = stored + the shift of its (row, column block).
-        lf = lf + shifts.t().repeat_interleave(shift_block, dim=1)[:, :lf.shape[1]]
     lse = torch.logsumexp(lf, dim=-1)
     loss_rows = lse - lf.gather(1, target[:, None]).squeeze(1)
     probs = torch.exp(lf.sub_(lse[:, None]))
@@ -82,19 +70,16 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
 
 
 def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor,
-                  grad_dtype: torch.dtype, shifts: Optional[torch.Tensor] = None, shift_block: int = 0):
+                  grad_dtype: torch.dtype):
     """Writes the per-row losses to ``loss_out`` (fp32) and returns the logits' gradient in
-    ``grad_dtype`` (on CUDA written over the logits' own memory). With ``shifts`` ([blocks,
-    rows] fp32) the logits are stored block-shifted: column c of row r is
-    ``logits[r, c] + shifts[c // shift_block, r]``."""
+    ``grad_dtype`` (on CUDA written over the logits' own memory)."""
     if logits.is_cuda:
         from tune_recipes.modules import _triton_ce
 
         if _triton_ce.available():
             return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
-                                                   grad_dtype=grad_dtype, shifts=shifts,
-                                                   shift_block=shift_block)[1]
-    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype, shifts, shift_block)
+                                                   grad_dtype=grad_dtype)[1]
+    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype)
     loss_out.copy_(loss_rows)
     return grad
 
@@ -110,16 +95,15 @@ class _LogitsProduct:
         self.direct = weight.dtype == out_dtype or weight.is_cuda
         self._upcast = None
 
-    def __call__(self, h: torch.Tensor, out: torch.Tensor, cols: Optional[slice] = None) -> torch.Tensor:
-        w = self.weight if cols is None else self.weight[cols]
+    def __call__(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        w = self.weight
         if w.dtype == self.out_dtype:
             return torch.mm(h, w.t(), out=out)
         if self.direct:
             return torch.mm(h, w.t(), out_dtype=self.out_dtype, out=out)
         if self._upcast is None:  # once per call, not per chunk
-            self._upcast = self.weight.to(self.out_dtype)
-        up = self._upcast if cols is None else self._upcast[cols]
-        return torch.mm(h.to(self.out_dtype), up.t(), out=out)
+            self._upcast = w.to(self.out_dtype)
+        return torch.mm(h.to(self.out_dtype), self._upcast.t(), out=out)
 
 
 def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -145,47 +129,18 @@ def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tenso
             acc += part
 
 
-def chunk_rows(n_rows: int, row_bytes: int, chunk_size: Optional[int] = None) -> int:
-    """Rows per chunk: at most ``chunk_size`` (default: as many as DEFAULT_CHUNK_BYTES holds at
-    ``row_bytes`` of temporaries per row), spread evenly so the last chunk is not a sliver
-    (every chunk costs one weight-gradient pass)."""
-    max_rows = chunk_size or max(1, DEFAULT_CHUNK_BYTES // row_bytes)
+def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[int] = None) -> int:
+    """Rows per chunk: at most ``chunk_size`` (default: DEFAULT_CHUNK_BYTES of logits of
+    ``element_size`` bytes), spread evenly so the last chunk is not a sliver (every chunk costs
+    one weight-gradient pass)."""
+    max_rows = chunk_size or max(1, DEFAULT_CHUNK_BYTES // (vocab * element_size))
     n_chunks = -(-n_rows // max_rows)
     return -(-n_rows // max(1, n_chunks))
 
 
-def uses_block_shifted_logits(compute_dtype: torch.dtype, logits_storage: Optional[str] = None) -> bool:
-    """Whether a model in ``compute_dtype`` stores its chunk logits block-shifted (16-bit models
-    unless ``logits_storage="fp32"``; fp32 and fp64 models keep their own dtype)."""
-    return (logits_storage or LOGITS_STORAGE) == "block_shifted" and logits_dtype(compute_dtype) != compute_dtype
-
-
-def chunk_row_bytes(vocab: int, compute_dtype: torch.dtype, logits_storage: Optional[str] = None) -> int:
-    """Bytes of the chunk temporaries per row: its logits, plus its share of the fp32 scratch
-    when block-shifted."""
-    if uses_block_shifted_logits(compute_dtype, logits_storage):
-        return vocab * torch.empty((), dtype=compute_dtype).element_size() + min(SHIFT_BLOCK_COLS, vocab) * 4
-    return vocab * torch.empty((), dtype=logits_dtype(compute_dtype)).element_size()
-
-
-def _block_shifted_logits(logits_mm, h, bias, out, scratch, shifts, block):
-    """The chunk's logits, stored in ``out``'s 16-bit dtype relative to each (row, column
-    block)'s own maximum: ``out[r, c] = round(x[r, c] - shifts[c // block, r])`` with x the
-    exact fp32 product. A block's fp32 product goes through ``scratch`` ([rows x block] fp32)."""
-    rows, vocab = out.shape
-    for j, start in enumerate(range(0, vocab, block)):
-        stop = min(start + block, vocab)
-        x = scratch[:rows * (stop - start)].view(rows, stop - start)
-        logits_mm(h, out=x, cols=slice(start, stop))
-        if bias is not None:
-            x += bias[start:stop]
-        torch.amax(x, dim=1, out=shifts[j])
-        torch.sub(x, shifts[j].unsqueeze(1), out=out[:, start:stop])
-
-
 def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reduction, scaling,
                             need_hidden, need_weight, need_bias, chunk_size, weight_grad_fp32=False,
-                            num_valid=None, logits_storage=None):
+                            num_valid=None):
     n_rows, dim = hidden.shape
     vocab = weight.shape[0]
     compute_dtype = hidden.dtype
@@ -222,22 +177,13 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # Written (not accumulated) by the first chunk, so it needs no zero-fill.
     grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
-    # 16-bit models store the chunk's logits block-shifted (see LOGITS_STORAGE) unless asked
-    # for plain fp32 rows.
-    shifted = uses_block_shifted_logits(compute_dtype, logits_storage)
-    block = min(SHIFT_BLOCK_COLS, vocab)
-    rows = chunk_rows(n_valid, chunk_row_bytes(vocab, compute_dtype, logits_storage), chunk_size)
+    rows = chunk_rows(n_valid, vocab, torch.empty((), dtype=lg_dtype).element_size(), chunk_size)
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
     # Per-row losses (fp32), summed once at the end: no per-chunk reduction launches.
     loss_rows = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
     # One logits buffer serves every chunk (the chunk's gradient is written over it on CUDA).
+    logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=lg_dtype, device=hidden.device)
     logits_mm = _LogitsProduct(weight, lg_dtype)
-    if shifted:
-        logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=compute_dtype, device=hidden.device)
-        scratch = torch.empty(min(rows, n_valid) * block, dtype=lg_dtype, device=hidden.device)
-        shift_buf = torch.empty(-(-vocab // block), min(rows, n_valid), dtype=lg_dtype, device=hidden.device)
-    else:
-        logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=lg_dtype, device=hidden.device)
     # Every row written: no zero-fill. With ignored rows, the valid rows are gathered, a chunk
     # at a time, into a compact [n_valid, D] buffer whose slot then takes the chunk's hidden
     # gradient; the zero-filled [N, D] gradient is made after the loop, once the logits buffer
@@ -256,16 +202,10 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             slot = compact[start:stop] if need_hidden else compact[:stop - start]
             h = torch.index_select(hidden, 0, idx, out=slot)
         y = y_valid[start:stop]
-        if shifted:
-            logits, shifts = logits_buf[:stop - start], shift_buf[:, :stop - start]
-            _block_shifted_logits(logits_mm, h, bias, logits, scratch, shifts, block)
-            grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype,
-                                        shifts, block)
-        else:
-            logits = logits_mm(h, out=logits_buf[:stop - start])
-            if bias is not None:
-                logits += bias
-            grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype)
+        logits = logits_mm(h, out=logits_buf[:stop - start])
+        if bias is not None:
+            logits += bias
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
         if need_weight:
@@ -275,8 +215,6 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             # gathered rows the two products above have consumed.
             torch.mm(grad_logits, weight, out=grad_hidden[start:stop] if all_valid else h)
     del logits_buf, logits, grad_logits, h, logits_mm
-    if shifted:
-        del scratch, shift_buf, shifts
     if need_hidden and not all_valid:
         grad_hidden = torch.zeros_like(hidden).index_copy_(0, valid_idx, compact)
     del compact
@@ -289,12 +227,12 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, scaling, chunk_size,
-                weight_grad_fp32, num_valid, logits_storage):
+                weight_grad_fp32, num_valid):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         loss, g_h, g_w, g_b = _chunked_loss_and_grads(
             hidden, weight, bias, labels, ignore_index, reduction, scaling,
             need_hidden, need_weight, need_bias and bias is not None, chunk_size,
-            weight_grad_fp32, num_valid, logits_storage,
+            weight_grad_fp32, num_valid,
         )
         ctx.scaling = scaling
         ctx.save_for_backward(g_h, g_w, g_b)
@@ -312,7 +250,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if go == 0.0:
             # Chain rule: a zero upstream gradient gives zero gradients, whatever the scaling.
             zeros = [None if g is None else torch.zeros_like(g) for g in (g_h, g_w, g_b)]
-            return (*zeros, None, None, None, None, None, None, None, None)
+            return (*zeros, None, None, None, None, None, None, None)
         if ctx.scaling == 0.0:
             raise RuntimeError(
                 f"FusedLinearCrossEntropy was called with scaling=0, so its saved gradients are "
@@ -322,10 +260,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         factor = go / ctx.scaling
         if factor == 1.0:
             # The common case (grad_output == scaling): hand out the saved tensors, no copy.
-            return g_h, g_w, g_b, None, None, None, None, None, None, None, None
+            return g_h, g_w, g_b, None, None, None, None, None, None, None
         # Out of place: the saved tensors stay intact for a retain_graph second backward.
         scaled = [None if g is None else g * factor for g in (g_h, g_w, g_b)]
-        return (*scaled, None, None, None, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(
@@ -340,7 +278,6 @@ def fused_linear_cross_entropy(
     chunk_size: Optional[int] = None,
     weight_grad_fp32: bool = False,
     num_valid: Optional[int] = None,
-    logits_storage: Optional[str] = None,
 ) -> torch.Tensor:
     """CE(hidden @ weight.T + bias, labels) without materializing the [N, V] logits.
 
@@ -348,11 +285,7 @@ def fused_linear_cross_entropy(
     [B, T] or [N]. ``scaling`` is the factor the caller multiplies the loss by before backward.
     ``num_valid``, if the caller knows it, is the number of labels that are not
     ``ignore_index``: it saves the one host sync (it is checked on the device).
-    ``logits_storage`` ("block_shifted" or "fp32"; default LOGITS_STORAGE) picks how a 16-bit
-    model's chunk logits are held between the product and the softmax gradient.
     """
-    if logits_storage not in (None, "block_shifted", "fp32"):
-        raise ValueError(f"logits_storage must be 'block_shifted' or 'fp32', got {logits_storage!r}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if hidden.shape[:-1] != labels.shape:
@@ -363,7 +296,7 @@ def fused_linear_cross_entropy(
     y = labels.reshape(-1)
     return _FusedLinearCrossEntropy.apply(
         h2, weight, bias, y, ignore_index, reduction, _as_float(scaling), chunk_size,
-        weight_grad_fp32, None if num_valid is None else int(num_valid), logits_storage,
+        weight_grad_fp32, None if num_valid is None else int(num_valid),
     )
 
 
