@@ -203,6 +203,10 @@ SCHEMA: List[Rule] = [
     Rule("keep_last_n_checkpoints", optional(integer(1))),
     Rule("save_adapter_weights_only", boolean),
     Rule("enable_activation_checkpointing", boolean),
+    Rule("enable_activation_offloading", boolean),
+    # null is a value of its own here: "not set", so that fsdp.cpu_offload decides
+    # (fsdp_offload_problem below); any other non-bool is a mistake.
+    Rule("fsdp_cpu_offload", optional(boolean)),
     Rule("fsdp_reshard_after_forward", boolean),
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
@@ -366,12 +370,55 @@ def _tensor_parallel_rules(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def activation_offloading_problem(cfg: DictConfig) -> Optional[str]:
+    """``enable_activation_offloading`` without activation checkpointing, or None. The one check
+    both ``tune validate`` (CROSS_KEY) and the recipe's start
+    (training/setup/offloading.activation_offloading_wanted) make, so they cannot disagree."""
+    if cfg.get("enable_activation_offloading", False) and \
+            not cfg.get("enable_activation_checkpointing", False):
+        return ("enable_activation_offloading=True needs enable_activation_checkpointing=True: "
+                "without it every intermediate activation crosses to CPU memory and back, which "
+                "costs more time than it saves memory (torchtune refuses it too)")
+    return None
+
+
+def fsdp_offload_problem(cfg: DictConfig) -> Optional[str]:
+    """What is wrong with the ``fsdp:`` section, or None.
+
+    torchtune 0.6.1's recipes never read ``fsdp`` (three of its QLoRA configs for
+    lora_finetune_distributed carry ``fsdp: {cpu_offload: False}``); ours read
+    ``fsdp.cpu_offload`` as another spelling of ``fsdp_cpu_offload``
+    (training/setup/distributed.fsdp_cpu_offload_requested, which raises this same message), so
+    the section takes that one field, and the two spellings must not disagree. Checked by
+    ``tune validate`` and at the run's start alike."""
+    section = _value(cfg, "fsdp")
+    if section is _MISSING or section is None:
+        return None
+    if not isinstance(section, dict):
+        return (f"fsdp={_show(section)}: expected a mapping with cpu_offload "
+                "(fsdp: {cpu_offload: True}), or use fsdp_cpu_offload")
+    unknown = sorted(str(k) for k in section if k != "cpu_offload")
+    if unknown:
+        return (f"{', '.join('fsdp.' + k for k in unknown)}: unknown key(s); the fsdp section "
+                "takes only cpu_offload (the same as fsdp_cpu_offload)")
+    nested = section.get("cpu_offload", None)
+    if nested is not None and not isinstance(nested, bool):
+        return f"fsdp.cpu_offload={_show(nested)}: expected True or False"
+    flat = cfg.get("fsdp_cpu_offload", None)
+    if flat is not None and nested is not None and bool(flat) != nested:
+        return (f"fsdp_cpu_offload={flat} contradicts fsdp.cpu_offload={nested}: they are one "
+                "setting; set one of them (or both alike)")
+    return None
+
+
 # (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
 CROSS_KEY: List[tuple] = [
     (("tensor_parallel_dim",), _tensor_parallel_rules),
     (("optimizer_in_bwd",), _in_backward_rules),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
+    (("enable_activation_offloading",), activation_offloading_problem),
+    (("fsdp",), fsdp_offload_problem),
 ]
 
 
