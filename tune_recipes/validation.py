@@ -439,6 +439,10 @@ class StockKey:
     feature: str
     asks: Callable[[Any], bool]
     field: str = ""  # for a mapping: the field that decides (profiler.enabled)
+    # The value that leaves the feature off, for the error's "set it to ...": the one value
+    # ``asks`` accepts, said exactly (False is not "off" for a key that only takes null).
+    off: str = "False"
+    why: str = ""  # why a value that looks off is not (appended to the error)
 
 
 def _true(v) -> bool:
@@ -457,20 +461,39 @@ TORCHTUNE_KEYS = {
         "activation offloading streams (only used with enable_activation_offloading)",
         lambda v: False),
     "fsdp_cpu_offload": StockKey("FSDP CPU offload of parameters and optimizer state", _true),
+    # Only in a recipe without FSDP: the distributed recipes declare ``fsdp`` (see
+    # fsdp_offload_problem), so this entry speaks to the single-device ones.
     "fsdp": StockKey("FSDP CPU offload",
                      lambda v: isinstance(v, dict) and bool(v.get("cpu_offload", False)),
                      field="cpu_offload"),
-    "low_cpu_ram": StockKey("low-CPU-RAM checkpoint loading", _true),
+    # torchtune: the QLoRA state-dict hook that dequantizes NF4 weights at save time builds
+    # them through a memory-mapped file (common_utils._use_low_cpu_ram).
+    "low_cpu_ram": StockKey("building the merged model at save time with little CPU memory",
+                            _true),
     "tensor_parallel_dim": StockKey("tensor parallelism",
-                                    lambda v: _is_number(v) and v > 1),
+                                    lambda v: _is_number(v) and v > 1, off="1"),
     "tensor_parallel_plan": StockKey(
         "a tensor parallel plan (only used with tensor_parallel_dim > 1)", lambda v: False),
     "optimizer_in_bwd": StockKey("the optimizer step inside backward", _true),
-    "ac_mode": StockKey("selective activation checkpointing (ac_mode)", lambda v: v is not None),
+    # Stock (full_finetune_distributed, qat_distributed): `if not enable_activation_checkpointing
+    # and ac_mode is not None` applies selective checkpointing with ac_option, so False is not
+    # off; only null is. ac_option is refused with a value too: it only means selective
+    # checkpointing.
+    "ac_mode": StockKey("selective activation checkpointing (ac_mode)", lambda v: v is not None,
+                        off="null", why="torchtune applies selective checkpointing for any "
+                                        "value but null, False included"),
     "ac_option": StockKey("selective activation checkpointing (ac_option)",
-                          lambda v: v is not None),
+                          lambda v: v is not None, off="null",
+                          why="torchtune hands it to selective checkpointing with ac_mode"),
     "enable_async_checkpointing": StockKey("asynchronous checkpointing", _true),
-    "cudnn_deterministic_mode": StockKey("cuDNN deterministic mode", lambda v: v is not None),
+    # NOTE: False is not off. torchtune 0.6.1 hands any non-null value to
+    # torch.set_deterministic_debug_mode via training.set_seed; False is 0 ("default"), which
+    # also sets torch.backends.cudnn.benchmark = True (cuDNN autotuning, non-deterministic
+    # kernels). Only null leaves torch's settings alone, so only null is accepted here.
+    "cudnn_deterministic_mode": StockKey(
+        "cuDNN deterministic mode", lambda v: v is not None, off="null",
+        why="torchtune passes any other value to torch.set_deterministic_debug_mode, and "
+            "False is its mode 0, which also turns cuDNN benchmark on"),
     "profile_memory": StockKey("memory profiling (profile_memory)", _true),
 }
 
@@ -509,19 +532,26 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
     if typos:
         parts = []
         for k in typos:
-            close = difflib.get_close_matches(k, sorted(known), n=1)
+            # torchtune's keys too: a misspelt stock key (cudnn_determinstic_mode) is as
+            # likely as a misspelt one of ours.
+            close = difflib.get_close_matches(k, sorted(known | set(TORCHTUNE_KEYS)), n=1)
             parts.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         hint = "" if any("did you mean" in p for p in parts) else f"; its keys are: {', '.join(sorted(known))}"
         raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
     for k in unknown:
         spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)
         shown = f"{k}={_show(value)}"
-        if spec.field and isinstance(value, dict):
+        if spec.field and isinstance(value, dict) and spec.field in value:
             shown = f"{k}.{spec.field}={_show(value.get(spec.field))}"
         if spec.asks(value):
+            # Name the one accepted value: "turn it off" read as False for keys whose only
+            # off value is null (cudnn_deterministic_mode=False is refused).
+            target = f"{k}.{spec.field}" if spec.field else k
+            why = f"; {spec.why}" if spec.why else ""
             raise ConfigError(
                 f"{shown}: {spec.feature} is not implemented by {recipe} "
-                f"(a torchtune 0.6.1 key; turn it off or remove it; docs/migrating.md)")
+                f"(a torchtune 0.6.1 key; set {target}={spec.off} or remove {k}{why}; "
+                "docs/migrating.md)")
         _warn(f"{recipe} ignores {shown} ({spec.feature} is not implemented; "
               "this value leaves it off)")
 

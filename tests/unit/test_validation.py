@@ -154,6 +154,10 @@ CASES = [
     # low_cpu_ram (lora_finetune_single_device)
     ("tiny/lora_single_device", ["low_cpu_ram=maybe"], "low_cpu_ram=maybe: expected True or False"),
     ("tiny/lora_single_device", ["low_cpu_ram=1"], "low_cpu_ram=1: expected True or False"),
+    # where it is not implemented, the error names what the key does in torchtune
+    ("tiny/full_single_device", ["low_cpu_ram=True"],
+     "low_cpu_ram=True: building the merged model at save time with little CPU memory is not "
+     "implemented by full_finetune_single_device"),
     # the offload flags are bools (1 and "yes" used to pass validate)
     ("tiny/full_single_device", ["enable_activation_offloading=1"],
      "enable_activation_offloading=1: expected True or False"),
@@ -174,6 +178,16 @@ CASES = [
     ("tiny/qat_lora_distributed", ["fsdp.cpu_offload=1"], "fsdp.cpu_offload=1: expected True or False"),
     ("tiny/lora_distributed", ["fsdp.cpu_offload=False", "fsdp_cpu_offload=True"],
      "fsdp_cpu_offload=True contradicts fsdp.cpu_offload=False"),
+    # a stock key whose only off value is null says so (False looks off but is not)
+    ("tiny/full_single_device", ["cudnn_deterministic_mode=False"],
+     "cudnn_deterministic_mode=False: cuDNN deterministic mode is not implemented by "
+     "full_finetune_single_device (a torchtune 0.6.1 key; set cudnn_deterministic_mode=null or "
+     "remove cudnn_deterministic_mode;"),
+    ("tiny/qat_distributed", ["ac_mode=False"], "set ac_mode=null or remove ac_mode"),
+    ("tiny/qat_distributed", ["ac_option=2"], "set ac_option=null or remove ac_option"),
+    # a misspelt torchtune key gets a did-you-mean too
+    ("tiny/full_single_device", ["cudnn_determinstic_mode=null"],
+     "'cudnn_determinstic_mode' (did you mean 'cudnn_deterministic_mode'?)"),
 ]
 
 
@@ -466,3 +480,67 @@ def test_validate_refuses_offloading_without_checkpointing_as_the_recipe_does(co
     assert main(["validate", config, *overrides]) == 0
     activation_offloading_wanted(load_config(registry.resolve_config(config).path, overrides),
                                  torch.device("cpu"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key,on,fix,off", [
+    ("profiler", {"enabled": True}, "set profiler.enabled=False or remove profiler",
+     {"enabled": False}),
+    ("low_cpu_ram", True, "set low_cpu_ram=False or remove low_cpu_ram", False),
+    ("tensor_parallel_dim", 2, "set tensor_parallel_dim=1 or remove tensor_parallel_dim", 1),
+    ("ac_mode", "selective", "set ac_mode=null or remove ac_mode", None),
+    ("ac_option", False, "set ac_option=null or remove ac_option", None),
+    ("cudnn_deterministic_mode", True, "set cudnn_deterministic_mode=null or remove", None),
+    ("cudnn_deterministic_mode", False, "set cudnn_deterministic_mode=null or remove", None),
+    ("fsdp", {"cpu_offload": True}, "set fsdp.cpu_offload=False or remove fsdp",
+     {"cpu_offload": False}),
+])
+def test_the_error_names_the_value_that_is_accepted(key, on, fix, off, capsys, monkeypatch):
+    from tune_recipes import validation
+
+    # Warnings print once per process; start this case with none printed.
+    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    keys = _keys("full_finetune_single_device") - {key}
+    cfg = _tiny("tiny/full_single_device")
+    cfg[key] = on
+    with pytest.raises(ConfigError, match="is not implemented by") as e:
+        check_top_level_keys(cfg, keys, "some_recipe")
+    assert fix in str(e.value) and "turn it off" not in str(e.value)
+    # ... and the value it names is accepted, with the one-line warning.
+    cfg[key] = off
+    check_top_level_keys(cfg, keys, "some_recipe")
+    assert capsys.readouterr().err.startswith(f"warning: some_recipe ignores {key}")
+
+
+@pytest.mark.unit
+def test_cudnn_deterministic_mode_false_is_not_off_in_torchtune():
+    # Why only null is accepted: torchtune 0.6.1's set_seed hands False to torch as debug mode 0,
+    # which turns cuDNN benchmark on (a change of behaviour, not "nothing").
+    from torchtune import training
+
+    before = (torch.backends.cudnn.benchmark, torch.get_deterministic_debug_mode())
+    try:
+        torch.backends.cudnn.benchmark = False
+        training.set_seed(0, debug_mode=False)
+        assert torch.backends.cudnn.benchmark is True
+        torch.backends.cudnn.benchmark = False
+        training.set_seed(0, debug_mode=None)
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = before[0]
+        torch.set_deterministic_debug_mode(before[1])
+
+
+@pytest.mark.unit
+def test_an_ignored_section_without_the_deciding_field_is_shown_whole(capsys, monkeypatch):
+    # A single-device recipe ignores `fsdp`; its warning used to read "fsdp.cpu_offload=None"
+    # for a section that has no cpu_offload at all.
+    from tune_recipes import validation
+
+    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    assert main(["validate", "tiny/full_single_device", "fsdp.foo=1"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: full_finetune_single_device ignores fsdp={'foo': 1}" in err
+    assert "cpu_offload=None" not in err
