@@ -51,7 +51,7 @@ CONFIG_KEYS = {
     "collate_fn", "save_adapter_weights_only",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
-    "enable_activation_offloading", "fsdp_cpu_offload",
+    "enable_activation_offloading", "fsdp_cpu_offload", "fsdp",
     "save_every_n_steps", "keep_last_n_checkpoints",
 }
 

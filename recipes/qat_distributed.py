@@ -45,7 +45,7 @@ CONFIG_KEYS = {
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
     "collate_fn", "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val",
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
-    "enable_activation_offloading", "fsdp_cpu_offload",
+    "enable_activation_offloading", "fsdp_cpu_offload", "fsdp",
     "save_every_n_steps", "keep_last_n_checkpoints",
 }
 

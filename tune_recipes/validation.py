@@ -203,6 +203,10 @@ SCHEMA: List[Rule] = [
     Rule("keep_last_n_checkpoints", optional(integer(1))),
     Rule("save_adapter_weights_only", boolean),
     Rule("enable_activation_checkpointing", boolean),
+    Rule("enable_activation_offloading", boolean),
+    # null is a value of its own here: "not set", so that fsdp.cpu_offload decides
+    # (fsdp_offload_problem below); any other non-bool is a mistake.
+    Rule("fsdp_cpu_offload", optional(boolean)),
     Rule("fsdp_reshard_after_forward", boolean),
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
@@ -366,12 +370,55 @@ def _tensor_parallel_rules(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def activation_offloading_problem(cfg: DictConfig) -> Optional[str]:
+    """``enable_activation_offloading`` without activation checkpointing, or None. The one check
+    both ``tune validate`` (CROSS_KEY) and the recipe's start
+    (training/setup/offloading.activation_offloading_wanted) make, so they cannot disagree."""
+    if cfg.get("enable_activation_offloading", False) and \
+            not cfg.get("enable_activation_checkpointing", False):
+        return ("enable_activation_offloading=True needs enable_activation_checkpointing=True: "
+                "without it every intermediate activation crosses to CPU memory and back, which "
+                "costs more time than it saves memory (torchtune refuses it too)")
+    return None
+
+
+def fsdp_offload_problem(cfg: DictConfig) -> Optional[str]:
+    """What is wrong with the ``fsdp:`` section, or None.
+
+    torchtune 0.6.1's recipes never read ``fsdp`` (three of its QLoRA configs for
+    lora_finetune_distributed carry ``fsdp: {cpu_offload: False}``); ours read
+    ``fsdp.cpu_offload`` as another spelling of ``fsdp_cpu_offload``
+    (training/setup/distributed.fsdp_cpu_offload_requested, which raises this same message), so
+    the section takes that one field, and the two spellings must not disagree. Checked by
+    ``tune validate`` and at the run's start alike."""
+    section = _value(cfg, "fsdp")
+    if section is _MISSING or section is None:
+        return None
+    if not isinstance(section, dict):
+        return (f"fsdp={_show(section)}: expected a mapping with cpu_offload "
+                "(fsdp: {cpu_offload: True}), or use fsdp_cpu_offload")
+    unknown = sorted(str(k) for k in section if k != "cpu_offload")
+    if unknown:
+        return (f"{', '.join('fsdp.' + k for k in unknown)}: unknown key(s); the fsdp section "
+                "takes only cpu_offload (the same as fsdp_cpu_offload)")
+    nested = section.get("cpu_offload", None)
+    if nested is not None and not isinstance(nested, bool):
+        return f"fsdp.cpu_offload={_show(nested)}: expected True or False"
+    flat = cfg.get("fsdp_cpu_offload", None)
+    if flat is not None and nested is not None and bool(flat) != nested:
+        return (f"fsdp_cpu_offload={flat} contradicts fsdp.cpu_offload={nested}: they are one "
+                "setting; set one of them (or both alike)")
+    return None
+
+
 # (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
 CROSS_KEY: List[tuple] = [
     (("tensor_parallel_dim",), _tensor_parallel_rules),
     (("optimizer_in_bwd",), _in_backward_rules),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
+    (("enable_activation_offloading",), activation_offloading_problem),
+    (("fsdp",), fsdp_offload_problem),
 ]
 
 
@@ -392,6 +439,10 @@ class StockKey:
     feature: str
     asks: Callable[[Any], bool]
     field: str = ""  # for a mapping: the field that decides (profiler.enabled)
+    # The value that leaves the feature off, for the error's "set it to ...": the one value
+    # ``asks`` accepts, said exactly (False is not "off" for a key that only takes null).
+    off: str = "False"
+    why: str = ""  # why a value that looks off is not (appended to the error)
 
 
 def _true(v) -> bool:
@@ -410,20 +461,39 @@ TORCHTUNE_KEYS = {
         "activation offloading streams (only used with enable_activation_offloading)",
         lambda v: False),
     "fsdp_cpu_offload": StockKey("FSDP CPU offload of parameters and optimizer state", _true),
+    # Only in a recipe without FSDP: the distributed recipes declare ``fsdp`` (see
+    # fsdp_offload_problem), so this entry speaks to the single-device ones.
     "fsdp": StockKey("FSDP CPU offload",
                      lambda v: isinstance(v, dict) and bool(v.get("cpu_offload", False)),
                      field="cpu_offload"),
-    "low_cpu_ram": StockKey("low-CPU-RAM checkpoint loading", _true),
+    # torchtune: the QLoRA state-dict hook that dequantizes NF4 weights at save time builds
+    # them through a memory-mapped file (common_utils._use_low_cpu_ram).
+    "low_cpu_ram": StockKey("building the merged model at save time with little CPU memory",
+                            _true),
     "tensor_parallel_dim": StockKey("tensor parallelism",
-                                    lambda v: _is_number(v) and v > 1),
+                                    lambda v: _is_number(v) and v > 1, off="1"),
     "tensor_parallel_plan": StockKey(
         "a tensor parallel plan (only used with tensor_parallel_dim > 1)", lambda v: False),
     "optimizer_in_bwd": StockKey("the optimizer step inside backward", _true),
-    "ac_mode": StockKey("selective activation checkpointing (ac_mode)", lambda v: v is not None),
+    # Stock (full_finetune_distributed, qat_distributed): `if not enable_activation_checkpointing
+    # and ac_mode is not None` applies selective checkpointing with ac_option, so False is not
+    # off; only null is. ac_option is refused with a value too: it only means selective
+    # checkpointing.
+    "ac_mode": StockKey("selective activation checkpointing (ac_mode)", lambda v: v is not None,
+                        off="null", why="torchtune applies selective checkpointing for any "
+                                        "value but null, False included"),
     "ac_option": StockKey("selective activation checkpointing (ac_option)",
-                          lambda v: v is not None),
+                          lambda v: v is not None, off="null",
+                          why="torchtune hands it to selective checkpointing with ac_mode"),
     "enable_async_checkpointing": StockKey("asynchronous checkpointing", _true),
-    "cudnn_deterministic_mode": StockKey("cuDNN deterministic mode", lambda v: v is not None),
+    # NOTE: False is not off. torchtune 0.6.1 hands any non-null value to
+    # torch.set_deterministic_debug_mode via training.set_seed; False is 0 ("default"), which
+    # also sets torch.backends.cudnn.benchmark = True (cuDNN autotuning, non-deterministic
+    # kernels). Only null leaves torch's settings alone, so only null is accepted here.
+    "cudnn_deterministic_mode": StockKey(
+        "cuDNN deterministic mode", lambda v: v is not None, off="null",
+        why="torchtune passes any other value to torch.set_deterministic_debug_mode, and "
+            "False is its mode 0, which also turns cuDNN benchmark on"),
     "profile_memory": StockKey("memory profiling (profile_memory)", _true),
 }
 
@@ -462,19 +532,26 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
     if typos:
         parts = []
         for k in typos:
-            close = difflib.get_close_matches(k, sorted(known), n=1)
+            # torchtune's keys too: a misspelt stock key (cudnn_determinstic_mode) is as
+            # likely as a misspelt one of ours.
+            close = difflib.get_close_matches(k, sorted(known | set(TORCHTUNE_KEYS)), n=1)
             parts.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         hint = "" if any("did you mean" in p for p in parts) else f"; its keys are: {', '.join(sorted(known))}"
         raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
     for k in unknown:
         spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)
         shown = f"{k}={_show(value)}"
-        if spec.field and isinstance(value, dict):
+        if spec.field and isinstance(value, dict) and spec.field in value:
             shown = f"{k}.{spec.field}={_show(value.get(spec.field))}"
         if spec.asks(value):
+            # Name the one accepted value: "turn it off" read as False for keys whose only
+            # off value is null (cudnn_deterministic_mode=False is refused).
+            target = f"{k}.{spec.field}" if spec.field else k
+            why = f"; {spec.why}" if spec.why else ""
             raise ConfigError(
                 f"{shown}: {spec.feature} is not implemented by {recipe} "
-                f"(a torchtune 0.6.1 key; turn it off or remove it; docs/migrating.md)")
+                f"(a torchtune 0.6.1 key; set {target}={spec.off} or remove {k}{why}; "
+                "docs/migrating.md)")
         _warn(f"{recipe} ignores {shown} ({spec.feature} is not implemented; "
               "this value leaves it off)")
 

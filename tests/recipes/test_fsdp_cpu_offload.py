@@ -24,3 +24,18 @@ def test_fsdp_cpu_offload_on_cpu_runs_as_off(tmp_path):
     assert len(runs["off"]) == 2
     torch.testing.assert_close(torch.tensor(runs["flat"]), torch.tensor(runs["off"]), rtol=0, atol=0)
     torch.testing.assert_close(torch.tensor(runs["section"]), torch.tensor(runs["off"]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe,config", [
+    ("full_finetune_distributed", "tiny/full_distributed"),
+    ("knowledge_distillation_distributed", "tiny/kd_distributed"),  # student and teacher
+])
+def test_every_distributed_recipe_reads_the_fsdp_section(recipe, config, tmp_path):
+    # Before, only lora_finetune_distributed declared `fsdp`: the others refused
+    # fsdp.cpu_offload=True as "not implemented" although they shard with the same offload.
+    proc = tune("run", "--nproc_per_node", "2", recipe, "--config", config,
+                f"output_dir={tmp_path}", "max_steps_per_epoch=1", "fsdp_cpu_offload=null",
+                "fsdp.cpu_offload=True")
+    out = proc.stdout + proc.stderr
+    assert "nothing to offload" in out and "not implemented" not in out
+    assert len(losses(tmp_path)) == 1

@@ -154,6 +154,40 @@ CASES = [
     # low_cpu_ram (lora_finetune_single_device)
     ("tiny/lora_single_device", ["low_cpu_ram=maybe"], "low_cpu_ram=maybe: expected True or False"),
     ("tiny/lora_single_device", ["low_cpu_ram=1"], "low_cpu_ram=1: expected True or False"),
+    # where it is not implemented, the error names what the key does in torchtune
+    ("tiny/full_single_device", ["low_cpu_ram=True"],
+     "low_cpu_ram=True: building the merged model at save time with little CPU memory is not "
+     "implemented by full_finetune_single_device"),
+    # the offload flags are bools (1 and "yes" used to pass validate)
+    ("tiny/full_single_device", ["enable_activation_offloading=1"],
+     "enable_activation_offloading=1: expected True or False"),
+    ("tiny/lora_distributed", ['enable_activation_offloading="yes"'],
+     "enable_activation_offloading=yes: expected True or False"),
+    ("tiny/full_distributed", ["fsdp_cpu_offload=1"], "fsdp_cpu_offload=1: expected True or False"),
+    ("tiny/qat_lora_distributed", ['fsdp_cpu_offload="yes"'],
+     "fsdp_cpu_offload=yes: expected True or False"),
+    # offloading without checkpointing: refused by validate, as the recipe refuses it at start
+    ("tiny/full_single_device", ["enable_activation_offloading=True"],
+     "enable_activation_offloading=True needs enable_activation_checkpointing=True"),
+    ("tiny/kd_distributed", ["enable_activation_offloading=True", "enable_activation_checkpointing=False"],
+     "enable_activation_offloading=True needs enable_activation_checkpointing=True"),
+    # the fsdp section, in every distributed recipe (each one reads it)
+    ("tiny/full_distributed", ["fsdp.foo=1"], "fsdp.foo: unknown key(s); the fsdp section takes only cpu_offload"),
+    ("tiny/kd_distributed", ["fsdp.foo=1", "fsdp.bar=2"], "fsdp.bar, fsdp.foo: unknown key(s)"),
+    ("tiny/qat_distributed", ["fsdp=3"], "fsdp=3: expected a mapping with cpu_offload"),
+    ("tiny/qat_lora_distributed", ["fsdp.cpu_offload=1"], "fsdp.cpu_offload=1: expected True or False"),
+    ("tiny/lora_distributed", ["fsdp.cpu_offload=False", "fsdp_cpu_offload=True"],
+     "fsdp_cpu_offload=True contradicts fsdp.cpu_offload=False"),
+    # a stock key whose only off value is null says so (False looks off but is not)
+    ("tiny/full_single_device", ["cudnn_deterministic_mode=False"],
+     "cudnn_deterministic_mode=False: cuDNN deterministic mode is not implemented by "
+     "full_finetune_single_device (a torchtune 0.6.1 key; set cudnn_deterministic_mode=null or "
+     "remove cudnn_deterministic_mode;"),
+    ("tiny/qat_distributed", ["ac_mode=False"], "set ac_mode=null or remove ac_mode"),
+    ("tiny/qat_distributed", ["ac_option=2"], "set ac_option=null or remove ac_option"),
+    # a misspelt torchtune key gets a did-you-mean too
+    ("tiny/full_single_device", ["cudnn_determinstic_mode=null"],
+     "'cudnn_determinstic_mode' (did you mean 'cudnn_deterministic_mode'?)"),
 ]
 
 
@@ -368,3 +402,145 @@ def test_a_modifier_of_a_feature_that_is_off_is_a_warning(config, overrides, war
     if "keep_last" in warning:  # with the feature on, no warning
         assert main(["validate", config, *overrides, "save_every_n_steps=10"]) == 0
         assert warning not in capsys.readouterr().err
+
+
+DISTRIBUTED_CONFIGS = {
+    "full_finetune_distributed": "tiny/full_distributed",
+    "lora_finetune_distributed": "tiny/lora_distributed",
+    "knowledge_distillation_distributed": "tiny/kd_distributed",
+    "qat_distributed": "tiny/qat_distributed",
+    "qat_lora_finetune_distributed": "tiny/qat_lora_distributed",
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recipe", sorted(DISTRIBUTED_CONFIGS))
+@pytest.mark.parametrize("overrides,offload", [
+    # the stock QLoRA configs' section, and the section as the only spelling, on and off
+    (["fsdp.cpu_offload=False"], False),
+    (["fsdp_cpu_offload=null", "fsdp.cpu_offload=True"], True),
+    (["~fsdp_cpu_offload", "fsdp.cpu_offload=True"], True),
+    (["fsdp_cpu_offload=True", "fsdp.cpu_offload=True"], True),
+    (["fsdp=null"], False),
+    # what validate used to pass (a warning) and the run then refused
+    (["fsdp.cpu_offload=False", "fsdp_cpu_offload=True"], None),
+    (["fsdp.foo=1"], None),
+    (["fsdp=3"], None),
+])
+def test_validate_and_the_run_agree_on_the_fsdp_section(recipe, overrides, offload, capsys,
+                                                        monkeypatch):
+    from tune_recipes.training.setup.distributed import fsdp_cpu_offload_requested
+
+    from tune_recipes import validation
+
+    config = DISTRIBUTED_CONFIGS[recipe]
+    monkeypatch.setattr(validation, "_WARNED", set())  # an "ignores fsdp" warning would show
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    rc = main(["validate", config, *overrides])
+    err = capsys.readouterr().err
+    # What the recipe does with the same config when it shards the model.
+    cfg = load_config(registry.resolve_config(config).path, overrides)
+    if offload is None:
+        with pytest.raises(ConfigError) as run_error:
+            fsdp_cpu_offload_requested(cfg)
+        assert rc == 2 and _one_error_line(err) == f"tune: error: {run_error.value}"
+        assert "fsdp" in str(run_error.value)  # the message names the key
+    else:
+        assert rc == 0, err
+        assert fsdp_cpu_offload_requested(cfg) is offload
+        assert "fsdp" not in err  # no "ignores fsdp..." warning: the section is read
+
+
+@pytest.mark.unit
+def test_every_recipe_that_reads_the_fsdp_section_declares_it():
+    # The recipes read it through fsdp_options / fsdp_cpu_offload_requested; a recipe that calls
+    # them without declaring ``fsdp`` lets validate treat the section as an ignored stock key.
+    for recipe in registry.list_recipes():
+        source = (registry.recipes_dir() / f"{recipe}.py").read_text()
+        reads = "fsdp_options(" in source or "fsdp_cpu_offload_requested(" in source
+        assert reads == (recipe in DISTRIBUTED_CONFIGS), recipe
+        assert ("fsdp" in _keys(recipe)) == reads, recipe
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", ["tiny/full_single_device", "tiny/lora_distributed",
+                                    "tiny/kd_single_device", "tiny/qat_lora_distributed"])
+def test_validate_refuses_offloading_without_checkpointing_as_the_recipe_does(config, capsys):
+    from tune_recipes.training.setup.offloading import activation_offloading_wanted
+
+    overrides = ["enable_activation_offloading=True", "enable_activation_checkpointing=False"]
+    rc = main(["validate", config, *overrides])
+    line = _one_error_line(capsys.readouterr().err)
+    cfg = load_config(registry.resolve_config(config).path, overrides)
+    with pytest.raises(ConfigError) as run_error:
+        activation_offloading_wanted(cfg, torch.device("cpu"))
+    assert rc == 2 and line == f"tune: error: {run_error.value}"
+    # with checkpointing on, both accept it (on CPU the recipe then runs as with it off)
+    overrides[1] = "enable_activation_checkpointing=True"
+    assert main(["validate", config, *overrides]) == 0
+    activation_offloading_wanted(load_config(registry.resolve_config(config).path, overrides),
+                                 torch.device("cpu"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key,on,fix,off", [
+    ("profiler", {"enabled": True}, "set profiler.enabled=False or remove profiler",
+     {"enabled": False}),
+    ("low_cpu_ram", True, "set low_cpu_ram=False or remove low_cpu_ram", False),
+    ("tensor_parallel_dim", 2, "set tensor_parallel_dim=1 or remove tensor_parallel_dim", 1),
+    ("ac_mode", "selective", "set ac_mode=null or remove ac_mode", None),
+    ("ac_option", False, "set ac_option=null or remove ac_option", None),
+    ("cudnn_deterministic_mode", True, "set cudnn_deterministic_mode=null or remove", None),
+    ("cudnn_deterministic_mode", False, "set cudnn_deterministic_mode=null or remove", None),
+    ("fsdp", {"cpu_offload": True}, "set fsdp.cpu_offload=False or remove fsdp",
+     {"cpu_offload": False}),
+])
+def test_the_error_names_the_value_that_is_accepted(key, on, fix, off, capsys, monkeypatch):
+    from tune_recipes import validation
+
+    # Warnings print once per process; start this case with none printed.
+    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    keys = _keys("full_finetune_single_device") - {key}
+    cfg = _tiny("tiny/full_single_device")
+    cfg[key] = on
+    with pytest.raises(ConfigError, match="is not implemented by") as e:
+        check_top_level_keys(cfg, keys, "some_recipe")
+    assert fix in str(e.value) and "turn it off" not in str(e.value)
+    # ... and the value it names is accepted, with the one-line warning.
+    cfg[key] = off
+    check_top_level_keys(cfg, keys, "some_recipe")
+    assert capsys.readouterr().err.startswith(f"warning: some_recipe ignores {key}")
+
+
+@pytest.mark.unit
+def test_cudnn_deterministic_mode_false_is_not_off_in_torchtune():
+    # Why only null is accepted: torchtune 0.6.1's set_seed hands False to torch as debug mode 0,
+    # which turns cuDNN benchmark on (a change of behaviour, not "nothing").
+    from torchtune import training
+
+    before = (torch.backends.cudnn.benchmark, torch.get_deterministic_debug_mode())
+    try:
+        torch.backends.cudnn.benchmark = False
+        training.set_seed(0, debug_mode=False)
+        assert torch.backends.cudnn.benchmark is True
+        torch.backends.cudnn.benchmark = False
+        training.set_seed(0, debug_mode=None)
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = before[0]
+        torch.set_deterministic_debug_mode(before[1])
+
+
+@pytest.mark.unit
+def test_an_ignored_section_without_the_deciding_field_is_shown_whole(capsys, monkeypatch):
+    # A single-device recipe ignores `fsdp`; its warning used to read "fsdp.cpu_offload=None"
+    # for a section that has no cpu_offload at all.
+    from tune_recipes import validation
+
+    monkeypatch.setattr(validation, "_WARNED", set())
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    assert main(["validate", "tiny/full_single_device", "fsdp.foo=1"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: full_finetune_single_device ignores fsdp={'foo': 1}" in err
+    assert "cpu_offload=None" not in err

@@ -17,7 +17,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
-from tune_recipes.validation import tensor_parallel_model_problem
+from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_problem
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 
 log = get_logger("INFO")
@@ -233,16 +233,15 @@ def check_fused_loss_sharding(loss_fn, custom_sharded_layers) -> None:
 
 def fsdp_cpu_offload_requested(cfg) -> bool:
     """``fsdp_cpu_offload``, or the ``fsdp: {cpu_offload: ...}`` section some of torchtune's
-    distributed LoRA configs carry instead (stock's recipe never reads that section; we do)."""
+    distributed LoRA configs carry instead (stock's recipes never read that section; every one
+    of our distributed recipes does, as another spelling of the flat key). A malformed section
+    or two spellings that disagree raise the error ``tune validate`` reports for the same config
+    (one check: ``tune_recipes.validation.fsdp_offload_problem``)."""
+    problem = fsdp_offload_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     flat = cfg.get("fsdp_cpu_offload", None)
-    section = cfg.get("fsdp", None) or {}
-    unknown = sorted(set(section) - {"cpu_offload"})
-    if unknown:
-        raise ConfigError(f"fsdp: unknown key(s) {unknown}; the section takes only cpu_offload")
-    nested = section.get("cpu_offload", None)
-    if flat is not None and nested is not None and bool(flat) != bool(nested):
-        raise ConfigError(f"fsdp_cpu_offload={flat} contradicts fsdp.cpu_offload={nested}; "
-                          "set one of them")
+    nested = (cfg.get("fsdp", None) or {}).get("cpu_offload", None)
     return bool(flat if flat is not None else (nested or False))
 
 

@@ -38,6 +38,7 @@ from torchtune import training
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import activation_offloading_problem
 
 log = get_logger("INFO")
 
@@ -47,11 +48,10 @@ def activation_offloading_wanted(cfg: DictConfig, device: torch.device, is_main:
     the other flags (a ConfigError) and the device (False, with a warning, on CPU)."""
     if not cfg.get("enable_activation_offloading", False):
         return False
-    if not cfg.get("enable_activation_checkpointing", False):
-        raise ConfigError(
-            "enable_activation_offloading=True needs enable_activation_checkpointing=True: "
-            "without it every intermediate activation crosses to CPU memory and back, which "
-            "costs more time than it saves memory (torchtune refuses it too)")
+    # The same check `tune validate` makes, so a config it passes does not fail here.
+    problem = activation_offloading_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if device.type != "cuda":
         if is_main:
             log.warning("enable_activation_offloading: the model runs on %s, where activations "
