@@ -66,7 +66,7 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
     elif _unpacked(cfg.get("dataset", None)) and is_main:
         # Measured on 2 H200s (torch 2.11, torchao 0.15): the tiny model's first step compiled in
         # 17 s; its second batch, 6 tokens shorter, set off a dynamic-shape recompile of the FP8
-        # layers that was still in Inductor's index simplification 200 s later.
+        # layers that had not finished within the smoke test's 240 s (docs/benchmarks.md).
         log.warning("enable_fp8_training with compile on unpacked data: every new batch length "
                     "recompiles the FP8 layers with dynamic shapes, which can take minutes per "
                     "recompile (torch 2.11); pack the dataset (dataset.packed=True) or give the "
