@@ -14,6 +14,17 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, torchtune, torchao; print('torch', torch.__version__, 'triton', triton.__version__, 'torchtune', torchtune.__version__, 'torchao', torchao.__version__)" 2>&1 | grep -v Skipping | tee -a "$OUT/gpu.txt"
+# bench_on GPU CASE VARIANTS REPS NAME: one bench_recipes.py run in the background on one GPU
+# (550 s at most; 300 s a run, enough for the 8B checkpoint), results in $OUT/NAME.json.
+bench_on() {
+  CUDA_VISIBLE_DEVICES=$1 timeout 550 python3 scripts/bench_recipes.py --cases "$2" --only "$3" --reps "$4" \
+    --work /tmp/bw --run-timeout 300 --out "$OUT/$5.json" > "/tmp/speed_$5.log" 2>&1 &
+}
+# finish_bench PREFIX: the runs' logs and configs into $OUT, the tables and any error lines printed.
+finish_bench() {
+  tar czf "$OUT/$1_logs.tgz" /tmp/speed_"$1"*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
+  grep -h "^|\|^loss curve\|^checkpoint\|rror" /tmp/speed_"$1"*.log | cut -c1-300
+}
 for step in "$@"; do
   echo "=== $step"
   case $step in
@@ -47,24 +58,12 @@ for step in "$@"; do
             grep -h "^|\|^loss curve\|^checkpoint\|Error" /tmp/speed*.log | cut -c1-230 ;;
     heads)  # Issue #15 in two calls of < 10 min: the head-to-head rows and the FP8 loss curve now
             # (1B on GPU 0; the 8B checkpoint, then its heads, on GPU 1), the levers in 'levers'.
-            CUDA_VISIBLE_DEVICES=0 timeout 550 python3 scripts/bench_recipes.py --cases full_1b --reps 2 --work /tmp/bw \
-              --only stock_best,ours_best,ours_fused,ours_fused_fp8 --run-timeout 200 \
-              --out "$OUT/heads_full_1b.json" > /tmp/speed_heads_full_1b.log 2>&1 &
-            CUDA_VISIBLE_DEVICES=1 timeout 550 python3 scripts/bench_recipes.py --cases lora_8b --reps 2 --work /tmp/bw \
-              --only stock_best,ours_best --run-timeout 300 \
-              --out "$OUT/heads_lora_8b.json" > /tmp/speed_heads_lora_8b.log 2>&1 &
-            wait
-            tar czf "$OUT/heads_logs.tgz" /tmp/speed*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
-            grep -h "^|\|^loss curve\|^checkpoint\|Error\|rror" /tmp/speed_heads*.log | cut -c1-300 ;;
-    levers) CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
-              --only ours_fused_inbwd,ours_best_ac --run-timeout 200 \
-              --out "$OUT/levers_full_1b.json" > /tmp/speed_levers_full_1b.log 2>&1 &
-            CUDA_VISIBLE_DEVICES=1 timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
-              --only ours_fused_ac,ours_fused_ac_offload --run-timeout 300 \
-              --out "$OUT/levers_lora_8b.json" > /tmp/speed_levers_lora_8b.log 2>&1 &
-            wait
-            tar czf "$OUT/levers_logs.tgz" /tmp/speed_levers*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
-            grep -h "^|\|^checkpoint\|Error\|rror" /tmp/speed_levers*.log | cut -c1-300 ;;
+            bench_on 0 full_1b stock_best,ours_best,ours_fused,ours_fused_fp8 2 heads_full_1b
+            bench_on 1 lora_8b stock_best,ours_best 2 heads_lora_8b
+            wait; finish_bench heads ;;
+    levers) bench_on 0 full_1b ours_fused_inbwd,ours_best_ac 1 levers_full_1b
+            bench_on 1 lora_8b ours_fused_ac,ours_fused_ac_offload 1 levers_lora_8b
+            wait; finish_bench levers ;;
     fusedv3) # Issue #11: the default (fp32 logits, 9 chunks) beside the 1.2 GiB setting, the pre-issue-11
             # loss and peers. (The block-shifted rows of docs/benchmarks.md ran at commit e3aba93.)
             python3 scripts/bench_fused_ce.py --shapes 8192x4096 --baseline .whl/baseline_4f17736 \
