@@ -24,7 +24,12 @@ def build_dataset(cfg_dataset, tokenizer) -> Dataset:
 
 def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int):
     """The batch collation for ``dataset``: packed sequences, or padding by ``collate_fn``."""
-    if getattr(dataset, "packed", False):
+    # NOTE: torchtune's PackedDataset has no ``packed`` attribute (only its ConcatDataset sets
+    # one): test the type too, or a single packed dataset is padded like an unpacked one and
+    # its examples attend to each other across pack boundaries, silently.
+    from torchtune.datasets import PackedDataset
+
+    if isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False):
         return padded_collate_packed
     if "left_pad_sequence" in collate_fn:
         raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")

@@ -1,6 +1,7 @@
 """Where a recipe runs: one device, or one rank of a process group (NCCL on GPUs, gloo on CPUs,
 so CI can test 2 processes); nothing here calls a CUDA-only API unless the device is CUDA."""
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -89,7 +90,9 @@ def init_distributed(device_name: str, tensor_parallel_dim: int = 1) -> Runtime:
         raise ConfigError(f"tensor_parallel_dim={tp}: the world size ({world_size} processes) "
                           "must be a multiple of it")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        # An explicit timeout: with a composite backend string torch's default is 30 min, not
+        # NCCL's 10, so a hung collective would take three times as long to be reported.
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if tp == 1:
         return Runtime(device, distributed=True, world_size=world_size, rank=rank)

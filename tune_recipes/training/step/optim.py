@@ -37,12 +37,29 @@ def multi_tensor_options(cfg_optimizer, params) -> Dict[str, Any]:
     if len(kinds) < 2:
         return {}
     foreach = cfg_optimizer.get("foreach", None)
+    import inspect
+
+    try:
+        takes_foreach = "foreach" in inspect.signature(
+            _resolve_component(cfg_optimizer.get("_component_"))).parameters
+    except (TypeError, ValueError, ImportError, AttributeError):
+        takes_foreach = False
+    if not takes_foreach:
+        # torchao's low-bit AdamW, LBFGS, bitsandbytes: no foreach argument at all; they step
+        # one parameter at a time, so the mix is no problem for them.
+        return {}
     if foreach:
         raise ConfigError(
             "optimizer.foreach=True: the trainable parameters mix tensor-parallel DTensors and "
             "plain tensors (tensor parallelism without data parallelism), which the multi-tensor "
             "kernels refuse; set optimizer.foreach=False or leave it unset")
     return {} if foreach is False else {"foreach": False}
+
+
+def _resolve_component(path):
+    from torchtune.config._utils import _get_component_from_path
+
+    return _get_component_from_path(path)
 
 
 class OptimizerInBackward:

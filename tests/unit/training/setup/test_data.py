@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
@@ -89,3 +90,20 @@ def test_the_order_is_torchs_distributed_sampler_order():
     plain = DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
     plain.set_epoch(3)
     assert list(loader.sampler) == list(plain)
+
+
+def test_a_single_packed_dataset_gets_the_packed_collate():
+    """torchtune's PackedDataset has no ``packed`` attribute: a single packed dataset used to be
+    padded like an unpacked one (no block-causal mask, no per-document positions)."""
+    from torchtune.data import padded_collate_packed
+    from torchtune.datasets import PackedDataset
+
+    from tune_recipes.training.setup.data import make_collate
+
+    rows = [{"tokens": [1] * n, "labels": [1] * n} for n in (2, 3, 4)]
+    packed = PackedDataset(rows, max_seq_len=8, padding_idx=0)
+    assert make_collate(packed, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
+                        ignore_index=-100) is padded_collate_packed
+    batch = make_collate(packed, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
+                         ignore_index=-100)([packed[0]])
+    assert {"mask", "input_pos"} <= set(batch)

@@ -57,8 +57,8 @@ def test_cuda_process_group_also_has_a_cpu_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     started = []
-    monkeypatch.setattr(dist, "init_process_group", lambda **k: started.append(k["backend"]))
+    monkeypatch.setattr(dist, "init_process_group", lambda **k: started.append((k["backend"], k["timeout"].total_seconds())))
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     rt = init_distributed("cuda")
-    assert started == ["cuda:nccl,cpu:gloo"] and rt.device == torch.device("cuda", 0)
+    assert started == [("cuda:nccl,cpu:gloo", 600.0)] and rt.device == torch.device("cuda", 0)

@@ -149,3 +149,6 @@ def test_mixed_dtensor_and_plain_parameters_get_the_per_parameter_loop(one_rank)
         build_optimizer(OmegaConf.create({**cfg, "foreach": True}), model)
     # Without the mix nothing is forced (CUDA keeps its foreach default).
     assert build_optimizer(cfg, _mlp()).defaults["foreach"] is None
+    # Optimizers without a foreach argument (torchao's low-bit AdamW) are built as asked.
+    low_bit = build_optimizer(OmegaConf.create({"_component_": "torchao.optim.AdamW8bit", "lr": 1e-2}), model)
+    assert "foreach" not in low_bit.defaults
