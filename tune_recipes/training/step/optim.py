@@ -1,12 +1,13 @@
 """Optimizer and LR-scheduler construction shared by the recipes."""
 
+import inspect
 from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 from torchtune import config as tt_config, training
 
-from tune_recipes.config import ConfigError
+from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.modules.peft import state_dict_key
 
 
@@ -37,12 +38,10 @@ def multi_tensor_options(cfg_optimizer, params) -> Dict[str, Any]:
     if len(kinds) < 2:
         return {}
     foreach = cfg_optimizer.get("foreach", None)
-    import inspect
-
     try:
         takes_foreach = "foreach" in inspect.signature(
-            _resolve_component(cfg_optimizer.get("_component_"))).parameters
-    except (TypeError, ValueError, ImportError, AttributeError):
+            resolve_component(cfg_optimizer.get("_component_"), "optimizer")).parameters
+    except (TypeError, ValueError):  # a builtin or C type without a readable signature
         takes_foreach = False
     if not takes_foreach:
         # torchao's low-bit AdamW, LBFGS, bitsandbytes: no foreach argument at all; they step
@@ -54,12 +53,6 @@ def multi_tensor_options(cfg_optimizer, params) -> Dict[str, Any]:
             "plain tensors (tensor parallelism without data parallelism), which the multi-tensor "
             "kernels refuse; set optimizer.foreach=False or leave it unset")
     return {} if foreach is False else {"foreach": False}
-
-
-def _resolve_component(path):
-    from torchtune.config._utils import _get_component_from_path
-
-    return _get_component_from_path(path)
 
 
 class OptimizerInBackward:
