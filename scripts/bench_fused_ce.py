@@ -19,7 +19,8 @@ Input kinds (``make_inputs``):
   ignored. Here rounding the logits to bf16 before the softmax doubles the gradient error.
 
 ``--baseline DIR`` adds the loss as it was before issue 11 (bf16 logits), loaded from copies of
-its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show 4f17736:tune_recipes/modules/loss.py``).
+its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show 4f17736:tune_recipes/modules/loss.py``);
+``--previous DIR`` the same for 916b32a's (fp32 logits, target terms not split off).
 """
 
 import argparse
@@ -57,27 +58,33 @@ def ours_16_chunks(h, w, y):
 _baseline = {}
 
 
-def load_baseline(path):
-    """The loss before issue 11, from copies of its two files (its kernel module is loaded
-    under another name so that the current one is untouched)."""
+def load_baseline(path, key="baseline"):
+    """An earlier version of our loss, from copies of its two files (its kernel module is
+    loaded under another name so that the current one is untouched)."""
     d = Path(path)
-    spec = importlib.util.spec_from_file_location("baseline_triton_ce", d / "_triton_ce.py")
+    spec = importlib.util.spec_from_file_location(f"{key}_triton_ce", d / "_triton_ce.py")
     tce = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tce)
-    sys.modules["baseline_triton_ce"] = tce
+    sys.modules[f"{key}_triton_ce"] = tce
     src = (d / "loss.py").read_text()
-    src = src.replace("from tune_recipes.modules import _triton_ce", "import baseline_triton_ce as _triton_ce")
+    src = src.replace("from tune_recipes.modules import _triton_ce", f"import {key}_triton_ce as _triton_ce")
     # The ignore-index constant has moved since (tune_recipes.constants).
     src = src.replace("from tune_recipes.training.normalization import", "from tune_recipes.constants import")
-    mod = type(sys)("baseline_loss")
+    mod = type(sys)(f"{key}_loss")
     exec(compile(src, str(d / "loss.py"), "exec"), mod.__dict__)
-    _baseline["fn"] = mod.fused_linear_cross_entropy
+    _baseline[key] = mod.fused_linear_cross_entropy
 
 
 def baseline(h, w, y):
-    if "fn" not in _baseline:
+    if "baseline" not in _baseline:
         raise ImportError(name="--baseline DIR not given")
-    return _baseline["fn"](h, w, y)
+    return _baseline["baseline"](h, w, y)
+
+
+def previous(h, w, y):
+    if "previous" not in _baseline:
+        raise ImportError(name="--previous DIR not given")
+    return _baseline["previous"](h, w, y)
 
 
 def plain_eager(h, w, y):
@@ -117,6 +124,7 @@ def cce(h, w, y):
 
 METHODS = {
     "baseline": ("tune-recipes fused before issue 11 (bf16 logits)", baseline),
+    "previous": ("tune-recipes fused, fp32 logits without the target split (916b32a)", previous),
     "ours": ("tune-recipes fused (default)", ours),
     "ours_fp32": ("tune-recipes fused, weight_grad_fp32=True", ours_fp32),
     "ours_16": ("tune-recipes fused, chunk_size=359", ours_16_chunks),
@@ -270,9 +278,13 @@ def main():
     ap.add_argument("--time-kinds", default="peaked",
                     help="kinds timed at the other shapes (the rest: one run for the errors)")
     ap.add_argument("--baseline", default=None, help="directory with the pre-issue-11 loss.py and _triton_ce.py")
+    ap.add_argument("--previous", default=None,
+                    help="directory with 916b32a's loss.py and _triton_ce.py (fp32 logits, no target split)")
     args = ap.parse_args()
     if args.baseline:
         load_baseline(args.baseline)
+    if args.previous:
+        load_baseline(args.previous, "previous")
     variants = set(args.variant_methods.split(","))
     rows = []
     for shape in args.shapes.split(","):
@@ -288,6 +300,11 @@ def main():
                 rows.append({**common, "method": "floor: the 3 matrix products alone",
                              "ms": round(fl, 2), "ms_after_idle": round(fl_cool, 2) if cool else None})
                 print(json.dumps(rows[-1]), flush=True)
+            # What any method returning bf16 gradients loses: the reference rounded to bf16.
+            rows.append({**common, "method": "bound: the fp32 reference's gradients rounded to bf16",
+                         "err_grad_hidden": rel_l2(ref_gh.bfloat16(), ref_gh),
+                         "err_grad_weight": rel_l2(ref_gw.bfloat16(), ref_gw)})
+            print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
             for name in args.methods.split(","):
                 if name in variants and not cool:
@@ -338,11 +355,13 @@ def main():
         head = f"| {r['N']}x{r['D']} | {r['kind']} | {r['method'][:44]} |"
         if "skipped" in r:
             print(f"{head} {r['skipped'][:60]} | | | | | |")
+        elif "ms" not in r:
+            print(f"{head} | | | {r['err_grad_hidden']:.2e} | {r['err_grad_weight']:.2e} | |")
         elif "peak_extra_gib" not in r:
             print(f"{head} {r['ms']} | {idle} | loss {r['ref_loss']} | | | |")
         else:
             print(f"{head} {r['ms'] or '-'} | {idle} | {r['peak_extra_gib']} | "
-                  f"{r['err_grad_hidden']:.1e} | {r['err_grad_weight']:.1e} | {r['retain_graph_second_backward_ok']} |")
+                  f"{r['err_grad_hidden']:.2e} | {r['err_grad_weight']:.2e} | {r['retain_graph_second_backward_ok']} |")
 
 
 if __name__ == "__main__":

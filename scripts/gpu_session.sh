@@ -72,6 +72,18 @@ for step in "$@"; do
             python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 --baseline .whl/baseline_4f17736 \
               --methods baseline,ours,ours_16,compiled,liger,cce --out "$OUT/fused_large.json" > /tmp/fused_large.log 2>&1
             grep -h "^|" /tmp/fused_8192.log /tmp/fused_large.log | cut -c1-160 ;;
+    fusedv4) # Issue #11 after the target split: ours beside 916b32a's (fp32 logits, no split), the
+            # pre-issue-11 loss and the peers, 8192x4096 both kinds (fusedv4large: the other shapes).
+            mkdir -p .whl/previous_916b32a
+            python3 scripts/bench_fused_ce.py --shapes 8192x4096 --baseline .whl/baseline_4f17736 \
+              --previous .whl/previous_916b32a --methods baseline,previous,ours,ours_16,ours_fp32,compiled,liger,cce \
+              --out "$OUT/fused_v4_8192.json" > /tmp/fused_v4_8192.log 2>&1
+            grep -h "^|" /tmp/fused_v4_8192.log | cut -c1-170 ;;
+    fusedv4large)
+            python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 \
+              --baseline .whl/baseline_4f17736 --previous .whl/previous_916b32a \
+              --methods baseline,previous,ours,compiled,liger,cce --out "$OUT/fused_v4_large.json" > /tmp/fused_v4_large.log 2>&1
+            grep -h "^|" /tmp/fused_v4_large.log | cut -c1-170 ;;
     fp8dist) mkdir -p /tmp/dbg  # Bisect the 2-GPU FP8 + compile hang: FP8 eager, compile alone, both (stacks dumped at 70 s).
             export PYTHONFAULTHANDLER=1
             for extra in "enable_fp8_training=True" "compile=True" "enable_fp8_training=True compile=True"; do

@@ -3,8 +3,8 @@
 Tolerances: fp32 inputs rtol 1e-5 / relative-L2 1e-6 class; bf16 inputs relative L2 <= 2.5e-3
 with the weight gradient accumulated in fp32 (``weight_grad_fp32=True``). The default
 accumulates it in bf16, one rounding per chunk: its bound grows with the chunk count (below).
-Peaked, trained-LM-like logits (``_peaked_inputs``) get their own bound, 3e-3: see
-test_peaked_logits_stay_within_the_fp32_logits_bound.
+Peaked, trained-LM-like logits (``_peaked_inputs``) are held to 1.1x the error of rounding the
+float64 gradients to bf16: see test_peaked_logits_gradients_within_ten_percent_of_the_bf16_floor.
 """
 
 import math
@@ -34,15 +34,18 @@ def _inputs(n, d, v, ignored_frac, dtype, seed, bias=True, shape3d=False):
     return cast(h), cast(w), cast(b), y
 
 
-def _peaked_inputs(n, d, v, seed, seq=128, prompt_frac=0.3):
+def _peaked_inputs(n, d, v, seed, seq=128, prompt_frac=0.3, n_labels=None):
     """Logits shaped like a trained LM's: background logits ~ N(0, 2.5^2) and the target's
     logit raised by a per-row margin ~ N(log v + 2.5^2/2 - 0.4, 3^2), so the target usually
     stands well above the rest (the largest logits are ~10-20) and the mean loss is ~2. Hidden
     states are 2.5 z + margin * w_y / |w_y|^2 with W ~ N(0, 1/d); the labels of the first 30% of
-    every ``seq`` tokens (the prompt) are ignored. bf16, like the recipes."""
+    every ``seq`` tokens (the prompt) are ignored. bf16, like the recipes. ``n_labels``: draw the
+    labels from that many vocabulary entries only (frequent tokens recurring in every chunk)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(v, d, generator=g) / d**0.5
     y = torch.randint(0, v, (n,), generator=g)
+    if n_labels is not None:
+        y = y % n_labels * (v // n_labels)
     margin = math.log(v) + 2.5**2 / 2 - 0.4 + 3.0 * torch.randn(n, generator=g)
     wy = w[y]
     h = 2.5 * torch.randn(n, d, generator=g) + (margin / (wy * wy).sum(1))[:, None] * wy
@@ -117,7 +120,8 @@ def test_default_bf16_accumulation_error_grows_like_a_random_walk(chunk_size):
 
 def test_bf16_weight_grad_accumulation_modes():
     """fp32 accumulation (weight_grad_fp32=True) stays within the bf16 tolerance over many
-    chunks; bf16 accumulation (the default) trades accuracy for memory and is measurably worse."""
+    chunks; bf16 accumulation (the default) trades accuracy for memory and is measurably worse
+    (only the non-target part of the gradient goes through it, so the gap is small)."""
     errs = {}
     for fp32_acc in (True, False):
         h, w, b, y = _inputs(512, 64, 1000, 0.3, torch.bfloat16, 11)
@@ -128,22 +132,63 @@ def test_bf16_weight_grad_accumulation_modes():
     assert errs[False] > errs[True]
 
 
-def test_peaked_logits_stay_within_the_fp32_logits_bound():
-    """The logits stay fp32 from the product to the softmax gradient. Rounding them to bf16
-    first (what the loss did before) costs |logit| * 2^-9 on the largest logits, and on peaked
-    logits those dominate the gradient: measured here over seeds 0-3 (512 x 256 x 8192), fp32
-    logits gave 2.29e-3 to 2.44e-3 (hidden and weight gradients) and bf16 logits 4.69e-3 to
-    5.05e-3 against float64. The bound, 3e-3, is the fp32-logits maximum plus ~20%: the bf16
-    rounding of the gradients themselves, which no bf16 method avoids, sets that floor."""
-    h, w, y = _peaked_inputs(512, 256, 8192, seed=1)
-    loss = fused_linear_cross_entropy(h, w, y, chunk_size=64, weight_grad_fp32=True)
+def _bf16_floor(ref):
+    """Relative L2 error of the float64 reference rounded to bf16: what any method that returns
+    bf16 gradients is bound to lose."""
+    return _rel_l2(ref.to(torch.bfloat16), ref)
+
+
+@pytest.mark.parametrize("labels", ["random", "repeated"])
+def test_peaked_logits_gradients_within_ten_percent_of_the_bf16_floor(labels):
+    """Peaked, trained-LM-like logits, default settings (bf16 weight-gradient accumulation over
+    6 chunks). The logits stay fp32 to the softmax gradient, and each row's target term,
+    softmax - 1, is kept out of the bf16 roundings (the hidden gradient adds it in fp32 before its
+    one rounding; the weight gradient adds it once, after the chunks). Measured over seeds 0-2:
+    1.02x (hidden) and 1.05x (weight) the error of rounding the float64 gradients to bf16. The
+    bound is 1.1x. Without the split the weight gradient was 1.4-1.5x (2.4e-3 against 1.65e-3,
+    even with fp32 accumulation), and bf16 logits cost 2.8-3x. ``repeated``: a few labels that
+    recur within and across chunks (frequent tokens), whose target terms must be summed apart
+    before the one rounding."""
+    h, w, y = _peaked_inputs(512, 256, 8192, seed=1, n_labels=20 if labels == "repeated" else None)
+    loss = fused_linear_cross_entropy(h, w, y, chunk_size=64)
     loss.backward()
     ref_loss, (ref_h, ref_w, _) = _reference(h, w, None, y, "mean")
     assert 1.5 < ref_loss.item() < 2.5  # the kind of logits this test is about
-    assert _rel_l2(h.grad, ref_h) <= 3e-3, _rel_l2(h.grad, ref_h)
-    assert _rel_l2(w.grad, ref_w) <= 3e-3, _rel_l2(w.grad, ref_w)
+    assert _rel_l2(h.grad, ref_h) <= 1.1 * _bf16_floor(ref_h), (_rel_l2(h.grad, ref_h), _bf16_floor(ref_h))
+    assert _rel_l2(w.grad, ref_w) <= 1.1 * _bf16_floor(ref_w), (_rel_l2(w.grad, ref_w), _bf16_floor(ref_w))
     # bf16 logits also moved the loss by ~4e-4 relative here; fp32 logits by ~1e-7.
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+
+
+@pytest.mark.parametrize("block_rows", [1, 3, 7, 1000])
+def test_target_terms_are_summed_per_label_and_added_once(block_rows):
+    """_add_target_terms against a float64 scatter-add: labels that repeat (also across block
+    boundaries), blocks with fewer segments than rows (the filled slots must not write stale or
+    uninitialized rows), untouched rows left bit-identical."""
+    from tune_recipes.modules.loss import _add_target_terms
+
+    g = torch.Generator().manual_seed(0)
+    n, v, d = 40, 30, 8
+    labels = torch.tensor([5] * 9 + [0] * 3 + [29] * 5 + list(range(7, 30, 2)) + [11] * 11)[:n]
+    labels = labels[torch.randperm(n, generator=g)]
+    coef = torch.randn(n, generator=g)
+    hidden = torch.randn(n, d, generator=g).bfloat16()
+    grad_weight = torch.randn(v, d, generator=g)
+    expected = grad_weight.double().index_add(0, labels, coef.double()[:, None] * hidden.double())
+    before = grad_weight.clone()
+    _add_target_terms(grad_weight, labels, coef, lambda idx: hidden.index_select(0, idx), block_rows)
+    torch.testing.assert_close(grad_weight.double(), expected, rtol=1e-6, atol=1e-6)
+    untouched = torch.ones(v, dtype=torch.bool)
+    untouched[labels] = False
+    assert torch.equal(grad_weight[untouched], before[untouched])
+    # bf16 accumulator, one block: each touched row is the exact sum rounded once (within one
+    # bf16 step; rows spread over several blocks are rounded once per block).
+    start16 = before.bfloat16()
+    gw16 = start16.clone()
+    _add_target_terms(gw16, labels, coef, lambda idx: hidden.index_select(0, idx), n)
+    exact = start16.double() + (expected - before.double())
+    torch.testing.assert_close(gw16.double(), exact, rtol=2**-8, atol=0)
+    assert torch.equal(gw16[untouched], start16[untouched])
 
 
 def test_ignored_rows_get_exactly_zero_hidden_gradient():

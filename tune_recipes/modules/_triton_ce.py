@@ -44,8 +44,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def ce_grad(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, loss_ptr, n_rows,
-                n_cols, grad_scale, BLOCK: tl.constexpr, NARROWING: tl.constexpr):
+    def ce_grad(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, loss_ptr, coef_ptr,
+                n_rows, n_cols, grad_scale, BLOCK: tl.constexpr, NARROWING: tl.constexpr,
+                SPLIT_TARGET: tl.constexpr):
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             base = logits_ptr + row.to(tl.int64) * stride_row
             gbase = grad_ptr + row.to(tl.int64) * grad_stride_row
@@ -66,12 +67,17 @@ def _kernel():
             lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
             x_target = tl.load(base + target).to(tl.float32)
             tl.store(loss_ptr + row, lse - x_target)
+            if SPLIT_TARGET:
+                tl.store(coef_ptr + row, (tl.exp(x_target - lse) - 1.0) * grad_scale)
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
                 g = tl.exp(x - lse) * grad_scale
-                g = tl.where(cols == target, g - grad_scale, g)
+                if SPLIT_TARGET:
+                    g = tl.where(cols == target, 0.0, g)
+                else:
+                    g = tl.where(cols == target, g - grad_scale, g)
                 if NARROWING:
                     # NOTE: this barrier is what makes writing narrower values over the row
                     # safe: every thread has loaded this block before any thread overwrites
@@ -83,9 +89,13 @@ def _kernel():
 
 
 def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                         loss_out=None, launch=None, grad_dtype=None):
+                         loss_out=None, launch=None, grad_dtype=None, target_coef_out=None):
     """Returns (per-row loss in fp32, written to ``loss_out`` if given; the logits' scaled
     gradient in ``grad_dtype``, default the logits' dtype).
+
+    With ``target_coef_out`` (fp32, one per row) the target's entry is split off: the gradient
+    gets 0 there and ``target_coef_out`` gets ``(softmax[target] - 1) * grad_scale`` in fp32
+    (tune_recipes.modules.loss explains why).
 
     The gradient overwrites ``logits``: with the same dtype it is ``logits`` itself; with a
     narrower one (fp32 logits, bf16 gradient) it is a [rows, V] view of the same memory whose
@@ -105,9 +115,14 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
     grid = n_rows if per_sm == 0 else min(n_rows, per_sm * _sm_count(device))
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
     assert loss.dtype == torch.float32 and loss.is_contiguous() and loss.numel() == n_rows
+    split = target_coef_out is not None
+    if split:
+        assert (target_coef_out.dtype == torch.float32 and target_coef_out.is_contiguous()
+                and target_coef_out.numel() == n_rows)
     if n_rows:
         _kernel()[(max(1, grid),)](
-            logits, logits.stride(0), grad, grad.stride(0), target.contiguous(), loss, n_rows,
-            n_cols, float(grad_scale), BLOCK=block, NARROWING=grad is not logits, num_warps=warps,
+            logits, logits.stride(0), grad, grad.stride(0), target.contiguous(), loss,
+            target_coef_out if split else loss, n_rows, n_cols, float(grad_scale), BLOCK=block,
+            NARROWING=grad is not logits, SPLIT_TARGET=split, num_warps=warps,
         )
     return loss, grad

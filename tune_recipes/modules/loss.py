@@ -56,30 +56,40 @@ def logits_dtype(compute_dtype: torch.dtype) -> torch.dtype:
 
 
 def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                        grad_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        grad_dtype: Optional[torch.dtype] = None,
+                        target_coef_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference path (CPU, or CUDA without Triton): per-row loss, and the logits' gradient
-    ``(softmax - onehot) * grad_scale`` in ``grad_dtype`` (default: the logits' dtype)."""
+    ``(softmax - onehot) * grad_scale`` in ``grad_dtype`` (default: the logits' dtype). With
+    ``target_coef_out`` the target's entry is split off as in the Triton kernel: 0 in the
+    gradient, ``(softmax[target] - 1) * grad_scale`` in ``target_coef_out``."""
     # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(lf, dim=-1)
     loss_rows = lse - lf.gather(1, target[:, None]).squeeze(1)
     probs = torch.exp(lf.sub_(lse[:, None]))
-    probs[torch.arange(target.numel(), device=target.device), target] -= 1.0
+    rows = torch.arange(target.numel(), device=target.device)
+    if target_coef_out is None:
+        probs[rows, target] -= 1.0
+    else:
+        target_coef_out.copy_((probs[rows, target] - 1.0) * grad_scale)
+        probs[rows, target] = 0.0
     probs.mul_(grad_scale)
     return loss_rows, probs.to(grad_dtype or logits.dtype)
 
 
 def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor,
-                  grad_dtype: torch.dtype):
-    """Writes the per-row losses to ``loss_out`` (fp32) and returns the logits' gradient in
-    ``grad_dtype`` (on CUDA written over the logits' own memory)."""
-    if logits.is_cuda:
+                  grad_dtype: torch.dtype, target_coef_out: torch.Tensor):
+    """Writes the per-row losses to ``loss_out`` (fp32) and the split-off target terms to
+    ``target_coef_out``; returns the rest of the logits' gradient in ``grad_dtype`` (on CUDA
+    written over the logits' own memory)."""
+    if logits.is_cuda and target_coef_out.dtype == torch.float32:
         from tune_recipes.modules import _triton_ce
 
         if _triton_ce.available():
             return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
-                                                   grad_dtype=grad_dtype)[1]
-    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype)
+                                                   grad_dtype=grad_dtype,
+                                                   target_coef_out=target_coef_out)[1]
+    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype, target_coef_out)
     loss_out.copy_(loss_rows)
     return grad
 
@@ -88,12 +98,19 @@ class _LogitsProduct:
     """``out = h @ weight.T`` with ``out`` in the logits' dtype (fp32 for bf16 models) and no
     rounding on the way: on CUDA the bf16 GEMM writes its fp32 accumulator directly
     (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.11); elsewhere (CPU has no such
-    kernel as of torch 2.13) the operands are upcast, which computes the same exact products."""
+    kernel as of torch 2.13) the operands are upcast, which computes the same exact products.
+    ``hidden_grad`` is the other product with the weight, ``out += grad_logits @ weight``, the
+    same way (``out`` already holds the chunk's target terms)."""
 
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
         self.weight, self.out_dtype = weight, out_dtype
         self.direct = weight.dtype == out_dtype or weight.is_cuda
         self._upcast = None
+
+    def _wide_weight(self) -> torch.Tensor:
+        if self._upcast is None:  # once per call, not per chunk
+            self._upcast = self.weight.to(self.out_dtype)
+        return self._upcast
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -101,9 +118,15 @@ class _LogitsProduct:
             return torch.mm(h, w.t(), out=out)
         if self.direct:
             return torch.mm(h, w.t(), out_dtype=self.out_dtype, out=out)
-        if self._upcast is None:  # once per call, not per chunk
-            self._upcast = w.to(self.out_dtype)
-        return torch.mm(h.to(self.out_dtype), self._upcast.t(), out=out)
+        return torch.mm(h.to(self.out_dtype), self._wide_weight().t(), out=out)
+
+    def hidden_grad(self, grad_logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == self.out_dtype:
+            return out.addmm_(grad_logits, w)
+        if self.direct:
+            return torch.addmm(out, grad_logits, w, out_dtype=self.out_dtype, out=out)
+        return out.addmm_(grad_logits.to(self.out_dtype), self._wide_weight())
 
 
 def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -127,6 +150,47 @@ def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tenso
             acc.copy_(part)
         else:
             acc += part
+
+
+def _add_target_terms(grad_weight: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,
+                      hidden_rows, block_rows: int) -> None:
+    """grad_weight[y_t] += coef_t * h_t for every valid row t: the target terms of the weight
+    gradient, which the chunk products left out. Rows with the same label are summed in fp32
+    first, so each touched row of grad_weight is rounded once (a label whose rows straddle two
+    blocks: twice). ``hidden_rows(idx)`` gives the hidden states of valid rows ``idx``.
+
+    Why apart: a row's gradient is dominated by its target entry, softmax - 1, while the rest
+    is small. Summed through the chunks into a bf16 accumulator, that large term would be
+    rounded again at every later chunk; kept apart, the accumulator only holds the small rest,
+    and on peaked logits the weight gradient's error drops to the bf16 rounding of the result.
+
+    No host sync: labels are sorted, equal labels share a segment id, and each block of sorted
+    rows sums its segments. A block's unused segment slots repeat its last
+    segment (label and sum), so duplicate index_put writes store identical values."""
+    n, dim = labels.numel(), grad_weight.shape[1]
+    if n == 0:
+        return
+    sorted_labels, order = torch.sort(labels)
+    segment = torch.zeros(n, dtype=torch.long, device=labels.device)
+    segment[1:] = (sorted_labels[1:] != sorted_labels[:-1]).cumsum(0)
+    wide = torch.promote_types(grad_weight.dtype, coef.dtype)
+    for start in range(0, n, block_rows):
+        stop = min(start + block_rows, n)
+        m = stop - start
+        idx = order[start:stop]
+        local = segment[start:stop] - segment[start]
+        terms = hidden_rows(idx).to(wide).mul_(coef.index_select(0, idx).to(wide)[:, None])
+        # index_put_ with accumulate (not index_add_): deterministic on CUDA, so runs repeat bit
+        # for bit.
+        sums = torch.zeros(m, dim, dtype=wide, device=labels.device).index_put_((local,), terms, accumulate=True)
+        del terms
+        seg_labels = torch.empty(m, dtype=labels.dtype, device=labels.device).scatter_(
+            0, local, sorted_labels[start:stop])
+        # NOTE: slots past the block's last segment are filled with a copy of it; dropping this
+        # would write uninitialized labels (or a stale row) into grad_weight.
+        fill = torch.clamp(torch.arange(m, device=labels.device), max=local[-1])
+        seg_labels, sums = seg_labels[fill], sums[fill]
+        grad_weight[seg_labels] = sums.add_(grad_weight[seg_labels].to(wide)).to(grad_weight.dtype)
 
 
 def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[int] = None) -> int:
@@ -164,9 +228,10 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     grad_scale = scaling / denom if n_valid > 0 else 0.0
 
     # The weight gradient sums over every chunk. By default it accumulates in the weight's dtype
-    # (one rounding per chunk, as autograd does for torchtune's chunked loss). With
-    # weight_grad_fp32=True it accumulates in fp32 and is rounded once: more accurate, but a
-    # [V, D] fp32 buffer (2 GiB more at 128256 x 4096).
+    # (one rounding per chunk, as autograd does for torchtune's chunked loss), but only the small
+    # non-target part of each row's gradient goes through it (the target terms are added once,
+    # in fp32, by _add_target_terms). With weight_grad_fp32=True it accumulates in fp32 and is
+    # rounded once: a [V, D] fp32 buffer (2 GiB more at 128256 x 4096).
     acc_dtype = torch.promote_types(weight.dtype, torch.float32) if weight_grad_fp32 else weight.dtype
     if n_valid == 0:
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -181,6 +246,11 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
     # Per-row losses (fp32), summed once at the end: no per-chunk reduction launches.
     loss_rows = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
+    # Each row's target term, (softmax[target] - 1) * grad_scale, kept apart from the rest of
+    # the row's gradient (see _add_target_terms).
+    target_coef = torch.empty(n_valid, dtype=lg_dtype, device=hidden.device)
+    # The chunk's hidden gradient before its one rounding (a [rows, D] fp32 scratch).
+    hidden_grad_buf = torch.empty(min(rows, n_valid), dim, dtype=lg_dtype, device=hidden.device) if need_hidden else None
     # One logits buffer serves every chunk (the chunk's gradient is written over it on CUDA).
     logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=lg_dtype, device=hidden.device)
     logits_mm = _LogitsProduct(weight, lg_dtype)
@@ -205,16 +275,27 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
         logits = logits_mm(h, out=logits_buf[:stop - start])
         if bias is not None:
             logits += bias
-        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype)
+        coef = target_coef[start:stop]
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype, coef)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
+            grad_bias.index_put_((y,), coef.float(), accumulate=True)
         if need_weight:
+            # The rest of the rows' gradient; their target terms are added after the loop.
             _weight_grad_mm(grad_weight, grad_logits, h, first=start == 0)
         if need_hidden:
-            # Without ignored rows straight into the gradient; with them into the slot whose
-            # gathered rows the two products above have consumed.
-            torch.mm(grad_logits, weight, out=grad_hidden[start:stop] if all_valid else h)
-    del logits_buf, logits, grad_logits, h, logits_mm
+            # Target terms first, in fp32: coef * W[y]; then the rest's product on top; one
+            # rounding. Without ignored rows straight into the gradient; with them into the
+            # slot whose gathered rows the two products above have consumed.
+            acc = torch.mul(weight.index_select(0, y), coef[:, None], out=hidden_grad_buf[:stop - start])
+            logits_mm.hidden_grad(grad_logits, out=acc)
+            (grad_hidden[start:stop] if all_valid else h).copy_(acc)
+    del logits_buf, logits, grad_logits, h, logits_mm, hidden_grad_buf
+    if need_weight:
+        valid_hidden = (lambda idx: hidden.index_select(0, idx)) if all_valid else (
+            lambda idx: hidden.index_select(0, valid_idx.index_select(0, idx)))
+        _add_target_terms(grad_weight, y_valid, target_coef, valid_hidden,
+                          block_rows=max(1, rows * vocab // (5 * dim)))
     if need_hidden and not all_valid:
         grad_hidden = torch.zeros_like(hidden).index_copy_(0, valid_idx, compact)
     del compact
