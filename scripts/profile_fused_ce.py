@@ -42,11 +42,18 @@ def trace(args):
     much of the elapsed time the GPU sat idle."""
     from torch.profiler import ProfilerActivity, profile
 
+    import bench_fused_ce
+
     n, d = map(int, args.shape.split("x"))
-    h0, w0, y = make_inputs(n, d)
+    h0, w0, y = make_inputs(n, d, kind=args.kind)
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    for rows in map(int, args.trace_rows.split(",")):
-        fn = lambda: fused_linear_cross_entropy(h, w, y, chunk_size=rows, weight_grad_fp32=False).backward()
+    impls = [("ours", fused_linear_cross_entropy)]
+    if args.previous:
+        bench_fused_ce.load_baseline(args.previous, "previous")
+        impls.append(("previous", bench_fused_ce._baseline["previous"]))
+    for (impl, loss_fn), rows in [(i, r) for i in impls for r in map(int, args.trace_rows.split(","))]:
+        print(f"=== {impl}")
+        fn = lambda: loss_fn(h, w, y, chunk_size=rows, weight_grad_fp32=False).backward()
         for _ in range(3):
             fn()
             h.grad = w.grad = None
@@ -62,7 +69,7 @@ def trace(args):
         # Host time of the forward alone: far below the GPU time when the host runs ahead.
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = fused_linear_cross_entropy(h, w, y, chunk_size=rows)
+        loss = loss_fn(h, w, y, chunk_size=rows)
         host_fwd = (time.perf_counter() - t0) * 1000
         torch.cuda.synchronize()
         gpu_fwd = (time.perf_counter() - t0) * 1000
@@ -76,7 +83,7 @@ def trace(args):
             k = e.name[:90]
             c, t = agg.get(k, (0, 0.0))
             agg[k] = (c + 1, t + e.device_time / 1000)
-        for k, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:14]:
+        for k, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:24]:
             print(f"  {t:7.3f} ms  x{c:3d}  {k}")
         # Timeline gaps over 20 us between consecutive kernels.
         ks = sorted(kernels, key=lambda e: e.time_range.start)
@@ -173,6 +180,9 @@ def main():
     ap.add_argument("--whole-rows", default="359,410,478,574,638")
     ap.add_argument("--trace", action="store_true", help="only profile the whole loss's kernels")
     ap.add_argument("--trace-rows", default="359")
+    ap.add_argument("--kind", default="random", help="input kind for --trace (random, peaked)")
+    ap.add_argument("--previous", default=None,
+                    help="with --trace: also trace the loss in this directory (bench_fused_ce.py --previous)")
     args = ap.parse_args()
     if args.trace:
         return trace(args)

@@ -45,8 +45,9 @@ def _kernel():
 
     @triton.jit
     def ce_grad(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, loss_ptr, coef_ptr,
-                n_rows, n_cols, grad_scale, BLOCK: tl.constexpr, NARROWING: tl.constexpr,
-                SPLIT_TARGET: tl.constexpr):
+                w_ptr, w_stride, hid_ptr, hid_stride, dim, n_rows, n_cols, grad_scale,
+                BLOCK: tl.constexpr, NARROWING: tl.constexpr, SPLIT_TARGET: tl.constexpr,
+                HIDDEN_TERM: tl.constexpr):
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             base = logits_ptr + row.to(tl.int64) * stride_row
             gbase = grad_ptr + row.to(tl.int64) * grad_stride_row
@@ -68,7 +69,17 @@ def _kernel():
             x_target = tl.load(base + target).to(tl.float32)
             tl.store(loss_ptr + row, lse - x_target)
             if SPLIT_TARGET:
-                tl.store(coef_ptr + row, (tl.exp(x_target - lse) - 1.0) * grad_scale)
+                coef = (tl.exp(x_target - lse) - 1.0) * grad_scale
+                tl.store(coef_ptr + row, coef)
+                if HIDDEN_TERM:
+                    # The row's target term of the hidden gradient, coef * W[target], in fp32:
+                    # the hidden-gradient product then adds the rest on top of it.
+                    wbase = w_ptr + target.to(tl.int64) * w_stride
+                    hbase = hid_ptr + row.to(tl.int64) * hid_stride
+                    for off in range(0, dim, BLOCK):
+                        dcols = off + tl.arange(0, BLOCK)
+                        wv = tl.load(wbase + dcols, mask=dcols < dim, other=0.0).to(tl.float32)
+                        tl.store(hbase + dcols, coef * wv, mask=dcols < dim)
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < n_cols
@@ -89,13 +100,15 @@ def _kernel():
 
 
 def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                         loss_out=None, launch=None, grad_dtype=None, target_coef_out=None):
+                         loss_out=None, launch=None, grad_dtype=None, target_coef_out=None,
+                         weight=None, hidden_term_out=None):
     """Returns (per-row loss in fp32, written to ``loss_out`` if given; the logits' scaled
     gradient in ``grad_dtype``, default the logits' dtype).
 
     With ``target_coef_out`` (fp32, one per row) the target's entry is split off: the gradient
     gets 0 there and ``target_coef_out`` gets ``(softmax[target] - 1) * grad_scale`` in fp32
-    (tune_recipes.modules.loss explains why).
+    (tune_recipes.modules.loss explains why). With ``weight`` [V, D] and ``hidden_term_out``
+    [rows, D] fp32 as well, row r of ``hidden_term_out`` gets ``coef[r] * weight[target[r]]``.
 
     The gradient overwrites ``logits``: with the same dtype it is ``logits`` itself; with a
     narrower one (fp32 logits, bf16 gradient) it is a [rows, V] view of the same memory whose
@@ -119,10 +132,75 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
     if split:
         assert (target_coef_out.dtype == torch.float32 and target_coef_out.is_contiguous()
                 and target_coef_out.numel() == n_rows)
+    hidden_term = hidden_term_out is not None
+    if hidden_term:
+        assert split and weight is not None and weight.stride(1) == 1 and hidden_term_out.stride(1) == 1
+        assert hidden_term_out.dtype == torch.float32 and hidden_term_out.shape == (n_rows, weight.shape[1])
     if n_rows:
         _kernel()[(max(1, grid),)](
             logits, logits.stride(0), grad, grad.stride(0), target.contiguous(), loss,
-            target_coef_out if split else loss, n_rows, n_cols, float(grad_scale), BLOCK=block,
-            NARROWING=grad is not logits, SPLIT_TARGET=split, num_warps=warps,
+            target_coef_out if split else loss,
+            weight if hidden_term else loss, weight.stride(0) if hidden_term else 0,
+            hidden_term_out if hidden_term else loss, hidden_term_out.stride(0) if hidden_term else 0,
+            weight.shape[1] if hidden_term else 0, n_rows, n_cols, float(grad_scale), BLOCK=block,
+            NARROWING=grad is not logits, SPLIT_TARGET=split, HIDDEN_TERM=hidden_term, num_warps=warps,
         )
     return loss, grad
+
+
+@functools.lru_cache(maxsize=None)
+def _target_rows_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def target_rows(gw_ptr, gw_stride, h_ptr, h_stride, sorted_labels_ptr, rows_ptr, coef_ptr,
+                    seg_end_ptr, dim, BLOCK_D: tl.constexpr):
+        # A program per (sorted position, column block). Only a segment's first position does
+        # work: it sums coef * h over the segment's rows in fp32 and adds that to the label's
+        # row of the weight gradient, rounding once. The others loop over nothing and store
+        # nothing (their seg_end is their own position).
+        i = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = cols < dim
+        end = tl.load(seg_end_ptr + i)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for j in range(i, end):
+            row = tl.load(rows_ptr + j).to(tl.int64)
+            c = tl.load(coef_ptr + j)
+            acc += c * tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        label = tl.load(sorted_labels_ptr + i).to(tl.int64)
+        write = mask & (end > i)
+        g = tl.load(gw_ptr + label * gw_stride + cols, mask=write, other=0.0).to(tl.float32)
+        tl.store(gw_ptr + label * gw_stride + cols, (g + acc).to(gw_ptr.dtype.element_ty), mask=write)
+
+    return target_rows
+
+
+def add_target_rows(grad_weight: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor,
+                    labels: torch.Tensor, coef: torch.Tensor) -> None:
+    """grad_weight[labels[t]] += coef[t] * hidden[rows[t]] for every t, summed per label in fp32
+    and rounded once per touched row, in one launch after a sort; deterministic (a label's rows
+    are summed in sorted order by one program) and without a host sync."""
+    n = labels.numel()
+    if n == 0:
+        return
+    assert grad_weight.is_cuda and grad_weight.stride(1) == 1 and hidden.stride(1) == 1
+    sorted_labels, order = torch.sort(labels)
+    positions = torch.arange(n, device=labels.device)
+    starts = torch.ones(n, dtype=torch.bool, device=labels.device)
+    starts[1:] = sorted_labels[1:] != sorted_labels[:-1]
+    # A segment start's end is the next start (or n): a reverse running minimum over the
+    # start positions that follow it. Other positions get end = themselves (no work).
+    next_starts = torch.full((n,), n, dtype=torch.long, device=labels.device)
+    next_starts[:-1] = torch.where(starts[1:], positions[1:], n)
+    seg_end = next_starts.flip(0).cummin(0).values.flip(0)
+    seg_end = torch.where(starts, seg_end, positions)
+    dim = grad_weight.shape[1]
+    block = 1024
+    _target_rows_kernel()[(n, -(-dim // block))](
+        grad_weight, grad_weight.stride(0), hidden, hidden.stride(0), sorted_labels,
+        rows.index_select(0, order).contiguous(), coef.index_select(0, order).float().contiguous(),
+        seg_end.contiguous(), dim, BLOCK_D=block, num_warps=4,
+    )
+

@@ -77,20 +77,29 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
     return loss_rows, probs.to(grad_dtype or logits.dtype)
 
 
+def _triton_available() -> bool:
+    from tune_recipes.modules import _triton_ce
+
+    return _triton_ce.available()
+
+
 def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor,
-                  grad_dtype: torch.dtype, target_coef_out: torch.Tensor):
-    """Writes the per-row losses to ``loss_out`` (fp32) and the split-off target terms to
-    ``target_coef_out``; returns the rest of the logits' gradient in ``grad_dtype`` (on CUDA
-    written over the logits' own memory)."""
-    if logits.is_cuda and target_coef_out.dtype == torch.float32:
+                  grad_dtype: torch.dtype, target_coef_out: torch.Tensor, weight: torch.Tensor,
+                  hidden_term_out: Optional[torch.Tensor]):
+    """Writes the per-row losses to ``loss_out`` (fp32), the split-off target terms to
+    ``target_coef_out`` and, if given, ``target_coef_out[r] * weight[target[r]]`` to
+    ``hidden_term_out`` (the hidden gradient's target terms, in the logits' dtype); returns the
+    rest of the logits' gradient in ``grad_dtype`` (on CUDA written over the logits' memory)."""
+    if logits.is_cuda and target_coef_out.dtype == torch.float32 and _triton_available():
         from tune_recipes.modules import _triton_ce
 
-        if _triton_ce.available():
-            return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
-                                                   grad_dtype=grad_dtype,
-                                                   target_coef_out=target_coef_out)[1]
+        return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
+                                               grad_dtype=grad_dtype, target_coef_out=target_coef_out,
+                                               weight=weight, hidden_term_out=hidden_term_out)[1]
     loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype, target_coef_out)
     loss_out.copy_(loss_rows)
+    if hidden_term_out is not None:
+        torch.mul(weight.index_select(0, target), target_coef_out[:, None], out=hidden_term_out)
     return grad
 
 
@@ -164,9 +173,10 @@ def _add_target_terms(grad_weight: torch.Tensor, labels: torch.Tensor, coef: tor
     rounded again at every later chunk; kept apart, the accumulator only holds the small rest,
     and on peaked logits the weight gradient's error drops to the bf16 rounding of the result.
 
+    This is the CPU path (CUDA: _triton_ce.add_target_rows, one launch, each row rounded once).
     No host sync: labels are sorted, equal labels share a segment id, and each block of sorted
-    rows sums its segments. A block's unused segment slots repeat its last
-    segment (label and sum), so duplicate index_put writes store identical values."""
+    rows sums its segments. A block's unused segment slots repeat its last segment (label and
+    sum), so duplicate index_put writes store identical values."""
     n, dim = labels.numel(), grad_weight.shape[1]
     if n == 0:
         return
@@ -276,7 +286,9 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
         if bias is not None:
             logits += bias
         coef = target_coef[start:stop]
-        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype, coef)
+        hidden_acc = hidden_grad_buf[:stop - start] if need_hidden else None
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype, coef,
+                                    weight, hidden_acc)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
             grad_bias.index_put_((y,), coef.float(), accumulate=True)
@@ -284,18 +296,22 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             # The rest of the rows' gradient; their target terms are added after the loop.
             _weight_grad_mm(grad_weight, grad_logits, h, first=start == 0)
         if need_hidden:
-            # Target terms first, in fp32: coef * W[y]; then the rest's product on top; one
-            # rounding. Without ignored rows straight into the gradient; with them into the
-            # slot whose gathered rows the two products above have consumed.
-            acc = torch.mul(weight.index_select(0, y), coef[:, None], out=hidden_grad_buf[:stop - start])
-            logits_mm.hidden_grad(grad_logits, out=acc)
-            (grad_hidden[start:stop] if all_valid else h).copy_(acc)
+            # hidden_acc holds the target terms, coef * W[y], in fp32 (from _softmax_grad); the
+            # rest's product goes on top; one rounding. Without ignored rows straight into the
+            # gradient; with them into the slot whose gathered rows the products have consumed.
+            logits_mm.hidden_grad(grad_logits, out=hidden_acc)
+            (grad_hidden[start:stop] if all_valid else h).copy_(hidden_acc)
     del logits_buf, logits, grad_logits, h, logits_mm, hidden_grad_buf
     if need_weight:
-        valid_hidden = (lambda idx: hidden.index_select(0, idx)) if all_valid else (
-            lambda idx: hidden.index_select(0, valid_idx.index_select(0, idx)))
-        _add_target_terms(grad_weight, y_valid, target_coef, valid_hidden,
-                          block_rows=max(1, rows * vocab // (5 * dim)))
+        rows_of_valid = torch.arange(n_rows, device=hidden.device) if all_valid else valid_idx
+        if hidden.is_cuda and target_coef.dtype == torch.float32 and _triton_available():
+            from tune_recipes.modules import _triton_ce
+
+            _triton_ce.add_target_rows(grad_weight, hidden, rows_of_valid, y_valid, target_coef)
+        else:
+            _add_target_terms(grad_weight, y_valid, target_coef,
+                              lambda idx: hidden.index_select(0, rows_of_valid.index_select(0, idx)),
+                              block_rows=max(1, rows * vocab // (5 * dim)))
     if need_hidden and not all_valid:
         grad_hidden = torch.zeros_like(hidden).index_copy_(0, valid_idx, compact)
     del compact
