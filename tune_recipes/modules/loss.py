@@ -9,6 +9,14 @@ pre-multiplied by ``scaling`` (the factor the caller will multiply the loss by b
 backward). Backward then multiplies them by ``grad_output / scaling``, which is exactly 1.0 in
 the common case and then costs nothing.
 
+Accuracy: a row's logit gradient is ``softmax - onehot``, and on a trained LM's peaked logits its
+target entry, ``softmax[y] - 1``, dominates it. That entry is split off in fp32 (``coef``) and
+never rounded to bf16: the hidden gradient starts from ``coef * W[y]`` in fp32 and adds the rest's
+product before its one rounding; the weight gradient's chunk products accumulate only the rest,
+and ``coef * h`` is summed per label in fp32 and added once after the chunks. Both gradients then
+come within a few percent of the bf16 rounding of exact gradients (1.66e-3 relative L2 on the
+H200 at every benchmarked shape, docs/benchmarks.md), whatever the number of chunks.
+
 Backward rules (tests/unit/test_fused_loss.py covers each):
 - ``scaling == 0`` with a non-zero grad_output raises: the saved gradients were zeroed in
   forward and cannot be recovered (no NaN is produced);
@@ -32,10 +40,10 @@ from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 # re-reads and re-writes the whole weight gradient when W trains, so larger chunks are faster
 # and smaller ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 320 MiB is 654 rows
 # at V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks,
-# 1.8% (random logits) / 3.6% (peaked) slower than the bf16-logits loss before issue 11, at
-# 1.327 GiB above its inputs, the weight gradient included. Within 1.2 GiB (chunk_size: 359,
-# 16 chunks) it ran 17-18% slower, and block-shifted bf16 storage (2 bytes a logit, 9 chunks
-# in 1.194 GiB) 15% slower: its extra fp32 pass cost what the chunks saved (docs/benchmarks.md).
+# 2.4-4.6% slower than the bf16-logits loss before issue 11, at 1.337 GiB above its inputs, the
+# weight gradient included. Within 1.2 GiB (chunk_size: 359, 16 chunks) it ran 13-20% slower,
+# and block-shifted bf16 storage (2 bytes a logit, 9 chunks in 1.194 GiB) 15% slower: its
+# extra fp32 pass cost what the chunks saved (docs/benchmarks.md).
 # NOTE: do not go back to bf16 logits for the extra rows: rounding them doubled the gradient
 # error on peaked, trained-LM-like logits (4.8e-3 vs 2.4e-3).
 DEFAULT_CHUNK_BYTES = 320 * 1024**2
