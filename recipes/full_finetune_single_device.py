@@ -10,6 +10,8 @@ Every parameter trains. Features, each a config key:
   at once (lowest memory; needs gradient_accumulation_steps=1 and clip_grad_norm=null).
 - ``clip_grad_norm``: clip to this norm; ``inf`` only measures and logs it; null disables.
 - ``enable_activation_checkpointing``, ``compile``, ``dtype`` (bf16 or fp32).
+- ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune: one
+  graph per transformer layer, quick to compile) or ``model`` (the whole forward, one graph).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
   FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile).
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
@@ -43,7 +45,7 @@ CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
     "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
-    "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "clip_grad_norm", "compile", "compile_scope", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
@@ -78,6 +80,7 @@ class FullFinetuneRecipeSingleDevice:
         self._model = setup_full_model(
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
+            compile_scope=cfg.get("compile_scope", None),
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
             fp8_recipe=self._fp8,
         )

@@ -210,6 +210,7 @@ SCHEMA: List[Rule] = [
     Rule("fsdp_reshard_after_forward", boolean),
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
+    Rule("compile_scope", optional(one_of("layers", "model"))),
     Rule("custom_sharded_layers", optional(list_of(text))),
     Rule("collate_fn", text),
     Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),
@@ -428,6 +429,7 @@ NO_EFFECT_WITHOUT: List[tuple] = [
      "limits the mid-epoch step_<n>/ checkpoints, which only save_every_n_steps writes "
      "(epoch_<n>/ folders are all kept)"),
     ("fp8_recipe_name", "enable_fp8_training", "picks the recipe FP8 training uses"),
+    ("compile_scope", "compile", "picks what compile=True compiles"),
 ]
 
 

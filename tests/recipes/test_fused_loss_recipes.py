@@ -39,10 +39,18 @@ def test_lora_adapted_head_is_named_in_the_error(tmp_path):
     assert "model.output is LoRALinear" in proc.stderr and "apply_lora_to_output=False" in proc.stderr
 
 
-def test_fused_loss_under_torch_compile_matches_eager_plain(tmp_path):
+@pytest.mark.parametrize("scope", [None, "model"])
+def test_fused_loss_under_torch_compile_matches_eager_plain(tmp_path, scope):
     common = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1"]
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "plain", common)
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "compiled",
-               [*common, FUSED, "compile=True"])
+               [*common, FUSED, "compile=True", *([f"compile_scope={scope}"] if scope else [])])
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")),
                                torch.tensor(losses(tmp_path / "plain")), rtol=1e-5, atol=0)
+
+
+def test_compile_scope_is_checked_and_named(tmp_path):
+    proc = tune("run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+                f"output_dir={tmp_path}", "compile=True", "compile_scope=everything", check=False)
+    assert proc.returncode == 2 and "compile_scope" in proc.stderr and "model" in proc.stderr
+    assert not any(tmp_path.glob("epoch_*"))

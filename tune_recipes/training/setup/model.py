@@ -1,5 +1,6 @@
 """Single-device models, ready to train (the distributed ones: ``setup.distributed``)."""
 
+import os
 from typing import Any, Callable, Dict, Optional
 
 from omegaconf import DictConfig
@@ -16,11 +17,14 @@ from tune_recipes.training.setup.fp8 import convert_to_fp8
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
                      compile_model: bool = False, enable_activation_checkpointing: bool = False,
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
-                     fp8_recipe: Optional[str] = None) -> nn.Module:
+                     fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
-    (``setup.fp8``), compile / activation checkpointing, and ``state_dict`` loaded strictly."""
+    (``setup.fp8``), compile / activation checkpointing, and ``state_dict`` loaded strictly.
+    ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
+    ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
+    instead of one per layer, fusion across layer boundaries, a longer first compile)."""
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg_model)
     if before_load is not None:
@@ -29,12 +33,22 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     # are unchanged, so the strict load below also checks the swap).
     convert_to_fp8(model, fp8_recipe)
     if compile_model:
-        training.compile_model(model)
+        compile_layers_or_model(model, compile_scope)
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     model.load_state_dict(state_dict)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
+
+
+def compile_layers_or_model(model: nn.Module, scope: Optional[str]) -> None:
+    """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model."""
+    if scope in (None, "layers"):
+        training.compile_model(model)
+    elif scope == "model":
+        model.compile(backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"))
+    else:
+        raise ConfigError(f"compile_scope={scope}: expected layers or model")
 
 
 def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
