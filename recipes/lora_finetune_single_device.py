@@ -12,6 +12,15 @@ with ``gradient_accumulation_steps: 1`` the mean loss is backpropagated as is; w
 micro-batch's mean is weighted by its token count and the adapters' gradients are divided by the
 step's total once.
 
+``enable_fp8_training: True`` (+ ``fp8_recipe_name: tensorwise``, the only one for LoRA): each
+frozen base projection is quantized once to float8 e4m3 (one scale per tensor) and its product
+runs on the FP8 tensor cores; backward computes only its input gradient (grad_out in e5m2). The
+adapters train in ``dtype`` as before. The GPU holds the FP8 copies only, half the base
+projections' bf16 memory; their bf16 weights stay in CPU memory, so checkpoints (adapter and
+merged model) are exactly as without FP8. LoRA only: QLoRA and DoRA are config errors, and so
+is a device without FP8 tensor cores (CUDA, compute capability >= 8.9); use it with
+``compile: True`` (tune_recipes/modules/fp8_lora.py).
+
 Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
 format, loadable with ``peft.PeftModel.from_pretrained``), ``adapter_model.pt`` (torchtune
@@ -31,6 +40,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
+from tune_recipes.training.setup.fp8 import fp8_lora_wanted
 from tune_recipes.training.setup.model import setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
@@ -47,7 +57,7 @@ CONFIG_KEYS = {
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
-    "save_every_n_steps", "keep_last_n_checkpoints",
+    "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",
 }
 
 
@@ -56,6 +66,8 @@ class LoRAFinetuneRecipeSingleDevice:
         check_known_keys(cfg, CONFIG_KEYS, "lora_finetune_single_device")
         self._runtime = single_device(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
+        # FP8 base projections: refused here (QLoRA, DoRA, no FP8 tensor cores) before any work.
+        self._fp8 = fp8_lora_wanted(cfg, self._runtime.device, self._runtime.is_main)
         self._offload_activations = activation_offloading_wanted(
             cfg, self._runtime.device, self._runtime.is_main)
         # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
@@ -72,6 +84,7 @@ class LoRAFinetuneRecipeSingleDevice:
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
             compile_model=cfg.get("compile", False),
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            fp8=self._fp8,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -150,6 +150,18 @@ for step in "$@"; do
               > "$OUT/profile.txt" 2>&1; grep -A 16 "=====" "$OUT/profile.txt" | cut -c1-150 ;;
     scale)  python3 scripts/bench_scale_grads.py "$OUT/scale_grads.json" 2>&1 | tail -12 ;;
     fused)  python3 scripts/bench_fused_ce.py --out "$OUT/fused_ce.json" 2>&1 | grep -v "Warning\|quant_api\|Skipping" | tail -45 ;;
+    fp8lora) # Issue #15 lever, one GPU, < 9 min: LoRA's frozen base projections in FP8
+            # (tune_recipes/modules/fp8_lora.py). The 8B checkpoint builds in the background while
+            # the module's GPU tests run (untimed); then 8B LoRA bf16 (ours_best) vs FP8, 20 steps
+            # each, and the 120-step FP8 vs bf16 loss curve (lora_8b_curve), one after another.
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & }
+            timeout 240 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_fp8_lora.py \
+              tests/recipes/test_fp8_lora_recipe.py 2>&1 | grep -v "Warning\|warn" | tail -15 | tee "$OUT/fp8lora_tests.txt"
+            wait  # the checkpoint
+            bench_on 0 lora_8b,lora_8b_curve ours_best,ours_fused,ours_fused_fp8 1 fp8lora_8b
+            wait; finish_bench fp8lora ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --order "${RECIPES_ORDER:-stock-first}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
   esac
 done

@@ -295,6 +295,44 @@ def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def _is_lora_model(cfg: DictConfig) -> bool:
+    """Whether ``model`` names a LoRA-type builder (lora_*/qlora_*, or one given lora_rank)."""
+    component = _value(cfg, "model._component_")
+    builder = component.rpartition(".")[2] if isinstance(component, str) else ""
+    return builder.startswith(("lora_", "qlora_")) or _value(cfg, "model.lora_rank") is not _MISSING
+
+
+def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
+    """What ``enable_fp8_training`` cannot do with a LoRA model, or None. FP8 LoRA quantizes the
+    frozen bf16 base of each LoRALinear once, with one scale per tensor
+    (tune_recipes/modules/fp8_lora.py): an NF4 base (QLoRA) has no bf16 base to quantize, DoRA
+    is not implemented, and ``fp8_recipe_name`` can only be ``tensorwise``. The one check both
+    ``tune validate`` (CROSS_KEY) and the recipe's start (training/setup/fp8.fp8_lora_wanted)
+    make; the conversion itself refuses the same layers by type, for builders this cannot
+    read."""
+    if cfg.get("enable_fp8_training", False) is not True or not _is_lora_model(cfg):
+        return None
+    component = _value(cfg, "model._component_")
+    builder = component.rpartition(".")[2] if isinstance(component, str) else ""
+    if builder.startswith("qlora_"):
+        return (f"enable_fp8_training=True with model._component_={component}: a QLoRA "
+                "builder keeps the frozen base in NF4 (model.quantize_base), and FP8 quantizes "
+                "a bf16 base; use the lora_* builder or set enable_fp8_training=False")
+    if _value(cfg, "model.quantize_base") is True:
+        return ("enable_fp8_training=True with model.quantize_base=True: the frozen base is NF4 "
+                "(QLoRA), and FP8 quantizes a bf16 base; set one of them to False")
+    if _value(cfg, "model.use_dora") is True:
+        return ("enable_fp8_training=True with model.use_dora=True: FP8 for DoRA is not "
+                "implemented (its magnitude needs the bf16 base weight's column norms every "
+                "step); set one of them to False")
+    recipe = cfg.get("fp8_recipe_name", None)
+    if recipe is not None and recipe != "tensorwise":
+        return (f"fp8_recipe_name={recipe} with a LoRA model: the frozen base projections are "
+                "quantized once with one scale per tensor, so only tensorwise is implemented; "
+                "set fp8_recipe_name=tensorwise (or null)")
+    return None
+
+
 def _resolves_to(dotted: Any) -> Any:
     """The object a ``_component_`` path names, or None when it does not import (that is
     reported, naming the key, by the component check)."""
@@ -418,6 +456,7 @@ CROSS_KEY: List[tuple] = [
     (("optimizer_in_bwd",), _in_backward_rules),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
+    (("enable_fp8_training", "model"), fp8_lora_problem),
     (("enable_activation_offloading",), activation_offloading_problem),
     (("fsdp",), fsdp_offload_problem),
 ]

@@ -50,6 +50,7 @@ TESTS = {
     "modules/__init__.py": "modules/test_peft.py",
     "modules/loss.py": "test_fused_loss.py",
     "modules/_triton_ce.py": "test_fused_loss_gpu.py",
+    "modules/fp8_lora.py": "modules/test_fp8_lora.py",
     "modules/output.py": "modules/test_output.py",
     "modules/peft.py": "modules/test_peft.py",
     "modules/qat_lora.py": "modules/test_qat_lora.py",

@@ -88,6 +88,22 @@ CASES = [
     ("tiny/lora_single_device", ["model.use_dora=True", "model.lora_attn_modules=[w1]"], "item 'w1'"),
     ("tiny/lora_single_device", ["optimizer_in_bwd=True"],
      "optimizer_in_bwd=True: the optimizer step inside backward is not implemented by lora_finetune_single_device"),
+    # FP8 LoRA: CUDA only, no QLoRA, no DoRA, tensorwise only ("--portable": device=cuda is
+    # accepted on this CPU machine, so the LoRA rule is reached)
+    ("tiny/lora_single_device", ["enable_fp8_training=True"],
+     "enable_fp8_training=True with device=cpu: FP8 matmuls need a CUDA GPU"),
+    ("tiny/lora_single_device", ["--portable", "device=cuda", "enable_fp8_training=True",
+                                 "model.quantize_base=True"],
+     "enable_fp8_training=True with model.quantize_base=True"),
+    ("tiny/lora_single_device", ["--portable", "device=cuda", "enable_fp8_training=True",
+                                 "model._component_=torchtune.models.llama3_2.qlora_llama3_2_1b"],
+     "enable_fp8_training=True with model._component_=torchtune.models.llama3_2.qlora_llama3_2_1b"),
+    ("tiny/lora_single_device", ["--portable", "device=cuda", "enable_fp8_training=True",
+                                 "model.use_dora=True"],
+     "enable_fp8_training=True with model.use_dora=True"),
+    ("tiny/lora_single_device", ["--portable", "device=cuda", "enable_fp8_training=True",
+                                 "fp8_recipe_name=rowwise"],
+     "fp8_recipe_name=rowwise with a LoRA model"),
     # QAT
     ("tiny/qat_single_device", ["quantizer.groupsize=0"], "quantizer.groupsize=0: expected an integer >= 1"),
     ("tiny/qat_single_device", ["quantizer.groupsize=32.5"], "quantizer.groupsize=32.5"),

@@ -16,7 +16,13 @@ their neighbours; without compile FP8 is usually *slower* than bf16, so a run wi
 gets a warning (not an error: it still trains, and an eager run is what one debugs with). Loss
 curves follow bf16 within a small tolerance rather than bit-for-bit (docs/benchmarks.md).
 
-A recipe calls two functions::
+LoRA (``lora_finetune_single_device``) does not use torchao: only the adapters train, so the
+frozen base projections are quantized to FP8 once and only their input gradient is computed
+(tune_recipes/modules/fp8_lora.py: half the base weights' GPU memory, ``tensorwise`` only, no
+QLoRA or DoRA). Its recipe calls ``fp8_lora_wanted`` instead of ``fp8_recipe_wanted`` and hands
+the answer to ``setup_lora_model(fp8=...)``.
+
+A full fine-tune recipe calls two functions::
 
     self._fp8 = fp8_recipe_wanted(cfg, device)      # __init__: None, or the recipe name
     convert_to_fp8(model, self._fp8)                # on the built (or meta) model, before
@@ -32,7 +38,7 @@ from torch import nn
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
-from tune_recipes.validation import FP8_RECIPES
+from tune_recipes.validation import FP8_RECIPES, fp8_lora_problem
 
 log = get_logger("INFO")
 
@@ -72,6 +78,16 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
                     "recompile (torch 2.11); pack the dataset (dataset.packed=True) or give the "
                     "batches one fixed length")
     return name
+
+
+def fp8_lora_wanted(cfg: DictConfig, device: torch.device, is_main: bool = True) -> bool:
+    """Whether a LoRA run computes its frozen base projections in FP8. A ConfigError where it
+    cannot: QLoRA, DoRA or an ``fp8_recipe_name`` other than ``tensorwise``
+    (validation.fp8_lora_problem), then ``fp8_recipe_wanted``'s device checks."""
+    problem = fp8_lora_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    return fp8_recipe_wanted(cfg, device, is_main) is not None
 
 
 def _unpacked(dataset) -> bool:

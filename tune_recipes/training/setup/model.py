@@ -7,11 +7,15 @@ from omegaconf import DictConfig
 from torch import nn
 from torchtune import config as tt_config, training
 from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.setup.fp8 import convert_to_fp8
+
+log = get_logger("INFO")
 
 
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
@@ -55,11 +59,14 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      base_state_dict: Dict[str, Any],
                      lora_state_dict: Optional[Dict[str, Any]],
                      compile_model: bool = False,
-                     enable_activation_checkpointing: bool = False):
+                     enable_activation_checkpointing: bool = False,
+                     fp8: bool = False):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
-    both loads checked against the LoRA layout. Returns ``(model, LoRASpec)``."""
+    both loads checked against the LoRA layout; with ``fp8`` the frozen base projections then
+    compute in FP8 (``modules.fp8_lora``; their bf16 weights move to CPU memory, under the same
+    names). Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -101,4 +108,11 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         lora_unexpected=lora_unexpected,
     )
     training.validate_expected_param_dtype(adapter_params.items(), dtype=dtype)
+    if fp8:
+        # NOTE: after both loads (each base weight is quantized here, once, from the loaded
+        # values) and before the first forward (compile above only marks the layers; they are
+        # traced at their first call, with the FP8 modules in place).
+        converted = convert_lora_to_fp8(model)
+        log.info("FP8 LoRA: %d frozen base projections in float8 e4m3 (tensorwise); their bf16 "
+                 "weights are in CPU memory", len(converted))
     return model, lora

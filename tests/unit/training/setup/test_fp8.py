@@ -7,7 +7,7 @@ from torch import nn
 
 from tune_recipes.config import ConfigError
 from tune_recipes.training.setup import fp8 as fp8_setup
-from tune_recipes.training.setup.fp8 import convert_to_fp8, fp8_recipe_wanted, should_convert
+from tune_recipes.training.setup.fp8 import convert_to_fp8, fp8_lora_wanted, fp8_recipe_wanted, should_convert
 from tune_recipes.training.setup.model import setup_full_model
 
 pytestmark = pytest.mark.unit
@@ -137,6 +137,32 @@ def test_fp8_compile_on_unpacked_data_warns_of_dynamic_shape_recompiles(monkeypa
         fp8_recipe_wanted(_cfg(compile=True, dataset=dataset), torch.device("cuda"))
         assert bool(warnings) == warns, dataset
         assert not warnings or "dataset.packed=True" in warnings[0]
+
+
+def _lora_cfg(**model):
+    return _cfg(model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b",
+                       "lora_attn_modules": ["q_proj", "v_proj"], **model})
+
+
+def test_fp8_lora_wanted_refuses_qlora_dora_other_recipes_and_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert fp8_lora_wanted(_lora_cfg(), cuda) is True
+    off = _lora_cfg(quantize_base=True)  # nothing to refuse while FP8 is off
+    off.enable_fp8_training = False
+    assert fp8_lora_wanted(off, cuda) is False
+    for cfg, message in (
+            (_lora_cfg(quantize_base=True), "enable_fp8_training=True with model.quantize_base=True"),
+            (_cfg(model={"_component_": "torchtune.models.llama3_1.qlora_llama3_1_8b"}),
+             "enable_fp8_training=True with model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b"),
+            (_lora_cfg(use_dora=True), "enable_fp8_training=True with model.use_dora=True"),
+            (_cfg(fp8_recipe_name="rowwise", model={"_component_": "a.lora_b", "lora_rank": 8}),
+             "fp8_recipe_name=rowwise with a LoRA model: .* only tensorwise")):
+        with pytest.raises(ConfigError, match=message):
+            fp8_lora_wanted(cfg, cuda)
+    assert fp8_lora_wanted(_cfg(fp8_recipe_name="tensorwise", model={"_component_": "a.lora_b"}), cuda)
+    with pytest.raises(ConfigError, match="needs a CUDA GPU with FP8 tensor cores"):
+        fp8_lora_wanted(_lora_cfg(), torch.device("cpu"))
 
 
 def _train_losses(recipe, steps=8):

@@ -59,6 +59,35 @@ def test_lora_model_resumes_the_given_adapters():
             assert torch.equal(p, adapters[n]), n
 
 
+def test_lora_model_with_fp8_quantizes_the_loaded_base_and_keeps_the_state_dict(monkeypatch):
+    # On CPU the FP8 product is emulated (the recipe refuses FP8 off CUDA before this point).
+    import functools
+
+    from tune_recipes.modules import fp8_lora
+    from tune_recipes.training.setup import model as setup_model
+
+    monkeypatch.setattr(setup_model, "convert_lora_to_fp8",
+                        functools.partial(fp8_lora.convert_lora_to_fp8, emulate=True))
+    base = _base_state_dict()
+    plain, _ = setup_lora_model(_lora_cfg(), dtype=torch.bfloat16, device=torch.device("cpu"),
+                                seed=3, base_state_dict=base, lora_state_dict=None)
+    fp8, _ = setup_lora_model(_lora_cfg(), dtype=torch.bfloat16, device=torch.device("cpu"),
+                              seed=3, base_state_dict=base, lora_state_dict=None, fp8=True)
+    q = fp8.layers[1].attn.q_proj
+    assert isinstance(q, fp8_lora.FP8LoRALinear)
+    assert type(fp8.layers[1].attn.k_proj) is torch.nn.Linear  # no adapter: not converted
+    # quantized from the loaded checkpoint weight (not the builder's random init)
+    ref_q, ref_inv = fp8_lora.to_float8(base["layers.1.attn.q_proj.weight"].to(torch.bfloat16),
+                                        fp8_lora.E4M3)
+    assert torch.equal(q.weight_fp8.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(q.weight_inv_scale, ref_inv)
+    plain_sd, fp8_sd = plain.state_dict(), fp8.state_dict()
+    assert list(fp8_sd) == list(plain_sd)
+    assert all(torch.equal(fp8_sd[k], v) for k, v in plain_sd.items())
+    assert {n for n, p in fp8.named_parameters() if p.requires_grad} == \
+        {n for n, p in plain.named_parameters() if p.requires_grad}
+
+
 def test_lora_model_rejects_a_builder_without_adapters_naming_it():
     with pytest.raises(ConfigError, match="tune_recipes.models.tiny_llama3 has no LoRA adapters"):
         setup_lora_model(_lora_cfg("tune_recipes.models.tiny_llama3"), dtype=torch.float32,

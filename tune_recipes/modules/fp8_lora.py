@@ -1,0 +1,223 @@
+"""LoRA's frozen base projections in FP8: ``enable_fp8_training`` for ``lora_finetune_single_device``.
+
+LoRA trains only the adapters, so the base weight W [out, in] of every ``LoRALinear`` is a
+constant. ``convert_lora_to_fp8`` swaps each (plain, bf16-base) ``LoRALinear`` for an
+``FP8LoRALinear`` that quantizes W once, at conversion, to float8 e4m3 with one fp32 scale for
+the whole tensor (amax-based, as torchao's ``tensorwise`` recipe scales), and computes
+
+    out = fp8_base(x) + bias + (alpha / rank) * lora_b(lora_a(dropout(x)))
+
+``fp8_base`` is ``_FrozenFP8Matmul``: forward casts x to e4m3 with a dynamic per-tensor scale
+and multiplies on the FP8 tensor cores (``torch._scaled_mm``, output in x's dtype); backward
+computes only grad_x = grad_out @ W (there is no weight gradient), with grad_out cast to e5m2
+with its own dynamic scale. The adapters, dropout, scaling and the bias stay in the training
+dtype and train exactly as before. No ``.item()`` and no branch on tensor values: it traces
+under ``torch.compile`` (the recipe compiles each transformer layer).
+
+Memory (the point of the design, besides speed). The GPU keeps only the e4m3 copy of each
+converted weight, 1 byte per element, instead of bf16's 2: the frozen projections' GPU memory
+halves (Llama-3.1-8B with LoRA on q/v/output and the MLP: 6.85e9 converted elements, about
+6.4 GiB less than bf16). The bf16 ``weight`` Parameter itself moves to CPU memory, under its
+name, frozen: ``state_dict()`` keys and values are exactly those of the bf16 model, so the
+adapter save, the merged-model save (which merges into this original bf16 base, never a
+dequantized one) and a resume work unchanged. The price is CPU RAM: one bf16 copy of the
+converted weights (8B: ~12.8 GiB) for the run's lifetime.
+
+Layout choice. ``_scaled_mm`` takes its first operand row-major and its second column-major.
+Forward needs W^T column-major, which is W [out, in] row-major as stored (a free ``.t()``);
+backward needs W column-major, i.e. W^T row-major. Storing both layouts would cost as much GPU
+memory as the bf16 weight (no saving); storing one costs a transpose copy of each weight per
+backward call (``.t().contiguous().t()``, as torchao does for its weight): for the 8B case
+6.85 GB read + 6.85 GB written per micro-batch, ~3.5 ms at H200 bandwidth against a ~260 ms
+bf16 step (about 1-2% of an FP8 step), plus one transient weight (at most 59 MB). We store one
+layout: half the base memory for ~2% of the step (an estimate: not yet measured on a GPU).
+
+Not converted, on purpose: the output projection (as for the full fine-tune: its rounding error
+goes straight into the logits), layers whose in or out
+features are not multiples of 16 (``_scaled_mm`` needs both dims of each operand divisible by
+16; the token count is never an inner dimension here, since there is no weight gradient), and
+plain frozen ``nn.Linear`` layers without an adapter (e.g. k_proj when LoRA is not applied to
+it: a small share of the FLOPs). Refused with a ``ConfigError``: an NF4 base (QLoRA) and DoRA
+(its magnitude needs the bf16 base's column norms every step).
+
+``emulate=True`` computes the same quantized operands' product by dequantizing to fp32 and a
+plain matmul, on any device: what the CPU unit tests check the numerics with. Training uses
+the real FP8 matmul, which needs a CUDA GPU with compute capability >= 8.9 (checked by
+``training.setup.fp8.fp8_recipe_wanted`` before any model is built).
+"""
+
+from typing import List, Tuple
+
+import torch
+from torch import nn
+from torchtune.modules.peft import DoRALinear, LoRALinear
+
+from tune_recipes.config import ConfigError
+from tune_recipes.modules.peft import state_dict_key
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+E5M2_MAX = torch.finfo(E5M2).max  # 57344
+# torchao's floor on amax (torchao.float8.float8_utils.EPS): an all-zero tensor gets a finite scale.
+AMAX_EPS = 1e-12
+# Modules never converted, by the last part of their name (the LM head; see the docstring).
+SKIPPED_NAMES = ("output",)
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in float8 ``dtype`` with one scale for the whole tensor, and the fp32 factor that
+    dequantizes it (``t ~= q.float() * inv_scale``): scale = max(dtype) / amax(t), saturated
+    cast, the arithmetic of torchao's tensorwise float8 (the division in float64, as torchao
+    does, so eager and compiled agree). The amax stays a device tensor: no host sync."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().amax().to(torch.float64)
+    scale = (fmax / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
+    q = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+        out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> torch.Tensor:
+    """(a * a_inv) @ (b * b_inv) in ``out_dtype``; ``a`` row-major, ``b`` column-major."""
+    if emulate:
+        # The same quantized operands, dequantized to fp32 and multiplied in fp32 (tests only).
+        return ((a.to(torch.float32) * a_inv) @ (b.to(torch.float32) * b_inv)).to(out_dtype)
+    # use_fast_accum: torchao's tensorwise choice, on for the output GEMM, off for grad_input.
+    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+class _FrozenFP8Matmul(torch.autograd.Function):
+    """x @ W^T with W a constant e4m3 tensor [out, in] and its dequantizing scale; gradient
+    for x only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
+                emulate: bool) -> torch.Tensor:
+        # Row-major first operand (the cast keeps its input's strides; a no-op when contiguous).
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x_fp8, x_inv = to_float8(x2, E4M3)
+        # W [out, in] row-major: its .t() is the column-major [in, out] operand, no copy.
+        out = _mm(x_fp8, x_inv, weight_fp8.t(), weight_inv_scale, x.dtype, True, emulate)
+        # Nothing of x is kept: the base product has no weight gradient.
+        ctx.save_for_backward(weight_fp8, weight_inv_scale)
+        ctx.emulate = emulate
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        weight_fp8, weight_inv_scale = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        g_fp8, g_inv = to_float8(g2, E5M2)
+        # NOTE: the second operand must be column-major: W [out, in] laid out as W^T. One copy
+        # per call instead of a stored second layout (the module docstring says why).
+        w_col = weight_fp8.t().contiguous().t()
+        grad_x = _mm(g_fp8, g_inv, w_col, weight_inv_scale, grad_out.dtype, False, ctx.emulate)
+        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), None, None, None
+
+
+def frozen_fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
+                      emulate: bool = False) -> torch.Tensor:
+    """``F.linear(x, W)`` for a frozen W given as ``to_float8(W, E4M3)``; differentiable in x."""
+    return _FrozenFP8Matmul.apply(x, weight_fp8, weight_inv_scale, emulate)
+
+
+class FP8LoRALinear(LoRALinear):
+    """A ``LoRALinear`` whose frozen base product runs in FP8 (module docstring).
+
+    Same class family, parameter names and adapter protocol as ``LoRALinear`` (PEFT export,
+    merging and ``get_adapter_params`` work unchanged). Buffers ``weight_fp8`` (e4m3, on the
+    GPU) and ``weight_inv_scale`` (fp32 scalar) are not persistent: not in ``state_dict()``.
+    ``weight`` is the original bf16 Parameter, frozen, in CPU memory; forward never reads it.
+    """
+
+    @classmethod
+    def from_lora_linear(cls, lora: LoRALinear, name: str = "", emulate: bool = False
+                         ) -> "FP8LoRALinear":
+        where = f" ({name})" if name else ""
+        if getattr(lora, "_quantize_base", False):
+            raise ConfigError(
+                f"enable_fp8_training=True with a quantized base{where}: the frozen base is NF4 "
+                "(QLoRA: model.quantize_base=True or a qlora_* builder), and FP8 quantizes a "
+                "bf16 base; set enable_fp8_training=False or model.quantize_base=False")
+        if lora.weight.requires_grad:
+            raise ConfigError(f"enable_fp8_training: the base weight{where} trains; FP8 LoRA "
+                              "needs it frozen (only the adapters train)")
+        device = lora.weight.device
+        if not emulate and device.type != "cuda":
+            raise ConfigError(f"enable_fp8_training=True needs the model on a CUDA GPU; "
+                              f"the base weight{where} is on {device.type}")
+        # Built on the meta device (nothing allocated), then given the original's modules.
+        with torch.device("meta"):
+            new = cls(lora.in_dim, lora.out_dim, lora.rank, lora.alpha, use_bias=lora.use_bias)
+        new.lora_a, new.lora_b, new.dropout = lora.lora_a, lora.lora_b, lora.dropout
+        new.disabled, new.merged = lora.disabled, lora.merged
+        new.bias = lora.bias
+        weight = lora.weight.detach()
+        q, inv = to_float8(weight, E4M3)
+        # NOTE: nn.Buffer, not a plain tensor: activation offloading (torchtune's hooks) copies
+        # every large tensor saved for backward to CPU unless it is a Parameter or a Buffer,
+        # and backward saves this weight.
+        new.register_buffer("weight_fp8", nn.Buffer(q, persistent=False), persistent=False)
+        new.register_buffer("weight_inv_scale", nn.Buffer(inv, persistent=False), persistent=False)
+        # NOTE: the bf16 original, kept exactly (on CPU) for state_dict() and the merged save;
+        # do not "simplify" it to a dequantized copy: the merged model would change.
+        new.weight = nn.Parameter(weight.to("cpu", copy=True), requires_grad=False)
+        new.emulate = emulate
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = frozen_fp8_linear(x, self.weight_fp8, self.weight_inv_scale, self.emulate)
+        if self.bias is not None:
+            out = out + self.bias
+        if self.disabled:
+            return out
+        lora_out = self.lora_a(self.dropout(x))
+        return out + (self.alpha / self.rank) * self.lora_b(lora_out)
+
+
+def _eligible(module: LoRALinear, name: str) -> bool:
+    if name.split(".")[-1] in SKIPPED_NAMES:
+        return False
+    return module.in_dim % 16 == 0 and module.out_dim % 16 == 0
+
+
+def convert_lora_to_fp8(model: nn.Module, emulate: bool = False) -> List[str]:
+    """Swap every eligible ``LoRALinear`` of ``model`` for an ``FP8LoRALinear``, in place;
+    returns the names of the modules that compute in FP8. Call it after the base weights are loaded (they are
+    quantized here, once) and before the first forward (compile traces lazily, so a model
+    already marked for compile is fine). A ``ConfigError`` for DoRA, an NF4 base, another
+    ``LoRALinear`` subclass, or a model with nothing to convert."""
+    converted: List[str] = []
+
+    def swap(parent: nn.Module, prefix: str) -> None:
+        for child_name, child in parent.named_children():
+            # The state-dict name (without activation checkpointing's or compile's prefixes).
+            name = state_dict_key(f"{prefix}{child_name}")
+            if isinstance(child, DoRALinear):
+                raise ConfigError(
+                    f"enable_fp8_training=True with DoRA ({name}; model.use_dora=True): not "
+                    "implemented, DoRA's magnitude needs the bf16 base weight's column norms "
+                    "at every step; set model.use_dora=False or enable_fp8_training=False")
+            if isinstance(child, LoRALinear):
+                if isinstance(child, FP8LoRALinear):  # converted before: left as it is
+                    converted.append(name)
+                    continue
+                if type(child) is not LoRALinear:
+                    raise ConfigError(
+                        f"enable_fp8_training=True: {name} is a {type(child).__name__}; FP8 "
+                        "converts plain LoRALinear layers only")
+                if _eligible(child, name):
+                    setattr(parent, child_name, FP8LoRALinear.from_lora_linear(child, name, emulate))
+                    converted.append(name)
+                continue
+            swap(child, f"{prefix}{child_name}.")
+
+    swap(model, "")
+    if not converted:
+        raise ConfigError("enable_fp8_training=True, but the model has no LoRALinear whose dims "
+                          "are multiples of 16 (the output projection is never converted)")
+    return converted
