@@ -162,6 +162,21 @@ for step in "$@"; do
             wait  # the checkpoint
             bench_on 0 lora_8b,lora_8b_curve ours_best,ours_fused,ours_fused_fp8 1 fp8lora_8b
             wait; finish_bench fp8lora ;;
+    fp8lora8b) # fp8lora in two calls of < 10 min on one GPU. This one: the 8B checkpoint (background)
+            # beside the FP8 LoRA GPU tests, then 8B LoRA stock / ours bf16 / ours FP8, one run each.
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & }
+            timeout 200 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_fp8_lora.py \
+              tests/recipes/test_fp8_lora_recipe.py 2>&1 | grep -v "Warning\|warn" | tail -15 | tee "$OUT/fp8lora_tests.txt"
+            wait
+            bench_on 0 lora_8b stock_best,ours_best,ours_fused_fp8 1 fp8lora_8b
+            wait; finish_bench fp8lora ;;
+    curves1b) # The other call (machine still warm: the 8B checkpoint reused): the 120-step FP8 LoRA
+            # curve, then 1B stock / ours best / ours best with the whole model compiled.
+            bench_on 0 lora_8b_curve ours_fused,ours_fused_fp8 1 curve_lora_8b; wait
+            bench_on 0 full_1b stock_best,ours_best,ours_best_model 1 heads1b_full_1b; wait
+            finish_bench curve_lora_8b; finish_bench heads1b ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --order "${RECIPES_ORDER:-stock-first}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
   esac
 done
