@@ -21,6 +21,9 @@ merged model) are exactly as without FP8. LoRA only: QLoRA and DoRA are config e
 is a device without FP8 tensor cores (CUDA, compute capability >= 8.9); use it with
 ``compile: True`` (tune_recipes/modules/fp8_lora.py).
 
+``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune) or
+``model`` (the whole forward as one graph).
+
 Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
 format, loadable with ``peft.PeftModel.from_pretrained``), ``adapter_model.pt`` (torchtune
@@ -53,7 +56,7 @@ CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint",
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
-    "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "clip_grad_norm", "compile", "compile_scope", "device", "dtype", "enable_activation_checkpointing",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
@@ -82,7 +85,7 @@ class LoRAFinetuneRecipeSingleDevice:
         self._model, lora = setup_lora_model(
             cfg.model, dtype=self._dtype, device=self._runtime.device, seed=self._state.seed,
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
-            compile_model=cfg.get("compile", False),
+            compile_model=cfg.get("compile", False), compile_scope=cfg.get("compile_scope", None),
             enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
             fp8=self._fp8,
         )

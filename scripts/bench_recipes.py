@@ -194,6 +194,8 @@ CASES = {
             # ours_best is compile + fused CE, so this is also "ours best + FP8".
             _v("ours_fused_fp8", "ours", "ours: compile + fused CE + FP8 base projections",
                loss=_FUSED, compile=True, enable_fp8_training=True),
+            _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
+               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
         ],
     ),
     # FP8 LoRA vs bf16 where the loss moves: lora_8b's 20 steps at lr 3e-4 barely do

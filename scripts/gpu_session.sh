@@ -177,6 +177,12 @@ for step in "$@"; do
             bench_on 0 lora_8b_curve ours_fused,ours_fused_fp8 1 curve_lora_8b; wait
             bench_on 0 full_1b stock_best,ours_best,ours_best_model 1 heads1b_full_1b; wait
             finish_bench curve_lora_8b; finish_bench heads1b ;;
+    fp8loramodel) # 8B LoRA FP8 with the whole model compiled (one run; the others: fp8lora8b).
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            bench_on 0 lora_8b ours_fused_fp8_model 1 fp8loramodel_8b
+            wait; finish_bench fp8loramodel ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --order "${RECIPES_ORDER:-stock-first}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
   esac
 done

@@ -54,3 +54,12 @@ def test_compile_scope_is_checked_and_named(tmp_path):
                 f"output_dir={tmp_path}", "compile=True", "compile_scope=everything", check=False)
     assert proc.returncode == 2 and "compile_scope" in proc.stderr and "model" in proc.stderr
     assert not any(tmp_path.glob("epoch_*"))
+
+
+def test_lora_whole_model_compile_matches_eager(tmp_path):
+    common = [*STEPS, "model.apply_lora_to_output=False", "optimizer.lr=3e-3", FUSED]
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "eager", common)
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "compiled",
+               [*common, "compile=True", "compile_scope=model"])
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")),
+                               torch.tensor(losses(tmp_path / "eager")), rtol=1e-5, atol=0)

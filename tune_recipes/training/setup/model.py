@@ -60,7 +60,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      lora_state_dict: Optional[Dict[str, Any]],
                      compile_model: bool = False,
                      enable_activation_checkpointing: bool = False,
-                     fp8: bool = False):
+                     fp8: bool = False, compile_scope: Optional[str] = None):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
@@ -85,7 +85,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
     set_trainable_params(model, adapter_params)
     if compile_model:
-        training.compile_model(model)
+        compile_layers_or_model(model, compile_scope)
     if enable_activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
