@@ -52,8 +52,10 @@ def _float64_reference(epoch_dir):
     return total / count
 
 
-def test_validation_loss_is_the_token_mean_over_the_whole_set(tmp_path):
-    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, VAL)
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
+def test_validation_loss_is_the_token_mean_over_the_whole_set(tmp_path, loss):
+    fused = ["loss._component_=tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"] if loss == "fused" else []
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, [*VAL, *fused])
     val = _val_losses(tmp_path)
     assert sorted(val) == [2, 4]  # every 2 steps; the epoch end (step 4) is not run twice
     ref = _float64_reference(tmp_path / "epoch_0")

@@ -355,3 +355,23 @@ def test_known_valid_count_gives_identical_results_without_the_host_sync():
         assert torch.equal(a, c)
     with pytest.raises(RuntimeError, match="num_valid does not match"):
         fused_linear_cross_entropy(h, w, y, b, num_valid=n_valid - 1)
+
+
+def test_no_grad_computes_the_loss_only(monkeypatch):
+    """Under no_grad (validation) the loss is the same and no gradient product runs: the autograd
+    Function would compute (and keep) every gradient, since needs_input_grad stays True there."""
+    import tune_recipes.modules.loss as loss_mod
+
+    h, w, b, y = _inputs(64, 16, 50, 0.3, torch.float32, 3)
+    expected = fused_linear_cross_entropy(h, w, y, b, chunk_size=16)
+
+    def no_products(*args, **kwargs):
+        raise AssertionError("a gradient product ran under no_grad")
+
+    monkeypatch.setattr(loss_mod, "_weight_grad_mm", no_products)
+    monkeypatch.setattr(loss_mod, "_add_target_terms", no_products)
+    monkeypatch.setattr(loss_mod._LogitsProduct, "hidden_grad", no_products)
+    with torch.no_grad():
+        got = fused_linear_cross_entropy(h, w, y, b, chunk_size=16)
+    assert got.grad_fn is None
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=0)

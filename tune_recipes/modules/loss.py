@@ -399,6 +399,13 @@ def fused_linear_cross_entropy(
         raise ValueError(f"hidden dim {hidden.shape[-1]} != weight in_features {weight.shape[1]}")
     h2 = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
+    if not torch.is_grad_enabled():
+        # Validation (no_grad): the loss alone. NOTE: not through the autograd Function, whose
+        # needs_input_grad stays True under no_grad, so it would compute and keep every gradient
+        # (the [V, D] weight gradient included) for a backward that never comes.
+        return _chunked_loss_and_grads(
+            h2, weight, bias, y, ignore_index, reduction, 1.0, False, False, False, chunk_size,
+            num_valid=None if num_valid is None else int(num_valid))[0]
     return _FusedLinearCrossEntropy.apply(
         h2, weight, bias, y, ignore_index, reduction, _as_float(scaling), chunk_size,
         weight_grad_fp32, None if num_valid is None else int(num_valid),
