@@ -277,6 +277,9 @@ def _in_backward_rules(cfg: DictConfig) -> Optional[str]:
     if clip is not None:
         return (f"optimizer_in_bwd=True with clip_grad_norm={clip}: clipping needs every "
                 "gradient at once; set clip_grad_norm=null")
+    if cfg.get("on_nonfinite", "raise") == "skip":
+        return ("optimizer_in_bwd=True with on_nonfinite=skip: the optimizer has already stepped "
+                "inside backward when the check runs; use on_nonfinite=raise")
     return None
 
 

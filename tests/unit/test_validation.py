@@ -58,6 +58,8 @@ CASES = [
      "optimizer_in_bwd=True with gradient_accumulation_steps=2"),
     ("tiny/full_single_device", ["optimizer_in_bwd=True", "clip_grad_norm=1.0"],
      "optimizer_in_bwd=True with clip_grad_norm=1.0"),
+    ("tiny/full_distributed", ["optimizer_in_bwd=True", "clip_grad_norm=null", "on_nonfinite=skip"],
+     "optimizer_in_bwd=True with on_nonfinite=skip"),
     ("tiny/full_single_device", ["optimizer_in_bwd=on_step"], "optimizer_in_bwd=on_step: expected True or False"),
     ("tiny/full_single_device", ["lr_scheduler.num_warmup_steps=-5"], "lr_scheduler.num_warmup_steps=-5"),
     ("tiny/full_single_device", ["tokenizer.max_seq_len=0"], "tokenizer.max_seq_len=0"),

@@ -207,7 +207,7 @@ def setup_step_driver(
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
-        optimizer_in_bwd=path in (NormalizationPath.IN_BACKWARD, NormalizationPath.IN_BACKWARD_GLOBAL),
+        optimizer_in_bwd=path.steps_in_backward,
         distributed=runtime.distributed, world_size=runtime.dp_size, device=runtime.device,
         group=runtime.dp_group,
     )

@@ -39,7 +39,6 @@ from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.batch import count_valid_tokens, to_device
 from tune_recipes.training.step.nonfinite import NonFiniteGuard, check_clip_grad_norm, check_mode
 from tune_recipes.training.step.normalization import (
-    NormalizationPath,
     StepLossNormalizer,
     grad_norm_and_clip_,
 )
@@ -128,7 +127,7 @@ class StepDriver:
         self.ignore_index = ignore_index
         self.clip_grad_norm = check_clip_grad_norm(clip_grad_norm)
         self.guard = NonFiniteGuard(check_mode(
-            on_nonfinite, optimizer_in_bwd=normalizer.path == NormalizationPath.IN_BACKWARD))
+            on_nonfinite, optimizer_in_bwd=normalizer.path.steps_in_backward))
         self.guard.skipped_steps = state.skipped_steps  # a resumed run continues the count
         self.hooks: List[StepHook] = list(hooks)
         # Validation loss (training/step/validation.py): every run_val_every_n_steps and at

@@ -64,6 +64,11 @@ class NormalizationPath(str, Enum):
     #: local tokens x world_size / global tokens, so each reduced gradient is already exact.
     IN_BACKWARD_GLOBAL = "in_backward_global"
 
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether the optimizer steps inside backward (one device or several)."""
+        return self in (NormalizationPath.IN_BACKWARD, NormalizationPath.IN_BACKWARD_GLOBAL)
+
     def describe(self) -> str:
         return {
             NormalizationPath.SKIP: "skip (one device, gradient_accumulation_steps=1: no token "

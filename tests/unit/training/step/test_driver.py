@@ -55,7 +55,7 @@ class _Sampler(DistributedSampler):
 
 
 def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hooks=(),
-            log_every=1, on_nonfinite="raise", clip=float("inf")):
+            log_every=1, on_nonfinite="raise", clip=float("inf"), normalizer=None):
     torch.manual_seed(0)
     model = torch.nn.Linear(D, V)
     ds = _Rows()
@@ -64,7 +64,7 @@ def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hoo
     logger = _Logger()
     state = RecipeState(seed=0, total_epochs=epochs, max_steps_per_epoch=None, epochs_run=epochs_run)
     d = StepDriver(
-        normalizer=StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
+        normalizer=normalizer or StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
         lr_schedule=LRSchedule(None, opt, num_training_steps=10, last_epoch=-1),
         dataloader=loader, steps_per_epoch=steps_per_epoch, global_step=epochs_run * steps_per_epoch,
         state=state, reporter=StepReporter(logger, log_every), device=torch.device("cpu"),
@@ -247,3 +247,13 @@ def test_skip_of_the_only_step_leaves_the_weights_untouched():
 def test_bad_nonfinite_settings_are_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         _driver(batch_size=2, ga=1, steps_per_epoch=1, **kwargs)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_skip_is_refused_wherever_the_optimizer_steps_in_backward(distributed):
+    """on_nonfinite=skip cannot undo an optimizer step already taken inside backward: refused on
+    one device and on several ranks alike (the distributed in-backward path was let through)."""
+    normalizer = StepLossNormalizer(1, optimizer_in_bwd=True, distributed=distributed)
+    assert normalizer.path.steps_in_backward
+    with pytest.raises(ConfigError, match="on_nonfinite=skip needs to drop a step"):
+        _driver(batch_size=2, ga=1, steps_per_epoch=1, on_nonfinite="skip", normalizer=normalizer)
