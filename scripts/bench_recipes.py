@@ -65,6 +65,18 @@ _SAME_SETTINGS = [
 # 4096-token sub-vocabulary, repeated (unigram statistics + in-context copying to learn).
 _CURVE_DATA = {"data_vocab": 4096, "data_repeat": 256}
 
+# Llama-3.1-8B LoRA (rank 8 on q/v/output and the MLP), 2 x 2048 tokens a step: lora_8b and its
+# loss-curve case share everything but the steps, learning rate and variants.
+_LORA_8B = dict(
+    recipe="lora_finetune_single_device", lora=True,
+    builder="torchtune.models.llama3_1.llama3_1_8b", params=8.03e9,
+    model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b",
+           "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+           "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16},
+    batch_size=2, seq_len=2048, warmup=5, data=_CURVE_DATA,
+    extra={"enable_activation_checkpointing": False, "save_adapter_weights_only": True},
+)
+
 CASES = {
     # A CPU dry run of the whole pipeline (checks configs and both CLIs; numbers meaningless).
     "tiny_cpu": dict(
@@ -172,13 +184,7 @@ CASES = {
     # AC off (fits: 42 GiB eager). Ours: compile + fused CE; AC and activation offloading are
     # the memory levers.
     "lora_8b": dict(
-        recipe="lora_finetune_single_device", lora=True,
-        builder="torchtune.models.llama3_1.llama3_1_8b", params=8.03e9,
-        model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b",
-               "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
-               "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16},
-        batch_size=2, seq_len=2048, steps=20, warmup=5, data=_CURVE_DATA,
-        extra={"enable_activation_checkpointing": False, "save_adapter_weights_only": True},
+        **_LORA_8B, steps=20,
         optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True},
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
@@ -201,13 +207,7 @@ CASES = {
     # FP8 LoRA vs bf16 where the loss moves: lora_8b's 20 steps at lr 3e-4 barely do
     # (12.61 -> 12.59); 120 steps at 1e-3 on the same checkpoint and data.
     "lora_8b_curve": dict(
-        recipe="lora_finetune_single_device", lora=True, ckpt="lora_8b",
-        builder="torchtune.models.llama3_1.llama3_1_8b", params=8.03e9,
-        model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b",
-               "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
-               "apply_lora_to_mlp": True, "lora_rank": 8, "lora_alpha": 16},
-        batch_size=2, seq_len=2048, steps=120, warmup=5, data=_CURVE_DATA,
-        extra={"enable_activation_checkpointing": False, "save_adapter_weights_only": True},
+        **_LORA_8B, ckpt="lora_8b", steps=120,
         optimizer={"_component_": "torch.optim.AdamW", "lr": 1e-3, "fused": True},
         variants=[
             _v("ours_fused", "ours", "ours: compile + fused CE (bf16), lr 1e-3", loss=_FUSED,

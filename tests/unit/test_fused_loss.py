@@ -68,6 +68,19 @@ def _reference(h, w, b, y, reduction):
     return loss.detach(), grads
 
 
+def _assert_target_rows_added(gw, before, labels, rows, hidden, coef):
+    """gw == before + coef * hidden[rows] scattered onto labels (float64), each touched row
+    rounded once to gw's dtype; rows no label names are bit-identical. The atol covers fp32
+    summation where the exact sum nearly cancels."""
+    exact = before.double().index_add(0, labels, coef.double()[:, None] * hidden[rows].double())
+    rtol = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-8}[gw.dtype]
+    atol = 1e-4 if gw.dtype == torch.float32 else 1e-5
+    torch.testing.assert_close(gw.double(), exact, rtol=rtol, atol=atol)
+    untouched = torch.ones(gw.shape[0], dtype=torch.bool, device=gw.device)
+    untouched[labels] = False
+    assert torch.equal(gw[untouched], before[untouched])
+
+
 def _rel_l2(a, ref):
     ref = ref.double()
     denom = ref.norm()

@@ -67,6 +67,7 @@ def target_rows():
     """add_target_rows against a float64 scatter-add: one label filling several pieces (its sum
     goes through the per-piece partials), labels at 0 and V-1, a row map that skips rows,
     dims that are not a multiple of the column block, an out-of-range label never written."""
+    from test_fused_loss import _assert_target_rows_added
     from tune_recipes.modules import _triton_ce
 
     g = torch.Generator().manual_seed(1)
@@ -81,14 +82,7 @@ def target_rows():
         before = torch.randn(v, d, generator=g).to(dtype)
         gw = before.clone()
         _triton_ce.add_target_rows(gw, hidden, rows, labels, coef)
-        exact = before.double().index_add(0, labels, coef.double()[:, None] * hidden[rows].double())
-        if dtype == torch.float32:
-            torch.testing.assert_close(gw.double(), exact, rtol=1e-5, atol=1e-5)
-        else:
-            torch.testing.assert_close(gw.double(), exact, rtol=2**-10, atol=1e-5)
-        untouched = torch.ones(v, dtype=torch.bool)
-        untouched[labels] = False
-        assert torch.equal(gw[untouched], before[untouched])
+        _assert_target_rows_added(gw, before, labels, rows, hidden, coef)
     # Out of range: nothing written (the loss asserts on such labels before it gets here).
     gw = torch.zeros(v + 2, d)
     inner = gw[1:v + 1]
@@ -98,4 +92,5 @@ def target_rows():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # test_fused_loss's helpers
     globals()[sys.argv[1]]()
