@@ -11,6 +11,9 @@ installed are reported as skipped. Not a test: numbers go to docs/benchmarks.md.
 Input kinds (``make_inputs``):
 - ``random``: hidden ~ N(0, 0.5^2), W ~ N(0, 1/D): nearly uniform logits (std ~0.5, mean loss
   ~11.8), 30% of labels ignored at random positions. Rounding such logits costs little.
+- ``peaked_zipf``: ``peaked`` with labels drawn like text's tokens (rank r with probability
+  ~ 1/(r+10)^1.1: the most frequent label ~4% of rows), so labels recur within and across
+  chunks, which the per-label target sums must handle.
 - ``peaked``: logits shaped like a trained LM's. W ~ N(0, 1/D); the hidden state of a row with
   label y is 2.5 z + m * w_y / |w_y|^2 (z ~ N(0, I)), so its logits are N(0, 2.5^2) except the
   target's, raised by a margin m ~ N(log V + 2.5^2/2 - 0.4, 3^2): the target usually stands
@@ -145,9 +148,17 @@ def make_inputs(n, d, seed=0, kind="random"):
         y = torch.randint(0, V, (n,), device="cuda", generator=g)
         y[torch.rand(n, device="cuda", generator=g) < 0.3] = IGNORE
         return h, w, y
-    assert kind == "peaked", kind
+    assert kind in ("peaked", "peaked_zipf"), kind
     w = torch.randn(V, d, device="cuda", generator=g) / d**0.5
-    y = torch.randint(0, V, (n,), device="cuda", generator=g)
+    if kind == "peaked_zipf":
+        # Frequent tokens, as in text: label of rank r with probability ~ 1 / (r + 10)^1.1 (the
+        # most frequent ~4% of labels), in a random order over the vocabulary.
+        ranks = torch.arange(V, device="cuda", dtype=torch.float64)
+        probs = (ranks + 10.0) ** -1.1
+        perm = torch.randperm(V, device="cuda", generator=g)
+        y = perm[torch.multinomial(probs / probs.sum(), n, replacement=True, generator=g)]
+    else:
+        y = torch.randint(0, V, (n,), device="cuda", generator=g)
     margin = math.log(V) + 2.5**2 / 2 - 0.4 + 3.0 * torch.randn(n, device="cuda", generator=g)
     wy = w[y]
     h = 2.5 * torch.randn(n, d, device="cuda", generator=g)

@@ -79,6 +79,11 @@ for step in "$@"; do
               --previous .whl/previous_916b32a --methods baseline,previous,ours,ours_16,ours_fp32,compiled,liger,cce \
               --out "$OUT/fused_v4_8192.json" > /tmp/fused_v4_8192.log 2>&1
             grep -h "^|" /tmp/fused_v4_8192.log | cut -c1-170 ;;
+    fusedv5) # Issue #11 after the review: the piece-split target sums, timed with frequent-token labels too.
+            python3 scripts/bench_fused_ce.py --shapes 8192x4096 --kinds random,peaked,peaked_zipf \
+              --time-kinds peaked,peaked_zipf --baseline .whl/baseline_4f17736 --previous .whl/previous_916b32a \
+              --methods baseline,previous,ours,compiled,liger --out "$OUT/fused_v5_8192.json" > /tmp/fused_v5_8192.log 2>&1
+            grep -h "^|" /tmp/fused_v5_8192.log | cut -c1-170 ;;
     fusedv4large)
             python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 \
               --baseline .whl/baseline_4f17736 --previous .whl/previous_916b32a \
