@@ -13,8 +13,7 @@ Input kinds (``make_inputs``):
   ~11.8), 30% of labels ignored at random positions. Rounding such logits costs little.
 - ``peaked_zipf``: ``peaked`` with labels drawn like text's tokens (rank r with probability
   ~ 1/(r+10)^1.1: the most frequent label ~1.6% of rows, 3,749 distinct labels in 8192 rows),
-  so labels recur within and across
-  chunks, which the per-label target sums must handle.
+  so labels recur within and across chunks, which the per-label target sums must handle.
 - ``peaked``: logits shaped like a trained LM's. W ~ N(0, 1/D); the hidden state of a row with
   label y is 2.5 z + m * w_y / |w_y|^2 (z ~ N(0, I)), so its logits are N(0, 2.5^2) except the
   target's, raised by a margin m ~ N(log V + 2.5^2/2 - 0.4, 3^2): the target usually stands
