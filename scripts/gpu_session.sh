@@ -2,7 +2,8 @@
 # One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
-#   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers)
+#   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
