@@ -277,9 +277,16 @@ def _in_backward_rules(cfg: DictConfig) -> Optional[str]:
     if clip is not None:
         return (f"optimizer_in_bwd=True with clip_grad_norm={clip}: clipping needs every "
                 "gradient at once; set clip_grad_norm=null")
-    if cfg.get("on_nonfinite", "raise") == "skip":
-        return ("optimizer_in_bwd=True with on_nonfinite=skip: the optimizer has already stepped "
-                "inside backward when the check runs; use on_nonfinite=raise")
+    # The rule the step driver applies at the start (training.step.nonfinite.check_mode), so the
+    # two cannot drift; imported here, not at the top: this module stays free of torch.
+    from tune_recipes.training.step.nonfinite import MODES, check_mode
+
+    mode = cfg.get("on_nonfinite", "raise")
+    if mode in MODES:  # (an unknown value is the schema's error, reported once)
+        try:
+            check_mode(mode, optimizer_in_bwd=True)
+        except ConfigError as e:
+            return f"optimizer_in_bwd=True with {e}"
     return None
 
 
@@ -298,11 +305,16 @@ def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def _model_builder(cfg: DictConfig) -> str:
+    """The last part of ``model._component_`` (e.g. ``lora_llama3_1_8b``), or ""."""
+    component = _value(cfg, "model._component_")
+    return component.rpartition(".")[2] if isinstance(component, str) else ""
+
+
 def _is_lora_model(cfg: DictConfig) -> bool:
     """Whether ``model`` names a LoRA-type builder (lora_*/qlora_*, or one given lora_rank)."""
-    component = _value(cfg, "model._component_")
-    builder = component.rpartition(".")[2] if isinstance(component, str) else ""
-    return builder.startswith(("lora_", "qlora_")) or _value(cfg, "model.lora_rank") is not _MISSING
+    return (_model_builder(cfg).startswith(("lora_", "qlora_"))
+            or _value(cfg, "model.lora_rank") is not _MISSING)
 
 
 def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
@@ -315,10 +327,8 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     read."""
     if cfg.get("enable_fp8_training", False) is not True or not _is_lora_model(cfg):
         return None
-    component = _value(cfg, "model._component_")
-    builder = component.rpartition(".")[2] if isinstance(component, str) else ""
-    if builder.startswith("qlora_"):
-        return (f"enable_fp8_training=True with model._component_={component}: a QLoRA "
+    if _model_builder(cfg).startswith("qlora_"):
+        return (f"enable_fp8_training=True with model._component_={_value(cfg, 'model._component_')}: a QLoRA "
                 "builder keeps the frozen base in NF4 (model.quantize_base), and FP8 quantizes "
                 "a bf16 base; use the lora_* builder or set enable_fp8_training=False")
     if _value(cfg, "model.quantize_base") is True:

@@ -86,7 +86,11 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
     return loss_rows, probs.to(grad_dtype or logits.dtype)
 
 
-def _triton_available() -> bool:
+def _uses_kernels(t: torch.Tensor, target_coef: torch.Tensor) -> bool:
+    """Whether the chunk step and the target terms run as the Triton kernels: CUDA, fp32 logits
+    (bf16 or fp32 models) and Triton installed; otherwise the torch reference path."""
+    if not (t.is_cuda and target_coef.dtype == torch.float32):
+        return False
     from tune_recipes.modules import _triton_ce
 
     return _triton_ce.available()
@@ -99,7 +103,7 @@ def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
     ``target_coef_out`` and, if given, ``target_coef_out[r] * weight[target[r]]`` to
     ``hidden_term_out`` (the hidden gradient's target terms, in the logits' dtype); returns the
     rest of the logits' gradient in ``grad_dtype`` (on CUDA written over the logits' memory)."""
-    if logits.is_cuda and target_coef_out.dtype == torch.float32 and _triton_available():
+    if _uses_kernels(logits, target_coef_out):
         from tune_recipes.modules import _triton_ce
 
         return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
@@ -333,7 +337,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     slot = None
     if need_weight:
         rows_of_valid = torch.arange(n_rows, device=hidden.device) if all_valid else valid_idx
-        if hidden.is_cuda and target_coef.dtype == torch.float32 and _triton_available():
+        if _uses_kernels(hidden, target_coef):
             from tune_recipes.modules import _triton_ce
 
             _triton_ce.add_target_rows(grad_weight, hidden, rows_of_valid, y_valid, target_coef)
