@@ -277,16 +277,17 @@ def _in_backward_rules(cfg: DictConfig) -> Optional[str]:
     if clip is not None:
         return (f"optimizer_in_bwd=True with clip_grad_norm={clip}: clipping needs every "
                 "gradient at once; set clip_grad_norm=null")
-    # The rule the step driver applies at the start (training.step.nonfinite.check_mode), so the
-    # two cannot drift; imported here, not at the top: this module stays free of torch.
-    from tune_recipes.training.step.nonfinite import MODES, check_mode
+    problem = skip_in_backward_problem(cfg.get("on_nonfinite", "raise"), optimizer_in_bwd=True)
+    return f"optimizer_in_bwd=True with {problem}" if problem else None
 
-    mode = cfg.get("on_nonfinite", "raise")
-    if mode in MODES:  # (an unknown value is the schema's error, reported once)
-        try:
-            check_mode(mode, optimizer_in_bwd=True)
-        except ConfigError as e:
-            return f"optimizer_in_bwd=True with {e}"
+
+def skip_in_backward_problem(on_nonfinite: Any, optimizer_in_bwd: bool) -> Optional[str]:
+    """The one rule (``tune validate`` here, the step driver through
+    training.step.nonfinite.check_mode): ``skip`` drops a step before the optimizer runs, which
+    is impossible once the optimizer has stepped inside backward."""
+    if on_nonfinite == "skip" and optimizer_in_bwd:
+        return ("on_nonfinite=skip needs to drop a step before the optimizer runs, but "
+                "optimizer_in_bwd=True steps inside backward: use on_nonfinite=raise")
     return None
 
 

@@ -24,6 +24,7 @@ import torch
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import skip_in_backward_problem
 
 log = get_logger("INFO")
 
@@ -38,11 +39,9 @@ class NonFiniteError(ConfigError):
 def check_mode(mode: str, optimizer_in_bwd: bool) -> str:
     if mode not in MODES:
         raise ConfigError(f"on_nonfinite={mode!r}: expected one of {', '.join(MODES)}")
-    if mode == "skip" and optimizer_in_bwd:
-        raise ConfigError(
-            "on_nonfinite=skip needs to drop a step before the optimizer runs, but "
-            "optimizer_in_bwd=True steps inside backward: use on_nonfinite=raise"
-        )
+    problem = skip_in_backward_problem(mode, optimizer_in_bwd)
+    if problem:
+        raise ConfigError(problem)
     return mode
 
 
