@@ -3,7 +3,8 @@
 import contextlib
 import sys
 import time
-from typing import Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from tqdm import tqdm
@@ -33,26 +34,95 @@ def device_synchronizer(device: torch.device) -> Callable[[], None]:
     return sync if sync is not None else (lambda: None)
 
 
+class DeviceValues:
+    """Scalars of one step, read on the host later without waiting for later steps' work.
+
+    ``tensor.item()`` waits for everything queued on the stream so far: once the host runs a
+    step ahead, that includes the whole next step. On CUDA the scalars are instead copied
+    (non-blocking) into pinned host memory right after they are computed, with a timing event
+    behind the copy; ``values()`` waits for that event only, and ``seconds_since`` measures the
+    device's own timeline between two such points. Elsewhere they are read at once, after
+    ``synchronize`` and the host clock (the device's work is done by then).
+    Plain numbers among ``values`` pass through unchanged."""
+
+    def __init__(self, values: Dict[str, Any], device: torch.device, lagged: bool,
+                 synchronize: Optional[Callable[[], None]] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._plain = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+        self._names = list(tensors)
+        self._event = None
+        self._time = None
+        if lagged:
+            self._host = None
+            if tensors:
+                stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64)
+                                       for t in tensors.values()])
+                self._host = torch.empty(len(tensors), dtype=torch.float64, pin_memory=True)
+                self._host.copy_(stacked, non_blocking=True)
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record(torch.cuda.current_stream(device))
+        else:
+            (synchronize or device_synchronizer(device))()
+            self._time = clock()
+            self._host = torch.stack([t.detach().reshape(()).cpu().double() for t in tensors.values()]) \
+                if tensors else None
+
+    def values(self) -> Dict[str, Any]:
+        if self._event is not None:
+            self._event.synchronize()
+        out = dict(zip(self._names, self._host.tolist())) if self._host is not None else {}
+        out.update(self._plain)
+        return out
+
+    def seconds_since(self, earlier: "DeviceValues") -> float:
+        if self._event is not None:
+            self._event.synchronize()
+            return earlier._event.elapsed_time(self._event) / 1000.0
+        return self._time - earlier._time
+
+
+@dataclass
+class _Row:
+    """A logged step whose values are still on the device."""
+
+    step: int
+    lr: float
+    tokens: int
+    window_steps: int
+    paused_s: float
+    start: Any  # the window's start mark (DeviceValues or a test's stand-in)
+    end: Any    # this step's mark, holding its loss, grad norm and extras
+
+
 class StepReporter:
     """Owns the progress bar and the metric logger calls of a training loop.
 
-    ``add_tokens`` after each micro-batch; ``step_done`` at each optimizer step. Only every
-    ``log_every_n_steps``-th step reads the loss back from the device (one sync per logged step).
-    With ``is_main=False`` (non-zero ranks) nothing is shown or logged.
+    ``add_tokens`` after each micro-batch; ``step_done`` at each optimizer step. Every
+    ``log_every_n_steps``-th step is logged. With ``is_main=False`` (non-zero ranks) nothing is
+    shown or logged.
 
     Timing: tokens/s and ``step_time_s`` cover the window since the previous logged step (or
     the epoch start), so steps that are not logged fall into the next logged window and no step
-    goes uncounted. NOTE: the clock is read only after ``synchronize()``. GPU work is queued
-    asynchronously; without the wait, on a path where nothing in the step blocks (the
-    single-device skip path), the window would measure how fast Python queues kernels, not
-    training (it overstated tokens/s by ~40% on an H200).
+    goes uncounted; time inside ``paused()`` (validation) is left out.
+
+    On CUDA (``lag``, the default there) a logged step's row is written one step late, when the
+    next step's work is queued: its values and its end are read through ``DeviceValues`` (a
+    pinned copy and a timing event per logged step), so the host never waits for the device to
+    drain. NOTE: keep it so. Waiting at every logged step (``synchronize``, ``.item()``) left the
+    GPU idle while the host fetched and collated the next batch and queued its first kernels,
+    every step at ``log_every_n_steps: 1``. Elsewhere (``lag=False``) a logged step waits for the
+    device, then reads the clock. NOTE: never read the clock before the device is done: GPU
+    work is queued asynchronously, so the window would measure how fast Python queues kernels,
+    not training (it overstated tokens/s by ~40% on an H200).
     """
 
     def __init__(self, metric_logger, log_every_n_steps: int = 1, device: Optional[torch.device] = None,
                  log_peak_memory_stats: bool = False, is_main: bool = True,
                  synchronize: Optional[Callable[[], None]] = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 show_progress: Optional[bool] = None, plot_dir: Optional[str] = None) -> None:
+                 show_progress: Optional[bool] = None, plot_dir: Optional[str] = None,
+                 lag: Optional[bool] = None, mark: Optional[Callable[[Dict[str, Any]], Any]] = None) -> None:
         self.metric_logger = metric_logger
         # The bar (with loss, tokens/s and tqdm's ETA) only on an interactive terminal: piped
         # or logged output would fill with carriage-return redraws.
@@ -63,24 +133,24 @@ class StepReporter:
         self.device = device or torch.device("cpu")
         self.log_peak_memory_stats = log_peak_memory_stats
         self.is_main = is_main
-        self._synchronize = synchronize or device_synchronizer(self.device)
-        self._clock = clock
+        # Whether rows (and the driver's non-finite check) come one step late; see above.
+        self.lags = self.device.type == "cuda" if lag is None else bool(lag)
+        synchronize = synchronize or device_synchronizer(self.device)
+        # mark(values): a point in the device's work holding ``values`` (tests pass a stand-in).
+        self._mark = mark or (lambda values: DeviceValues(values, self.device, self.lags, synchronize, clock))
         self._pbar = None
-        self._tokens = 0
-        self._window_steps = 0
-        self._t0 = self._read_clock()
-
-    def _read_clock(self) -> float:
-        self._synchronize()
-        return self._clock()
+        self._pending: Optional[_Row] = None
+        self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
+        self._window_start = None
 
     def start_epoch(self, epoch: int, total_epochs: int, steps: int, done: int = 0) -> None:
         """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
+        self.flush()
         if self.is_main and self.show_progress:
             self._pbar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{total_epochs}",
                               dynamic_ncols=True, file=sys.stdout)
-        self._tokens, self._window_steps = 0, 0
-        self._t0 = self._read_clock()
+        self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
+        self._window_start = self._mark({})
 
     def add_tokens(self, num_tokens: int) -> None:
         self._tokens += num_tokens
@@ -88,43 +158,62 @@ class StepReporter:
     def step_done(self, global_step: int, loss: torch.Tensor, lr: float,
                   grad_norm: Optional[torch.Tensor] = None, **extra) -> None:
         self._window_steps += 1
+        # The previous step's row: its work finished while this step's was being queued.
+        self.flush()
         if self.is_main and global_step % self.log_every_n_steps == 0:
-            now = self._read_clock()
-            elapsed = now - self._t0
-            loss_value = float(loss.item())
-            metrics = {
-                "loss": loss_value,
-                "lr": lr,
-                "tokens_per_second_per_gpu": tokens_per_second(self._tokens, elapsed),
-                "valid_tokens": self._tokens,
-                # The window this row's tokens/s covers (steps since the last logged one).
-                "step_time_s": elapsed / self._window_steps,
-                "steps_in_window": self._window_steps,
-            }
-            if grad_norm is not None:
-                metrics["grad_norm"] = grad_norm
-            if self.log_peak_memory_stats:
-                metrics.update(memory_stats(self.device))
-            metrics.update(extra)
-            self.metric_logger.log_dict(metrics, step=global_step)
-            if self._pbar is not None:
-                self._pbar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
-                                       tok_s=f"{metrics['tokens_per_second_per_gpu']:,.0f}",
-                                       refresh=False)
-            # The next window starts where this one was measured: logging time is counted in
-            # the next window, so the windows add up to the whole run's wall time.
-            self._tokens, self._window_steps, self._t0 = 0, 0, now
+            if self._window_start is None:
+                self._window_start = self._mark({})
+            values = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), **extra}
+            mark = self._mark(values)
+            row = _Row(global_step, lr, self._tokens, self._window_steps, self._paused_s,
+                       self._window_start, mark)
+            # The next window starts where this one ends: logging time is counted in the next
+            # window, so the windows add up to the whole run's wall time.
+            self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
+            self._window_start = mark
+            self._pending = row
+            if not self.lags:
+                self.flush()
         if self._pbar is not None:
             self._pbar.update(1)
+
+    def flush(self) -> None:
+        """Write the logged row still waiting for its step's values, if any."""
+        row, self._pending = self._pending, None
+        if row is None:
+            return
+        values = row.end.values()  # waits for that step's work only
+        elapsed = row.end.seconds_since(row.start) - row.paused_s
+        loss_value = float(values.pop("loss"))
+        metrics = {
+            "loss": loss_value,
+            "lr": row.lr,
+            "tokens_per_second_per_gpu": tokens_per_second(row.tokens, elapsed),
+            "valid_tokens": row.tokens,
+            # The window this row's tokens/s covers (steps since the last logged one).
+            "step_time_s": elapsed / row.window_steps,
+            "steps_in_window": row.window_steps,
+        }
+        if "grad_norm" in values:
+            metrics["grad_norm"] = values.pop("grad_norm")
+        if self.log_peak_memory_stats:
+            metrics.update(memory_stats(self.device))
+        metrics.update(values)
+        self.metric_logger.log_dict(metrics, step=row.step)
+        if self._pbar is not None:
+            self._pbar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{row.lr:.2e}",
+                                   tok_s=f"{metrics['tokens_per_second_per_gpu']:,.0f}",
+                                   refresh=False)
 
     @contextlib.contextmanager
     def paused(self):
         """Time spent inside (validation) is left out of the training throughput window."""
-        t0 = self._read_clock()
+        self.flush()
+        before = self._mark({})
         try:
             yield
         finally:
-            self._t0 += self._read_clock() - t0
+            self._paused_s += self._mark({}).seconds_since(before)
 
     def log_validation(self, global_step: int, val_loss: float) -> None:
         if self.is_main and self.metric_logger is not None:
@@ -133,12 +222,21 @@ class StepReporter:
             self._pbar.write(f"step {global_step}: val_loss {val_loss:.4f}")
 
     def end_epoch(self) -> None:
+        self.flush()
         if self._pbar is not None:
             self._pbar.close()
             self._pbar = None
 
     def close(self) -> None:
-        self.end_epoch()
+        # Also on the way out of a failed run: the last logged row is kept if its values can
+        # still be read, and a second error must not hide the first.
+        try:
+            self.end_epoch()
+        except Exception as e:  # noqa: BLE001
+            self._pending = None
+            print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            self.end_epoch()
         if self.metric_logger is not None:
             self.metric_logger.close()
         if self.is_main and self.plot_dir is not None:

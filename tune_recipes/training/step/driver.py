@@ -129,6 +129,7 @@ class StepDriver:
         self.guard = NonFiniteGuard(check_mode(
             on_nonfinite, optimizer_in_bwd=normalizer.path.steps_in_backward))
         self.guard.skipped_steps = state.skipped_steps  # a resumed run continues the count
+        self._staged_flag = None  # a logged step's flag, checked one step later (lagging reporter)
         self.hooks: List[StepHook] = list(hooks)
         # Validation loss (training/step/validation.py): every run_val_every_n_steps and at
         # each epoch end; None without dataset_val.
@@ -165,11 +166,34 @@ class StepDriver:
         """Stop (``NonFiniteError``) if any step so far had a non-finite loss or gradient norm;
         one host sync. The driver calls it at logged steps and epoch ends; call it before
         saving anything else."""
+        self._staged_flag = None  # the full check covers it
         try:
             self.guard.check()
         except Exception:
             self.reporter.end_epoch()  # close the progress bar: the error gets its own line
             raise
+
+    def check_finite_at_logged_step(self) -> None:
+        """The non-finite check of logged steps, at the pace of the reporter's rows: at the
+        logged step itself when the reporter waits for the device there (its row read the loss
+        back already, so this adds no sync on the main rank; the others wait at the same step,
+        so all ranks stop together), else one step late, from the flag staged at that step.
+        NOTE: reading the flag at the logged step itself would wait for the device to drain,
+        which is what the lagging reporter avoids."""
+        logged = self.global_step % self.reporter.log_every_n_steps == 0
+        if not self.reporter.lags:
+            if logged:
+                self.check_finite()
+            return
+        staged, self._staged_flag = self._staged_flag, None
+        if staged is not None:
+            try:
+                self.guard.check(staged)
+            except Exception:
+                self.reporter.end_epoch()
+                raise
+        if logged:
+            self._staged_flag = self.guard.stage(self.global_step, self.device)
 
     def position(self) -> Position:
         """Where the run stands now, for a mid-epoch checkpoint; call it right after
@@ -303,10 +327,7 @@ class Step:
         if d.guard.mode == "skip":
             metrics["skipped_steps"] = d.guard.skipped_steps
         d.reporter.step_done(d.global_step, loss, lr, grad_norm, **metrics)
-        if d.global_step % d.reporter.log_every_n_steps == 0:
-            # The logged step already read the loss back: checking the flag here adds no sync
-            # on the main rank (the others wait at the same step, so all ranks stop together).
-            d.check_finite()
+        d.check_finite_at_logged_step()
         self.finished = True
         if d.validator is not None and d.validator.due(d.global_step):
             d.validate()

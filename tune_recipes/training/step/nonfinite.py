@@ -5,7 +5,8 @@
 - ``raise`` (default): every step ANDs "loss and grad norm are finite" into a flag that stays
   on the device, with the number of the first bad step; no host sync is added per step. The
   flag is read where the host waits for the device anyway: at each logged step
-  (``log_every_n_steps``), at the end of each epoch and before every checkpoint save. A bad
+  (``log_every_n_steps``; on CUDA one step later, with that step's row, so the host never
+  waits for the device to drain), at the end of each epoch and before every checkpoint save. A bad
   flag stops the run with epoch, step and batches of the *first* bad step; the weights it
   produced are never written, because the check runs before every save.
 - ``skip``: a bad step's update is dropped (gradients zeroed, no ``optimizer.step``), the LR
@@ -18,12 +19,13 @@
 run before a save, ``skip`` is refused.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.training.reporting.progress import DeviceValues
 from tune_recipes.validation import skip_in_backward_problem
 
 log = get_logger("INFO")
@@ -106,11 +108,22 @@ class NonFiniteGuard:
                                       torch.full_like(self._first_bad, step), self._first_bad)
         self._where[step] = where
 
-    def check(self) -> None:
-        """Raise ``NonFiniteError`` if any step since the start was non-finite (one host sync)."""
+    def stage(self, step: int, device: torch.device) -> Optional[Tuple[DeviceValues, int]]:
+        """The flag as of step ``step``, copied to the host without waiting: ``check(staged)``
+        reads it later (one step late, when the host runs ahead of the device)."""
+        if self._first_bad is None:
+            return None
+        return DeviceValues({"first_bad": self._first_bad}, device, lagged=device.type == "cuda"), step
+
+    def check(self, staged: Optional[Tuple[DeviceValues, int]] = None) -> None:
+        """Raise ``NonFiniteError`` if any step since the start (or up to a ``stage``d step)
+        was non-finite: one host sync, or with ``staged`` a wait for that step's work only."""
         if self._first_bad is None:
             return
-        bad = int(self._first_bad.item())
+        if staged is None:
+            bad, upto = int(self._first_bad.item()), None
+        else:
+            bad, upto = int(staged[0].values()["first_bad"]), staged[1]
         if bad >= 0:
             where = self._where.get(bad, f"step {bad}")
             raise NonFiniteError(
@@ -118,4 +131,4 @@ class NonFiniteGuard:
                 "weights (lower optimizer.lr, set clip_grad_norm, check the data; or "
                 "on_nonfinite=skip to drop such steps)"
             )
-        self._where.clear()
+        self._where = {} if upto is None else {s: w for s, w in self._where.items() if s > upto}

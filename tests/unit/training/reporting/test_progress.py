@@ -78,13 +78,91 @@ def test_unlogged_steps_fall_into_the_next_logged_window():
     assert sum(r["step_time_s"] * r["steps_in_window"] for _, r in log.rows) == pytest.approx(dev.now)
 
 
-def test_cuda_reporter_synchronizes_by_default(monkeypatch):
+def test_cuda_reporter_lags_by_default_and_synchronizes_without_lag(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    rep = StepReporter(_Log(), device=torch.device("cuda", 0))
+    assert StepReporter(_Log(), device=torch.device("cuda", 0)).lags
+    assert not StepReporter(_Log()).lags  # CPU: nothing to overlap
+    rep = StepReporter(_Log(), device=torch.device("cuda", 0), lag=False)
     rep.start_epoch(0, 1, 1)
     rep.step_done(1, torch.tensor(1.0), lr=0.0)
     assert len(calls) >= 2  # the window's start and its end
+
+
+class _Timeline:
+    """A device that runs queued work in order; a mark is a point in that queue. Waiting for a
+    mark runs the device only up to it (what a CUDA event gives), and records how far."""
+
+    def __init__(self):
+        self.queued, self.waits = 0.0, []
+
+    def queue(self, seconds):
+        self.queued += seconds
+
+    def mark(self, values):
+        return _Mark(self, self.queued, values)
+
+
+class _Mark:
+    def __init__(self, timeline, at, values):
+        self.timeline, self.at = timeline, at
+        self._values = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+
+    def values(self):
+        self.timeline.waits.append(self.at)
+        return dict(self._values)
+
+    def seconds_since(self, earlier):
+        return self.at - earlier.at
+
+
+def test_lagging_rows_come_one_step_late_and_wait_only_for_their_own_step():
+    tl, log = _Timeline(), _Log()
+    rep = StepReporter(log, lag=True, mark=tl.mark)
+    rep.start_epoch(0, 1, 3)
+    for step, secs in enumerate([1.0, 2.0, 4.0], start=1):
+        tl.queue(secs)  # this step's work, queued
+        rep.add_tokens(100 * step)
+        rep.step_done(step, torch.tensor(float(step)), lr=1e-3, grad_norm=torch.tensor(0.5 * step))
+        # Only the previous step's row is out, and reading it waited for that step's end only,
+        # never for the step just queued.
+        assert [s for s, _ in log.rows] == list(range(1, step))
+        if step > 1:
+            assert tl.waits[-1] == pytest.approx(tl.queued - secs)
+    rep.end_epoch()
+    assert [s for s, _ in log.rows] == [1, 2, 3]
+    for (step, row), secs in zip(log.rows, [1.0, 2.0, 4.0]):
+        assert row["loss"] == step and row["grad_norm"] == 0.5 * step and row["valid_tokens"] == 100 * step
+        assert row["step_time_s"] == pytest.approx(secs)
+        assert row["tokens_per_second_per_gpu"] == pytest.approx(100 * step / secs)
+
+
+def test_lagging_windows_leave_out_pauses_and_add_up():
+    tl, log = _Timeline(), _Log()
+    rep = StepReporter(log, log_every_n_steps=2, lag=True, mark=tl.mark)
+    rep.start_epoch(0, 1, 4)
+    for step in range(1, 5):
+        tl.queue(1.0)
+        rep.add_tokens(10)
+        rep.step_done(step, torch.tensor(1.0), lr=0.0)
+        if step == 3:
+            with rep.paused():  # validation: 5 s of device work, not training
+                tl.queue(5.0)
+            assert [s for s, _ in log.rows] == [2]  # paused() wrote the waiting row first
+    rep.close()
+    (s2, r2), (s4, r4) = log.rows
+    assert (s2, s4) == (2, 4)
+    assert r2["step_time_s"] == pytest.approx(1.0) and r4["step_time_s"] == pytest.approx(1.0)
+    assert sum(r["step_time_s"] * r["steps_in_window"] for _, r in log.rows) == pytest.approx(tl.queued - 5.0)
+
+
+def test_device_values_on_cpu_read_at_once_and_pass_plain_numbers():
+    from tune_recipes.training.reporting.progress import DeviceValues
+
+    t = torch.tensor(2.5)
+    v = DeviceValues({"loss": t, "skipped_steps": 3}, torch.device("cpu"), lagged=False)
+    t.fill_(7.0)  # later work must not change what was read
+    assert v.values() == {"loss": 2.5, "skipped_steps": 3}
 
 
 def _steps(rep, n=3):
@@ -141,3 +219,26 @@ def test_a_failed_plot_does_not_fail_the_run(tmp_path, capsys):
     _steps(rep)
     rep.close()  # no metrics.jsonl: a note, no exception
     assert "no metrics.png" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_rows_never_drain_the_queue():
+    """On CUDA each row is written a step late and reading it waits for its own step only: the
+    step just queued is still running when step_done returns."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    log = _Log()
+    rep = StepReporter(log, device=torch.device("cuda"))
+    rep.start_epoch(0, 1, 3)
+    for step in (1, 2, 3):
+        torch.cuda._sleep(100_000_000)  # the step's GPU work: ~50 ms of spinning
+        loss = torch.full((), float(step), device="cuda")
+        rep.add_tokens(100)
+        rep.step_done(step, loss, lr=0.0, grad_norm=loss * 2)
+        queued = torch.cuda.Event()
+        queued.record()
+        assert not queued.query(), f"step {step}: the reporter waited for the device to drain"
+    rep.end_epoch()
+    assert [(s, r["loss"], r["grad_norm"]) for s, r in log.rows] == [(1, 1.0, 2.0), (2, 2.0, 4.0), (3, 3.0, 6.0)]
+    for _, r in log.rows:
+        assert r["step_time_s"] > 0.01  # the device's time for the step, not the host's

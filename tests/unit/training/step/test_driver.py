@@ -55,7 +55,7 @@ class _Sampler(DistributedSampler):
 
 
 def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hooks=(),
-            log_every=1, on_nonfinite="raise", clip=float("inf"), normalizer=None):
+            log_every=1, on_nonfinite="raise", clip=float("inf"), normalizer=None, reporter=None):
     torch.manual_seed(0)
     model = torch.nn.Linear(D, V)
     ds = _Rows()
@@ -67,7 +67,8 @@ def _driver(batch_size, ga, steps_per_epoch, epochs=1, epochs_run=0, lr=0.5, hoo
         normalizer=normalizer or StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
         lr_schedule=LRSchedule(None, opt, num_training_steps=10, last_epoch=-1),
         dataloader=loader, steps_per_epoch=steps_per_epoch, global_step=epochs_run * steps_per_epoch,
-        state=state, reporter=StepReporter(logger, log_every), device=torch.device("cpu"),
+        state=state, reporter=reporter(logger) if reporter else StepReporter(logger, log_every),
+        device=torch.device("cpu"),
         ignore_index=IGNORE, clip_grad_norm=clip, hooks=hooks, on_nonfinite=on_nonfinite,
     )
     return d, model, logger
@@ -217,6 +218,38 @@ def test_the_flag_is_read_only_at_logged_steps_and_epoch_ends_but_names_the_firs
         _train(d, model, nan_at_step=2)
     # Steps 3..5 ran; the one read of the flag was at the epoch end.
     assert d.global_step == 5 and reads == [5]
+
+
+def test_with_a_lagging_reporter_the_flag_is_read_one_step_late_and_names_the_bad_step():
+    from tune_recipes.training.reporting.progress import DeviceValues
+
+    cpu = torch.device("cpu")
+    # CUDA's reporter (rows one step late), with marks that read at once on the CPU.
+    lagging = lambda log: StepReporter(log, 1, lag=True,  # noqa: E731
+                                       mark=lambda v: DeviceValues(v, cpu, lagged=False))
+    d, model, logger = _driver(batch_size=2, ga=1, steps_per_epoch=5, reporter=lagging)
+    checked = []
+    real_check = d.guard.check
+    d.guard.check = lambda staged=None: (checked.append((d.global_step, staged and staged[1])),
+                                         real_check(staged))
+    with pytest.raises(NonFiniteError, match=r"epoch 0, step 2 \(batch 1 of the epoch"):
+        _train(d, model, nan_at_step=2)
+    # Step 2's flag was read after step 3 was queued (not at step 2 itself: that would wait
+    # for the device to drain), and the run stopped there.
+    assert d.global_step == 3 and checked == [(2, 1), (3, 2)]
+    assert [r["step"] for r in logger.rows] == [1, 2, 3]  # rows up to the stop are still written
+
+
+def test_a_staged_flag_covers_only_the_steps_before_it():
+    from tune_recipes.training.step.nonfinite import NonFiniteGuard, is_finite
+
+    guard = NonFiniteGuard()
+    guard.record(is_finite(torch.tensor(1.0), None), 1, "step 1")
+    staged = guard.stage(1, torch.device("cpu"))
+    guard.record(is_finite(torch.tensor(float("nan")), None), 2, "step 2")
+    guard.check(staged)  # step 1 was fine
+    with pytest.raises(NonFiniteError, match="step 2"):
+        guard.check()
 
 
 def test_skip_drops_the_bad_update_and_counts_it():
