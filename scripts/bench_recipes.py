@@ -49,9 +49,10 @@ def _profiler(tag):
             "wait_steps": 5, "warmup_steps": 2, "active_steps": 3, "num_cycles": 1}
 
 
-def _v(name, side, label, head=False, steps=None, **cfg):
-    """A variant: config overrides on top of the case's common config."""
-    return dict(name=name, side=side, label=label, head=head, steps=steps, cfg=cfg)
+def _v(name, side, label, head=False, steps=None, env=None, **cfg):
+    """A variant: config overrides on top of the case's common config (``env``: extra
+    environment variables for its run)."""
+    return dict(name=name, side=side, label=label, head=head, steps=steps, cfg=cfg, env=env or {})
 
 
 # The same three variants the earlier runs used (identical settings, only the recipe/loss differ).
@@ -119,6 +120,11 @@ CASES = {
                loss=_FUSED, compile=True, enable_fp8_training=True),
             _v("ours_fused_inbwd", "ours", "ours: compile + fused CE + optimizer in backward",
                loss=_FUSED, compile=True, optimizer_in_bwd=True),
+            # The one-step logging lag alone: the same as ours_best, but every logged step
+            # waits for the device (training/reporting/progress.py), as before 2026-12-01.
+            _v("ours_best_sync", "ours", "ours: best, each logged step waiting for the GPU", head=True,
+               loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
+               env={"TUNE_RECIPES_SYNC_LOGGING": "1"}),
             _v("ours_best_model", "ours", "ours: best, the whole model compiled as one graph",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
                optimizer_in_bwd=True),
@@ -265,12 +271,12 @@ def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Pat
     return cfg
 
 
-def run(cmd, log: Path, timeout: float) -> float:
+def run(cmd, log: Path, timeout: float, env=None) -> float:
     t0 = time.time()
     with open(log, "w") as fh:
         try:
             proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout:.0f} s"
@@ -527,7 +533,7 @@ def main():
             row = {"case": name, "variant": variant["name"], "label": variant["label"], "rep": rep,
                    "side": variant["side"], "overrides": {k: v for k, v in variant["cfg"].items()}}
             try:
-                wall = run(cmd, work / f"{tag}.log", args.run_timeout)
+                wall = run(cmd, work / f"{tag}.log", args.run_timeout, variant.get("env"))
                 row.update(wall_s=round(wall, 1),
                            **summarize(out_dir, tokens_per_step, case.get("warmup", 5)))
             except RuntimeError as e:

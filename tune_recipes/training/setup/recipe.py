@@ -84,6 +84,9 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
 
 
+SYNC_LOGGING_ENV = "TUNE_RECIPES_SYNC_LOGGING"
+
+
 def build_reporter(cfg: DictConfig, device, is_main: bool = True,
                    resume_step: Optional[int] = None) -> StepReporter:
     """Metric logger (main process only; it also writes config.yaml) + progress bar.
@@ -97,10 +100,13 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
             metric_logger.drop_rows_after(resume_step)
     # log_level (torchtune's key): WARNING or quieter turns the progress bar off too.
     quiet = str(cfg.get("log_level", "INFO")).upper() in ("WARNING", "WARN", "ERROR", "CRITICAL")
+    # SYNC_LOGGING_ENV=1: every logged step waits for the device (no one-step lag on CUDA);
+    # for measuring what the lag buys (scripts/bench_recipes.py), not a setting.
+    lag = False if os.environ.get(SYNC_LOGGING_ENV) == "1" else None
     return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
                         cfg.get("log_peak_memory_stats", False), is_main=is_main,
                         show_progress=False if quiet else None,
-                        plot_dir=str(cfg.output_dir) if "output_dir" in cfg else None)
+                        plot_dir=str(cfg.output_dir) if "output_dir" in cfg else None, lag=lag)
 
 
 def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,
