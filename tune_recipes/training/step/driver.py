@@ -192,6 +192,9 @@ class StepDriver:
             except Exception:
                 self.reporter.end_epoch()
                 raise
+        # Its pinned buffer back to the cache before the next one is taken: a new pinned
+        # allocation would wait for the device.
+        del staged
         if logged:
             self._staged_flag = self.guard.stage(self.global_step, self.device)
 
