@@ -10,6 +10,8 @@ Every parameter trains. Features, each a config key:
   at once (lowest memory; needs gradient_accumulation_steps=1 and clip_grad_norm=null).
 - ``clip_grad_norm``: clip to this norm; ``inf`` only measures and logs it; null disables.
 - ``enable_activation_checkpointing``, ``compile``, ``dtype`` (bf16 or fp32).
+- ``ac_mode``/``ac_option`` (with ``enable_activation_checkpointing: False``): torchtune's
+  selective checkpointing, e.g. ``selective``/``2`` recomputes every 2nd transformer layer.
 - ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune: one
   graph per transformer layer, quick to compile) or ``model`` (the whole forward, one graph).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
@@ -32,6 +34,7 @@ from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
+from tune_recipes.training.setup.activations import ac_interval
 from tune_recipes.training.setup.fp8 import fp8_recipe_wanted
 from tune_recipes.training.setup.model import setup_full_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
@@ -46,6 +49,7 @@ CONFIG_KEYS = {
     "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "compile_scope", "device", "dtype", "enable_activation_checkpointing",
+    "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
@@ -81,7 +85,7 @@ class FullFinetuneRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
             compile_scope=cfg.get("compile_scope", None),
-            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            ac_interval=ac_interval(cfg),
             fp8_recipe=self._fp8,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

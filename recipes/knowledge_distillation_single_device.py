@@ -33,6 +33,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
+from tune_recipes.training.setup.activations import ac_interval
 from tune_recipes.training.setup.model import setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
@@ -46,6 +47,7 @@ CONFIG_KEYS = {
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
@@ -74,7 +76,7 @@ class KDRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device, seed=self._state.seed,
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
             compile_model=cfg.get("compile", False),
-            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            ac_interval=ac_interval(cfg),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -43,6 +43,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
+from tune_recipes.training.setup.activations import ac_interval
 from tune_recipes.training.setup.fp8 import fp8_lora_wanted
 from tune_recipes.training.setup.model import setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
@@ -57,6 +58,7 @@ CONFIG_KEYS = {
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "compile_scope", "device", "dtype", "enable_activation_checkpointing",
+    "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
@@ -86,7 +88,7 @@ class LoRAFinetuneRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device, seed=self._state.seed,
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
             compile_model=cfg.get("compile", False), compile_scope=cfg.get("compile_scope", None),
-            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            ac_interval=ac_interval(cfg),
             fp8=self._fp8,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

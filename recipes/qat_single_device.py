@@ -22,6 +22,8 @@ Everything else is the full single-device recipe's:
   at once (lowest memory; needs gradient_accumulation_steps=1 and clip_grad_norm=null).
 - ``clip_grad_norm``: clip to this norm; ``inf`` only measures and logs it; null disables.
 - ``enable_activation_checkpointing``, ``compile``, ``dtype`` (bf16 or fp32).
+- ``ac_mode``/``ac_option`` (with ``enable_activation_checkpointing: False``): torchtune's
+  selective checkpointing, e.g. ``selective``/``2`` recomputes every 2nd transformer layer.
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir``.
 
 Outputs in ``output_dir``: ``epoch_<n>/`` (HF-format weights), ``recipe_state/`` (for
@@ -39,6 +41,7 @@ from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
+from tune_recipes.training.setup.activations import ac_interval
 from tune_recipes.training.setup.model import setup_full_model
 from tune_recipes.training.setup.qat import FakeQuantSchedule, build_quantizer, check_group_size
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
@@ -52,6 +55,7 @@ CONFIG_KEYS = {
     "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
+    "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
     "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val", "batch_size_val",
     "run_val_every_n_steps", "on_nonfinite", "profiler",
@@ -84,7 +88,7 @@ class QATRecipeSingleDevice:
         self._model = setup_full_model(
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
-            enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            ac_interval=ac_interval(cfg),
             before_load=self._prepare_qat,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

@@ -128,6 +128,22 @@ def component(v) -> Optional[str]:
 _LORA_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 
 
+# torchtune 0.6.1's ac_mode values (training/activations.py; "none" is its docstring's "off").
+AC_MODES = ("none", "full", "selective")
+
+
+def ac_option_value(v) -> Optional[str]:
+    """torchtune's ``ac_option`` for ``ac_mode: selective``: k >= 0 (checkpoint every k-th
+    layer; 0 and 1 every layer), an integer or a string of digits (torchtune int()s it)."""
+    if (_is_int(v) and v >= 0) or (isinstance(v, str) and v.isdigit()):
+        return None
+    if v == "op":
+        return ("selective op checkpointing is not implemented (torchtune 0.6.1 cannot run it "
+                "either: it int()s ac_option); use an integer k to checkpoint every k-th "
+                "transformer layer")
+    return "expected an integer >= 0 (checkpoint every k-th transformer layer)"
+
+
 def device_name(v) -> Optional[str]:
     if v in ("cpu", "cuda") or (isinstance(v, str) and v.startswith("cuda:") and v[5:].isdigit()):
         return None
@@ -204,6 +220,8 @@ SCHEMA: List[Rule] = [
     Rule("save_adapter_weights_only", boolean),
     Rule("enable_activation_checkpointing", boolean),
     Rule("enable_activation_offloading", boolean),
+    Rule("ac_mode", optional(one_of(*AC_MODES, hint="null or none: off"))),
+    Rule("ac_option", optional(ac_option_value)),
     # null is a value of its own here: "not set", so that fsdp.cpu_offload decides
     # (fsdp_offload_problem below); any other non-bool is a mistake.
     Rule("fsdp_cpu_offload", optional(boolean)),
@@ -435,6 +453,25 @@ def activation_offloading_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def activation_checkpointing_problem(cfg: DictConfig) -> Optional[str]:
+    """What is wrong with the activation checkpointing keys together, or None. The one check
+    both ``tune validate`` (CROSS_KEY) and the recipe's start
+    (training/setup/activations.ac_interval) make. torchtune 0.6.1 applies its full
+    checkpointing only when ac_mode is null and its selective one only when
+    enable_activation_checkpointing is False: with both set it checkpoints nothing, silently."""
+    mode = cfg.get("ac_mode", None)
+    if mode is None:
+        return None
+    if cfg.get("enable_activation_checkpointing", False):
+        return (f"enable_activation_checkpointing=True with ac_mode={_show(mode)}: torchtune "
+                "0.6.1 would silently checkpoint no layer at all with both set; set one: "
+                "enable_activation_checkpointing=False to use ac_mode, or ac_mode=null")
+    if mode == "selective" and cfg.get("ac_option", None) is None:
+        return ("ac_mode=selective needs ac_option: an integer k checkpoints every k-th "
+                "transformer layer (k=2: the 2nd, 4th, ...; 0 or 1: every layer)")
+    return None
+
+
 def fsdp_offload_problem(cfg: DictConfig) -> Optional[str]:
     """What is wrong with the ``fsdp:`` section, or None.
 
@@ -472,18 +509,28 @@ CROSS_KEY: List[tuple] = [
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("enable_fp8_training", "model"), fp8_lora_problem),
     (("enable_activation_offloading",), activation_offloading_problem),
+    (("ac_mode",), activation_checkpointing_problem),
     (("fsdp",), fsdp_offload_problem),
 ]
 
 
 # Keys that only modify another feature: set while that feature is off, a one-line warning.
+# The feature is a key that must be truthy, or ``key=value`` for a key that must equal value.
 NO_EFFECT_WITHOUT: List[tuple] = [
     ("keep_last_n_checkpoints", "save_every_n_steps",
      "limits the mid-epoch step_<n>/ checkpoints, which only save_every_n_steps writes "
      "(epoch_<n>/ folders are all kept)"),
     ("fp8_recipe_name", "enable_fp8_training", "picks the recipe FP8 training uses"),
     ("compile_scope", "compile", "picks what compile=True compiles"),
+    # torchtune ignores it too for any other ac_mode.
+    ("ac_option", "ac_mode=selective", "picks the transformer layers selective activation "
+     "checkpointing recomputes"),
 ]
+
+
+def _feature_off(cfg: DictConfig, needs: str) -> bool:
+    key, _, value = needs.partition("=")
+    return cfg.get(key, None) != value if value else not cfg.get(key, None)
 
 
 # ----------------------------------------------------------------------------- torchtune keys
@@ -530,16 +577,6 @@ TORCHTUNE_KEYS = {
     "tensor_parallel_plan": StockKey(
         "a tensor parallel plan (only used with tensor_parallel_dim > 1)", lambda v: False),
     "optimizer_in_bwd": StockKey("the optimizer step inside backward", _true),
-    # Stock (full_finetune_distributed, qat_distributed): `if not enable_activation_checkpointing
-    # and ac_mode is not None` applies selective checkpointing with ac_option, so False is not
-    # off; only null is. ac_option is refused with a value too: it only means selective
-    # checkpointing.
-    "ac_mode": StockKey("selective activation checkpointing (ac_mode)", lambda v: v is not None,
-                        off="null", why="torchtune applies selective checkpointing for any "
-                                        "value but null, False included"),
-    "ac_option": StockKey("selective activation checkpointing (ac_option)",
-                          lambda v: v is not None, off="null",
-                          why="torchtune hands it to selective checkpointing with ac_mode"),
     "enable_async_checkpointing": StockKey("asynchronous checkpointing", _true),
     # NOTE: False is not off. torchtune 0.6.1 hands any non-null value to
     # torch.set_deterministic_debug_mode via training.set_seed; False is 0 ("default"), which
@@ -670,7 +707,7 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
                 raise ConfigError("dtype=bf16: this GPU does not support bf16; set dtype=fp32")
     for key, needs, what in NO_EFFECT_WITHOUT:
         if (keys is None or key in keys) and cfg.get(key, None) is not None \
-                and not cfg.get(needs, None):
+                and _feature_off(cfg, needs):
             # A warning, not an error: a config may set both and a command line turn one off.
             _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
     for needs, rule in CROSS_KEY:

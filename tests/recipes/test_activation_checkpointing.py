@@ -1,5 +1,8 @@
 """Every training recipe runs with activation checkpointing on and off, on its tiny config, and
 the two train identically: recomputing activations in backward must not change a number.
+tiny/full_single_device also runs torchtune's selective layer checkpointing (``ac_mode:
+selective``, ``ac_option: 2``: the second of the tiny model's two layers), which must train
+identically too (the layer choice and every model setup: tests/unit/training/setup/test_activations.py).
 
 Both runs also save a mid-epoch checkpoint after step 1 (save_every_n_steps=1), so every recipe
 family's save path runs in CI. Tolerance (fp32 CPU): the recomputed forward runs the same kernels on the same inputs, so
@@ -26,23 +29,38 @@ def test_every_training_recipe_has_a_tiny_config_here():
     assert len(TINY_TRAINING_CONFIGS) == 9
 
 
+# One extra short run, on the cheapest recipe: the overrides and the line its setup logs.
+SELECTIVE = {"tiny/full_single_device": (
+    ["enable_activation_checkpointing=False", "ac_mode=selective", "ac_option=2"],
+    "activation checkpointing: 1 of 2 transformer layers (model.layers 1)")}
+
+
 @pytest.mark.parametrize("config_name", TINY_TRAINING_CONFIGS)
 def test_activation_checkpointing_on_equals_off(tmp_path, config_name):
     recipe = registry.recipe_for_config(config_name)
     launch = ["--nproc_per_node", "2"] if recipe in DISTRIBUTED_RECIPES else []
+    settings = {"off": ["enable_activation_checkpointing=False"],
+                "on": ["enable_activation_checkpointing=True"]}
+    if config_name in SELECTIVE:
+        settings["selective"] = SELECTIVE[config_name][0]
     runs = {}
-    for ac in (False, True):
-        out = tmp_path / f"ac_{ac}"
-        tune("run", *launch, recipe, "--config", config_name, f"output_dir={out}",
-             "max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1",
-             f"enable_activation_checkpointing={ac}", "save_every_n_steps=1")
-        runs[ac] = out
-    off, on = losses(runs[False]), losses(runs[True])
-    assert len(on) == 2
-    torch.testing.assert_close(torch.tensor(on), torch.tensor(off), rtol=1e-6, atol=0)
-    norms = [read_metrics(runs[ac] / "metrics.jsonl", "grad_norm") for ac in (False, True)]
-    torch.testing.assert_close(torch.tensor(norms[1]), torch.tensor(norms[0]), rtol=1e-6, atol=0)
-    assert (runs[True] / "epoch_0").is_dir()
+    for name, overrides in settings.items():
+        out = tmp_path / f"ac_{name}"
+        proc = tune("run", *launch, recipe, "--config", config_name, f"output_dir={out}",
+                    "max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1",
+                    *overrides, "save_every_n_steps=1")
+        if name == "selective":  # the recipe did checkpoint the one layer ac_option picks
+            assert SELECTIVE[config_name][1] in proc.stdout + proc.stderr
+        runs[name] = out
+    off = losses(runs["off"])
+    off_norms = read_metrics(runs["off"] / "metrics.jsonl", "grad_norm")
+    for name in settings:
+        on = losses(runs[name])
+        assert len(on) == 2
+        torch.testing.assert_close(torch.tensor(on), torch.tensor(off), rtol=1e-6, atol=0)
+        norms = read_metrics(runs[name] / "metrics.jsonl", "grad_norm")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(off_norms), rtol=1e-6, atol=0)
+    assert (runs["on"] / "epoch_0").is_dir()
     # Every recipe writes a mid-epoch checkpoint through the library (its resume is tested
     # bit for bit in test_reliability.py and test_distributed.py).
-    assert (runs[True] / "step_1" / "recipe_state.pt").is_file()
+    assert (runs["on"] / "step_1" / "recipe_state.pt").is_file()

@@ -77,6 +77,7 @@ TESTS = {
     "training/checkpointing/writer.py": "training/checkpointing/test_writer.py",
     "training/checkpointing/low_ram.py": "training/checkpointing/test_low_ram.py",
     "training/setup/__init__.py": "training/setup/test_recipe.py",
+    "training/setup/activations.py": "training/setup/test_activations.py",
     "training/setup/data.py": "training/setup/test_data.py",
     "training/setup/distributed.py": "training/setup/test_setup_distributed.py",
     "training/setup/fp8.py": "training/setup/test_fp8.py",

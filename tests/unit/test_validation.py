@@ -201,8 +201,21 @@ CASES = [
      "cudnn_deterministic_mode=False: cuDNN deterministic mode is not implemented by "
      "full_finetune_single_device (a torchtune 0.6.1 key; set cudnn_deterministic_mode=null or "
      "remove cudnn_deterministic_mode;"),
-    ("tiny/qat_distributed", ["ac_mode=False"], "set ac_mode=null or remove ac_mode"),
-    ("tiny/qat_distributed", ["ac_option=2"], "set ac_option=null or remove ac_option"),
+    # selective activation checkpointing (ac_mode/ac_option, every training recipe)
+    ("tiny/qat_distributed", ["ac_mode=False"], "ac_mode=False: expected one of none, full, selective"),
+    ("tiny/full_single_device", ["ac_mode=Selective"], "ac_mode=Selective: expected one of none, full, selective"),
+    ("tiny/lora_single_device", ["ac_mode=selective", "ac_option=op"],
+     "ac_option=op: selective op checkpointing is not implemented"),
+    ("tiny/kd_single_device", ["ac_mode=selective", "ac_option=-1"],
+     "ac_option=-1: expected an integer >= 0"),
+    ("tiny/full_distributed", ["ac_mode=selective", "ac_option=2.5"], "ac_option=2.5: expected an integer"),
+    ("tiny/full_distributed", ["ac_mode=selective"],
+     "ac_mode=selective needs ac_option: an integer k checkpoints every k-th transformer layer"),
+    ("tiny/qat_single_device", ["enable_activation_checkpointing=True", "ac_mode=selective", "ac_option=2"],
+     "enable_activation_checkpointing=True with ac_mode=selective: torchtune 0.6.1 would silently "
+     "checkpoint no layer at all with both set; set one"),
+    ("tiny/lora_distributed", ["enable_activation_checkpointing=True", "ac_mode=none"],
+     "enable_activation_checkpointing=True with ac_mode=none"),
     # a misspelt torchtune key gets a did-you-mean too
     ("tiny/full_single_device", ["cudnn_determinstic_mode=null"],
      "'cudnn_determinstic_mode' (did you mean 'cudnn_deterministic_mode'?)"),
@@ -406,19 +419,28 @@ def test_a_renamed_copy_of_a_distributed_recipe_may_use_several_processes(tmp_pa
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("config, overrides, warning", [
+@pytest.mark.parametrize("config, overrides, warning, on", [
     ("tiny/lora_single_device", ["keep_last_n_checkpoints=3"],
-     "keep_last_n_checkpoints=3 has no effect without save_every_n_steps"),
+     "keep_last_n_checkpoints=3 has no effect without save_every_n_steps", "save_every_n_steps=10"),
     ("tiny/full_single_device", ["fp8_recipe_name=rowwise"],
-     "fp8_recipe_name=rowwise has no effect without enable_fp8_training"),
+     "fp8_recipe_name=rowwise has no effect without enable_fp8_training", None),
+    ("tiny/qat_single_device", ["ac_option=2"],
+     "ac_option=2 has no effect without ac_mode=selective", "ac_mode=selective"),
+    # torchtune ignores ac_option for ac_mode full (and none) too
+    ("tiny/full_distributed", ["ac_mode=full", "ac_option=3"],
+     "ac_option=3 has no effect without ac_mode=selective", "ac_mode=selective"),
 ])
-def test_a_modifier_of_a_feature_that_is_off_is_a_warning(config, overrides, warning, capsys,
+def test_a_modifier_of_a_feature_that_is_off_is_a_warning(config, overrides, warning, on, capsys,
                                                           monkeypatch):
+    from tune_recipes import validation
+
     monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    monkeypatch.setattr(validation, "_WARNED", set())  # each line prints once per process
     assert main(["validate", config, *overrides]) == 0
     assert f"warning: {warning}" in capsys.readouterr().err
-    if "keep_last" in warning:  # with the feature on, no warning
-        assert main(["validate", config, *overrides, "save_every_n_steps=10"]) == 0
+    if on:  # with the feature on, no warning
+        monkeypatch.setattr(validation, "_WARNED", set())
+        assert main(["validate", config, *overrides, on]) == 0
         assert warning not in capsys.readouterr().err
 
 
@@ -501,13 +523,46 @@ def test_validate_refuses_offloading_without_checkpointing_as_the_recipe_does(co
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("config,overrides", [
+    ("tiny/full_single_device", ["enable_activation_checkpointing=True", "ac_mode=full"]),
+    ("tiny/qat_lora_distributed", ["ac_mode=selective"]),
+    ("tiny/kd_distributed", ["ac_mode=selective", "ac_option=op"]),
+])
+def test_validate_and_the_recipe_refuse_activation_checkpointing_alike(config, overrides, capsys):
+    from tune_recipes.training.setup.activations import ac_interval
+
+    rc = main(["validate", config, *overrides])
+    line = _one_error_line(capsys.readouterr().err)
+    cfg = load_config(registry.resolve_config(config).path, overrides)
+    with pytest.raises(ConfigError) as run_error:
+        ac_interval(cfg)
+    assert rc == 2 and line == f"tune: error: {run_error.value}"
+
+
+@pytest.mark.unit
+def test_every_recipe_with_activation_checkpointing_reads_ac_mode():
+    # The single-device recipes pass ac_interval(cfg) to the model setup, the distributed ones
+    # fsdp_options(cfg), which holds it; a recipe that declared the keys and passed neither
+    # would accept ac_mode and silently ignore it.
+    with_ac = [r for r in registry.list_recipes() if "enable_activation_checkpointing" in _keys(r)]
+    assert len(with_ac) == 9
+    for recipe in with_ac:
+        source = (registry.recipes_dir() / f"{recipe}.py").read_text()
+        assert {"ac_mode", "ac_option"} <= _keys(recipe), recipe
+        assert "ac_interval=ac_interval(cfg)" in source or "**fsdp_options(cfg)" in source, recipe
+        assert 'get("enable_activation_checkpointing"' not in source, recipe
+    for config in ("tiny/full_single_device", "tiny/lora_distributed"):  # and validate accepts them
+        assert main(["validate", config, "ac_mode=selective", "ac_option=2"]) == 0
+        assert main(["validate", config, "ac_mode=selective", 'ac_option="3"']) == 0
+        assert main(["validate", config, "ac_mode=full", "enable_activation_checkpointing=False"]) == 0
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("key,on,fix,off", [
     ("profiler", {"enabled": True}, "set profiler.enabled=False or remove profiler",
      {"enabled": False}),
     ("low_cpu_ram", True, "set low_cpu_ram=False or remove low_cpu_ram", False),
     ("tensor_parallel_dim", 2, "set tensor_parallel_dim=1 or remove tensor_parallel_dim", 1),
-    ("ac_mode", "selective", "set ac_mode=null or remove ac_mode", None),
-    ("ac_option", False, "set ac_option=null or remove ac_option", None),
     ("cudnn_deterministic_mode", True, "set cudnn_deterministic_mode=null or remove", None),
     ("cudnn_deterministic_mode", False, "set cudnn_deterministic_mode=null or remove", None),
     ("fsdp", {"cpu_offload": True}, "set fsdp.cpu_offload=False or remove fsdp",

@@ -12,13 +12,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtune import config as tt_config, training
-from torchtune.modules import TransformerSelfAttentionLayer
-
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_problem
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
+from tune_recipes.training.setup import activations
 
 log = get_logger("INFO")
 
@@ -49,7 +48,7 @@ def shard_and_load(
     full_state_dict: Dict[str, Any],
     adapter_state_dict: Optional[Dict[str, Any]] = None,
     adapter_init_seed: Optional[int] = None,
-    enable_activation_checkpointing: bool = False,
+    ac_interval: Optional[int] = None,
     reshard_after_forward: bool = True,
     custom_sharded_layers: Optional[List[str]] = None,
     cpu_offload: bool = False,
@@ -116,8 +115,9 @@ def shard_and_load(
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             log.info("tensor parallelism: %d of %d parameters sliced over %d ranks, FSDP2 over "
                      "%d replicas", sliced, len(params), tp_mesh.size(), dp_mesh.size())
-    if enable_activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    # Activation checkpointing of the layers ac_interval names (setup.activations), before FSDP
+    # wraps them.
+    activations.apply_activation_checkpointing(model, ac_interval)
     # Pure tensor parallelism (dp of 1) has nothing to shard: no FSDP2, as in stock (so
     # custom_sharded_layers, fsdp_reshard_after_forward and fsdp_cpu_offload do nothing then).
     if dp_mesh.size() > 1 or device_mesh is None:
@@ -148,7 +148,7 @@ def shard_and_load(
 def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.device,
                         world_size: int, base_state_dict: Dict[str, Any],
                         adapter_state_dict: Optional[Dict[str, Any]], seed: int,
-                        enable_activation_checkpointing: bool = False,
+                        ac_interval: Optional[int] = None,
                         reshard_after_forward: bool = True,
                         custom_sharded_layers: Optional[List[str]] = None,
                         cpu_offload: bool = False,
@@ -175,7 +175,7 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
     model, (b_miss, b_unexp, a_miss, a_unexp) = shard_and_load(
         cfg_model, dtype=dtype, device=device, world_size=world_size,
         full_state_dict=base_state_dict, adapter_state_dict=adapter_state_dict,
-        adapter_init_seed=seed, enable_activation_checkpointing=enable_activation_checkpointing,
+        adapter_init_seed=seed, ac_interval=ac_interval,
         reshard_after_forward=reshard_after_forward, custom_sharded_layers=custom_sharded_layers,
         cpu_offload=cpu_offload, before_shard=before,
     )
@@ -246,10 +246,11 @@ def fsdp_cpu_offload_requested(cfg) -> bool:
 
 
 def fsdp_options(cfg) -> Dict[str, Any]:
-    """The sharding keys of a distributed config, as ``shard_and_load`` keyword arguments."""
+    """The sharding keys of a distributed config (and its activation checkpointing), as
+    ``shard_and_load`` keyword arguments."""
     custom = cfg.get("custom_sharded_layers", None)
     return dict(
-        enable_activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        ac_interval=activations.ac_interval(cfg),
         reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         custom_sharded_layers=list(custom) if custom else None,
         cpu_offload=fsdp_cpu_offload_requested(cfg),

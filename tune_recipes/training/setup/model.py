@@ -6,26 +6,28 @@ from typing import Any, Callable, Dict, Optional
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config as tt_config, training
-from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
+from tune_recipes.training.setup.activations import apply_activation_checkpointing
 from tune_recipes.training.setup.fp8 import convert_to_fp8
 
 log = get_logger("INFO")
 
 
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
-                     compile_model: bool = False, enable_activation_checkpointing: bool = False,
+                     compile_model: bool = False, ac_interval: Optional[int] = None,
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
                      fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
-    (``setup.fp8``), compile / activation checkpointing, and ``state_dict`` loaded strictly.
+    (``setup.fp8``), compile, activation checkpointing of the layers ``ac_interval`` names
+    (``setup.activations``: None none, 1 every layer, k every k-th), and ``state_dict`` loaded
+    strictly.
     ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
     ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
     instead of one per layer, fusion across layer boundaries, a longer first compile)."""
@@ -38,8 +40,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     convert_to_fp8(model, fp8_recipe)
     if compile_model:
         compile_layers_or_model(model, compile_scope)
-    if enable_activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    apply_activation_checkpointing(model, ac_interval)
     model.load_state_dict(state_dict)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
@@ -59,14 +60,14 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      base_state_dict: Dict[str, Any],
                      lora_state_dict: Optional[Dict[str, Any]],
                      compile_model: bool = False,
-                     enable_activation_checkpointing: bool = False,
+                     ac_interval: Optional[int] = None,
                      fp8: bool = False, compile_scope: Optional[str] = None):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
-    both loads checked against the LoRA layout; with ``fp8`` the frozen base projections then
-    compute in FP8 (``modules.fp8_lora``; their bf16 weights move to CPU memory, under the same
-    names). Returns ``(model, LoRASpec)``."""
+    both loads checked against the LoRA layout; ``ac_interval`` as in ``setup_full_model``; with
+    ``fp8`` the frozen base projections then compute in FP8 (``modules.fp8_lora``; their bf16
+    weights move to CPU memory, under the same names). Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -86,8 +87,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     set_trainable_params(model, adapter_params)
     if compile_model:
         compile_layers_or_model(model, compile_scope)
-    if enable_activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    apply_activation_checkpointing(model, ac_interval)
     base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
     if not lora_state_dict:
         # Seeded, build-independent adapter init: the same as the distributed recipes'.

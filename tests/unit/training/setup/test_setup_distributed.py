@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 def test_fsdp_options_read_the_sharding_keys():
     cfg = OmegaConf.create({"custom_sharded_layers": ["tok_embeddings"],
                             "fsdp_reshard_after_forward": False})
-    assert fsdp_options(cfg) == dict(enable_activation_checkpointing=False,
+    assert fsdp_options(cfg) == dict(ac_interval=None,
                                      reshard_after_forward=False,
                                      custom_sharded_layers=["tok_embeddings"],
                                      cpu_offload=False)

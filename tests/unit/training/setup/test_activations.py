@@ -1,0 +1,154 @@
+"""tune_recipes.training.setup.activations: which layers recompute their activations, and that
+checkpointing them changes no number and no state-dict key."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from tune_recipes.config import ConfigError
+from tune_recipes.models.tiny import TINY_LLAMA3_ARGS
+from tune_recipes.training.setup.activations import (
+    ac_interval,
+    apply_activation_checkpointing,
+    layers_to_checkpoint,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _four_layers(seed: int = 0):
+    """The tiny Llama-3 with 4 layers (fp32, CPU), so every-2nd differs from every layer."""
+    from torchtune.models.llama3 import llama3
+
+    torch.manual_seed(seed)
+    return llama3(**{**TINY_LLAMA3_ARGS, "num_layers": 4})
+
+
+def _wrapped(model):
+    return [i for i, layer in enumerate(model.layers) if isinstance(layer, CheckpointWrapper)]
+
+
+@pytest.mark.parametrize("keys,expected", [
+    ({"ac_mode": "selective", "ac_option": 2}, [1, 3]),  # the 2nd and 4th, counted from 1
+    ({"ac_mode": "selective", "ac_option": "2"}, [1, 3]),  # torchtune int()s a string
+    ({"ac_mode": "selective", "ac_option": 3}, [2]),
+    ({"ac_mode": "selective", "ac_option": 5}, []),
+    ({"ac_mode": "selective", "ac_option": 1}, [0, 1, 2, 3]),
+    ({"ac_mode": "selective", "ac_option": 0}, [0, 1, 2, 3]),  # torchtune: 0 is every layer
+    ({"ac_mode": "full"}, [0, 1, 2, 3]),
+    ({"ac_mode": "full", "ac_option": 2}, [0, 1, 2, 3]),  # ignored (a warning), as in torchtune
+    ({"enable_activation_checkpointing": True}, [0, 1, 2, 3]),
+    ({"enable_activation_checkpointing": True, "ac_mode": None}, [0, 1, 2, 3]),
+    ({"enable_activation_checkpointing": False, "ac_mode": "none"}, []),
+    ({"ac_mode": None, "ac_option": None}, []),
+    ({"enable_activation_checkpointing": False}, []),
+    ({}, []),
+])
+def test_the_config_picks_the_layers(keys, expected):
+    assert layers_to_checkpoint(ac_interval(OmegaConf.create(keys)), 4) == expected
+
+
+@pytest.mark.parametrize("keys,fragment", [
+    ({"enable_activation_checkpointing": True, "ac_mode": "selective", "ac_option": 2},
+     "enable_activation_checkpointing=True with ac_mode=selective"),
+    ({"ac_mode": "selective"}, "ac_mode=selective needs ac_option"),
+    ({"ac_mode": "selective", "ac_option": "op"}, "ac_option=op: selective op checkpointing"),
+    ({"ac_mode": "layers"}, "ac_mode=layers: expected one of none, full, selective"),
+])
+def test_a_direct_caller_gets_validates_error(keys, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        ac_interval(OmegaConf.create(keys))
+
+
+def test_selective_wraps_exactly_those_layers_and_changes_no_number():
+    plain = _four_layers()
+    checkpointed = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(checkpointed, 2) == [1, 3]
+    assert _wrapped(checkpointed) == [1, 3]
+    # A checkpointed layer runs its forward again in backward; the others do not.
+    calls = [0] * 4
+    for i, layer in enumerate(checkpointed.layers):
+        inner = layer._checkpoint_wrapped_module if i in (1, 3) else layer
+        inner.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+
+    tokens = torch.randint(0, 272, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(tokens, -1, dims=1)
+    results = []
+    for model in (plain, checkpointed):
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad
+                 for n, p in model.named_parameters()}
+        results.append((loss.detach(), grads))
+    assert calls == [1, 2, 1, 2]
+    (loss_plain, grads_plain), (loss_ckpt, grads_ckpt) = results
+    # fp32 CPU: the recomputed forward runs the same kernels on the same inputs.
+    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=1e-6, atol=0)
+    assert grads_ckpt.keys() == grads_plain.keys() and len(grads_plain) > 10
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_a_selectively_checkpointed_state_dict_loads_into_a_plain_model(tmp_path):
+    checkpointed = _four_layers(seed=3)
+    apply_activation_checkpointing(checkpointed, 2)
+    plain = _four_layers(seed=4)
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()  # no wrapper names
+    torch.save(checkpointed.state_dict(), tmp_path / "model.pt")
+    plain.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict
+    for (name, a), b in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
+        assert torch.equal(a, b), name
+    # ... and back: a plain checkpoint loads into a checkpointed model.
+    other = _four_layers(seed=5)
+    checkpointed.load_state_dict(other.state_dict())
+    assert torch.equal(checkpointed.layers[1]._checkpoint_wrapped_module.attn.q_proj.weight,
+                       other.layers[1].attn.q_proj.weight)
+
+
+def test_every_layer_is_torchtunes_own_checkpointing():
+    from torchtune import training
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    ours, theirs = _four_layers(), _four_layers()
+    assert apply_activation_checkpointing(ours, 1) == [0, 1, 2, 3]
+    training.set_activation_checkpointing(theirs, auto_wrap_policy={TransformerSelfAttentionLayer})
+    assert [n for n, _ in ours.named_modules()] == [n for n, _ in theirs.named_modules()]
+    assert apply_activation_checkpointing(_four_layers(), None) == []
+
+
+def test_selective_needs_model_layers():
+    with pytest.raises(ConfigError, match="model.layers"):
+        apply_activation_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+
+
+def test_the_model_setups_checkpoint_the_layers_they_are_given(one_rank):
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.training.setup.distributed import shard_and_load, shard_and_load_lora
+    from tune_recipes.training.checkpointing.io import LoRASpec
+    from tune_recipes.training.setup.model import setup_full_model, setup_lora_model
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    four = OmegaConf.create({"_component_": "torchtune.models.llama3.llama3",
+                             **TINY_LLAMA3_ARGS, "num_layers": 4})
+    model = setup_full_model(four, dtype=f32, device=cpu, state_dict=_four_layers().state_dict(),
+                             ac_interval=2)
+    assert _wrapped(model) == [1, 3]
+    lora_cfg = OmegaConf.create({"_component_": "tune_recipes.models.lora_tiny_llama3",
+                                 "lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4,
+                                 "lora_alpha": 8})
+    base = tiny_llama3().state_dict()  # 2 layers: every 2nd is the second
+    lora, _ = setup_lora_model(lora_cfg, dtype=f32, device=cpu, seed=0, base_state_dict=base,
+                               lora_state_dict=None, ac_interval=2)
+    assert _wrapped(lora) == [1]
+    sharded, _ = shard_and_load(OmegaConf.create({"_component_": "tune_recipes.models.tiny_llama3"}),
+                                dtype=f32, device=cpu, world_size=1, full_state_dict=base,
+                                ac_interval=2)
+    assert _wrapped(sharded) == [1]
+    sharded_lora = shard_and_load_lora(lora_cfg, LoRASpec.from_model_config(lora_cfg), dtype=f32,
+                                       device=cpu, world_size=1, base_state_dict=base,
+                                       adapter_state_dict=None, seed=0, ac_interval=2)
+    assert _wrapped(sharded_lora) == [1]

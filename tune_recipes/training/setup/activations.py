@@ -1,0 +1,114 @@
+"""Activation checkpointing: which transformer layers recompute their activations in backward.
+
+Three config keys decide it, read here and nowhere else:
+
+- ``enable_activation_checkpointing: True``: every transformer layer (torchtune's
+  ``training.set_activation_checkpointing`` over every ``TransformerSelfAttentionLayer``).
+- ``ac_mode`` / ``ac_option`` (torchtune 0.6.1's selective layer checkpointing, read there by
+  full_finetune_distributed and qat_distributed; here by every training recipe), used with
+  ``enable_activation_checkpointing: False``: ``ac_mode: full`` checkpoints every layer;
+  ``ac_mode: selective`` with ``ac_option: k`` the layers whose 1-based index is a multiple of k
+  (k=2 on 4 layers: the 2nd and 4th; k=0 or 1: every layer); ``ac_mode: none`` or null: none.
+
+Trade-off: a checkpointed layer keeps only its input for backward and runs its forward twice
+(about 30% more compute when every layer is); checkpointing every k-th layer keeps the other
+layers' activations, so memory and recompute sit between all and none.
+
+Both being set is a config error here (``tune_recipes.validation.activation_checkpointing_problem``):
+torchtune applies its full checkpointing only with ``ac_mode`` null and its selective one only
+with ``enable_activation_checkpointing`` False, so with both set it silently checkpoints nothing.
+
+A recipe carries the decision as one number, the interval::
+
+    setup_full_model(..., ac_interval=ac_interval(cfg))   # or **fsdp_options(cfg), distributed
+
+and the model setup calls ``apply_activation_checkpointing(model, interval)``. The wrappers are
+torch's non-reentrant ``CheckpointWrapper``, as torchtune's: state-dict keys are unchanged, so a
+checkpoint saved from a selectively checkpointed model loads into a plain one and back.
+"""
+
+from functools import partial
+from typing import List, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torchtune import training
+from torchtune.modules import TransformerSelfAttentionLayer
+from torchtune.utils import get_logger
+
+from tune_recipes.config import ConfigError
+from tune_recipes.validation import check_values
+
+log = get_logger("INFO")
+
+# The keys this module reads; their schema and cross-key rules live in tune_recipes.validation.
+AC_KEYS = ("enable_activation_checkpointing", "ac_mode", "ac_option")
+
+
+def ac_interval(cfg: DictConfig) -> Optional[int]:
+    """The config's activation checkpointing as an interval: None (no layer), 1 (every
+    transformer layer) or k (the layers whose 1-based index is a multiple of k). Raises the
+    ConfigError ``tune validate`` reports for the same keys (one check: their rules in
+    ``tune_recipes.validation``), so a direct caller cannot get past a bad value."""
+    check_values(cfg, AC_KEYS, env=False)
+    if cfg.get("enable_activation_checkpointing", False):
+        return 1
+    mode = cfg.get("ac_mode", None)
+    if mode in (None, "none"):
+        return None
+    if mode == "full":
+        return 1
+    # selective; the schema took an int >= 0 or a digit string (torchtune int()s it too).
+    every = int(cfg.get("ac_option"))
+    return max(every, 1)  # torchtune: 0 checkpoints every layer, as 1 does
+
+
+def layers_to_checkpoint(interval: Optional[int], num_layers: int) -> List[int]:
+    """The 0-based indices of the ``num_layers`` layers that ``interval`` checkpoints: the
+    k-th, 2k-th, ... counting from 1, as torchtune counts (k=2 on 4 layers: [1, 3])."""
+    if interval is None:
+        return []
+    if interval < 1:
+        raise ValueError(f"interval={interval}: expected None or an integer >= 1")
+    return list(range(interval - 1, num_layers, interval))
+
+
+def apply_activation_checkpointing(model: nn.Module, interval: Optional[int]) -> List[int]:
+    """Wrap the transformer layers ``interval`` names in torch's non-reentrant checkpoint wrapper,
+    in place, through torchtune's ``training.set_activation_checkpointing``. Returns the 0-based
+    indices into ``model.layers`` now wrapped (empty for a model without ``layers``).
+
+    ``interval`` 1 wraps every ``TransformerSelfAttentionLayer`` wherever it sits, the call the
+    recipes made before ``ac_mode`` existed. An interval k > 1 picks from ``model.layers`` (a
+    torchtune ``TransformerDecoder``'s), as torchtune's selective checkpointing does, and wraps
+    those layers with the same call and a narrower policy."""
+    if interval is None:
+        return []
+    if interval == 1:
+        # NOTE: not the index path below, though on a TransformerDecoder it wraps the same
+        # modules: a model without ``layers`` (Llama-3.2-Vision's DeepFusionModel, whose encoder
+        # and decoder layers are nested) keeps the checkpointing it always had.
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    else:
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ConfigError(
+                f"ac_mode=selective with ac_option={interval}: picks layers from model.layers (a "
+                f"torchtune TransformerDecoder), which {type(model).__name__} does not have; use "
+                "enable_activation_checkpointing=True (every transformer layer) instead")
+        chosen = [layers[i] for i in layers_to_checkpoint(interval, len(layers))]
+        policy = partial(lambda_auto_wrap_policy,
+                         lambda_fn=lambda m: any(m is layer for layer in chosen))
+        training.set_activation_checkpointing(model, auto_wrap_policy=policy)
+    layers = getattr(model, "layers", None)
+    wrapped = [i for i, layer in enumerate(layers or []) if isinstance(layer, CheckpointWrapper)]
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        if layers is None:
+            log.info("activation checkpointing: every transformer layer")
+        else:
+            log.info("activation checkpointing: %d of %d transformer layers (model.layers %s)",
+                     len(wrapped), len(layers), ", ".join(map(str, wrapped)) or "none")
+    return wrapped
