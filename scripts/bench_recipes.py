@@ -206,6 +206,10 @@ CASES = {
             # ours_best is compile + fused CE, so this is also "ours best + FP8".
             _v("ours_fused_fp8", "ours", "ours: compile + fused CE + FP8 base projections",
                loss=_FUSED, compile=True, enable_fp8_training=True),
+            # Selective layer checkpointing (ac_mode/ac_option, torchtune's keys): layers 10,
+            # 20 and 30 of 32 recompute their forward, for ~3/32 of the activations.
+            _v("ours_fused_fp8_sac", "ours", "ours: FP8 base projections + checkpointing every 10th layer",
+               loss=_FUSED, compile=True, enable_fp8_training=True, ac_mode="selective", ac_option=10),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
         ],
