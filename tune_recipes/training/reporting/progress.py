@@ -34,6 +34,23 @@ def device_synchronizer(device: torch.device) -> Callable[[], None]:
     return sync if sync is not None else (lambda: None)
 
 
+# Pinned buffers all come in one size (so torch's pinned-memory cache can hand any freed one
+# back), and a few are taken and returned up front. NOTE: keep both. Allocating pinned memory
+# waits for the device (CUDA's implicit synchronization); without them each new size and the
+# first rows of a run drained the queue once, which slowed the first logged steps' windows.
+_PINNED_SLOTS = 64
+
+
+def _pinned_slots() -> torch.Tensor:
+    return torch.empty(_PINNED_SLOTS, dtype=torch.float64, pin_memory=True)
+
+
+def warm_pinned_cache(count: int = 8) -> None:
+    """Take ``count`` pinned buffers and return them to the cache (before training starts)."""
+    held = [_pinned_slots() for _ in range(count)]
+    del held
+
+
 class DeviceValues:
     """Scalars of one step, read on the host later without waiting for later steps' work.
 
@@ -58,7 +75,7 @@ class DeviceValues:
             if tensors:
                 stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64)
                                        for t in tensors.values()])
-                self._host = torch.empty(len(tensors), dtype=torch.float64, pin_memory=True)
+                self._host = _pinned_slots()[:len(tensors)]
                 self._host.copy_(stacked, non_blocking=True)
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record(torch.cuda.current_stream(device))
@@ -135,6 +152,8 @@ class StepReporter:
         self.is_main = is_main
         # Whether rows (and the driver's non-finite check) come one step late; see above.
         self.lags = self.device.type == "cuda" if lag is None else bool(lag)
+        if self.lags and mark is None and torch.cuda.is_available():
+            warm_pinned_cache()
         synchronize = synchronize or device_synchronizer(self.device)
         # mark(values): a point in the device's work holding ``values`` (tests pass a stand-in).
         self._mark = mark or (lambda values: DeviceValues(values, self.device, self.lags, synchronize, clock))
