@@ -227,6 +227,10 @@ def test_cuda_rows_never_drain_the_queue():
     step just queued is still running when step_done returns."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    # The ops' first launches load their kernels, which waits for the device: not the
+    # reporter's doing (scripts/diag_lag.py showed the drain at the first torch.full).
+    torch.cuda._sleep(1000)
+    (torch.full((), 1.0, device="cuda") * 2).item()
     log = _Log()
     rep = StepReporter(log, device=torch.device("cuda"))
     rep.start_epoch(0, 1, 6)
