@@ -45,7 +45,7 @@ from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.activations import ac_interval
 from tune_recipes.training.setup.fp8 import fp8_lora_wanted
-from tune_recipes.training.setup.model import setup_lora_model
+from tune_recipes.training.setup.model import embedding_on_cpu_wanted, setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import single_device
@@ -63,6 +63,7 @@ CONFIG_KEYS = {
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
     "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",
+    "embedding_on_cpu",
 }
 
 
@@ -73,6 +74,7 @@ class LoRAFinetuneRecipeSingleDevice:
         self._dtype = training_dtype(cfg, self._runtime.device)
         # FP8 base projections: refused here (QLoRA, DoRA, no FP8 tensor cores) before any work.
         self._fp8 = fp8_lora_wanted(cfg, self._runtime.device, self._runtime.is_main)
+        self._embedding_on_cpu = embedding_on_cpu_wanted(cfg, self._runtime.device)
         self._offload_activations = activation_offloading_wanted(
             cfg, self._runtime.device, self._runtime.is_main)
         # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
@@ -89,7 +91,7 @@ class LoRAFinetuneRecipeSingleDevice:
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
             compile_model=cfg.get("compile", False), compile_scope=cfg.get("compile_scope", None),
             ac_interval=ac_interval(cfg),
-            fp8=self._fp8,
+            fp8=self._fp8, embedding_on_cpu=self._embedding_on_cpu,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

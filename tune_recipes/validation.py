@@ -229,6 +229,7 @@ SCHEMA: List[Rule] = [
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
     Rule("compile_scope", optional(one_of("layers", "model"))),
+    Rule("embedding_on_cpu", boolean),
     Rule("custom_sharded_layers", optional(list_of(text))),
     Rule("collate_fn", text),
     Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),

@@ -3,6 +3,7 @@
 import os
 from typing import Any, Callable, Dict, Optional
 
+import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config as tt_config, training
@@ -10,6 +11,7 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
+from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
@@ -56,18 +58,31 @@ def compile_layers_or_model(model: nn.Module, scope: Optional[str]) -> None:
         raise ConfigError(f"compile_scope={scope}: expected layers or model")
 
 
+def embedding_on_cpu_wanted(cfg: DictConfig, device: torch.device) -> bool:
+    """``embedding_on_cpu``, checked before any work: it needs a CUDA device (the tied-embedding
+    refusal comes when the model is built)."""
+    wanted = bool(cfg.get("embedding_on_cpu", False))
+    if wanted and torch.device(device).type != "cuda":
+        raise ConfigError(f"embedding_on_cpu=True needs device=cuda (device={torch.device(device).type}: "
+                          "the table is in CPU memory already); set embedding_on_cpu=False")
+    return wanted
+
+
 def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      base_state_dict: Dict[str, Any],
                      lora_state_dict: Optional[Dict[str, Any]],
                      compile_model: bool = False,
                      ac_interval: Optional[int] = None,
-                     fp8: bool = False, compile_scope: Optional[str] = None):
+                     fp8: bool = False, compile_scope: Optional[str] = None,
+                     embedding_on_cpu: bool = False):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
     both loads checked against the LoRA layout; ``ac_interval`` as in ``setup_full_model``; with
     ``fp8`` the frozen base projections then compute in FP8 (``modules.fp8_lora``; their bf16
-    weights move to CPU memory, under the same names). Returns ``(model, LoRASpec)``."""
+    weights move to CPU memory, under the same names); with ``embedding_on_cpu`` the frozen token
+    embedding stays in pinned CPU memory and each step's rows are read from there
+    (``modules.host_embedding``). Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -115,4 +130,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         converted = convert_lora_to_fp8(model)
         log.info("FP8 LoRA: %d frozen base projections in float8 e4m3 (tensorwise); their bf16 "
                  "weights are in CPU memory", len(converted))
+    if embedding_on_cpu:
+        held = keep_embedding_on_cpu(model)
+        log.info("embedding_on_cpu: the token embedding (%.2f GiB) is in pinned CPU memory",
+                 held / 1024**3)
     return model, lora
