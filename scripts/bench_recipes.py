@@ -210,6 +210,13 @@ CASES = {
             # 20 and 30 of 32 recompute their forward, for ~3/32 of the activations.
             _v("ours_fused_fp8_sac", "ours", "ours: FP8 base projections + checkpointing every 10th layer",
                loss=_FUSED, compile=True, enable_fp8_training=True, ac_mode="selective", ac_option=10),
+            # The frozen embedding table in pinned CPU memory (embedding_on_cpu): -0.98 GiB at 8B.
+            _v("ours_fused_fp8_embcpu", "ours", "ours: FP8 base projections + embedding in CPU memory",
+               loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True),
+            _v("ours_fused_fp8_embcpu_sac16", "ours",
+               "ours: FP8 base + embedding in CPU memory + checkpointing every 16th layer",
+               loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True,
+               ac_mode="selective", ac_option=16),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
         ],
