@@ -310,7 +310,9 @@ def summarize(out_dir: Path, tokens_per_step: int, warmup: int = 5) -> dict:
     by ~5% on 2026-12-01 (71,364 vs the recipe's own 67,793 on full_1b) until this was fixed."""
     rows = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
-    warmup = min(warmup, len(rows) - 3)
+    if len(rows) < 3:
+        raise RuntimeError(f"{out_dir}: {len(rows)} logged steps; the timing needs at least 3")
+    warmup = max(0, min(warmup, len(rows) - 3))
     timed = rows[warmup:-1]
     wall = timed[-1]["time"] - timed[0]["time"]
     tps_wall = tokens_per_step * (len(timed) - 1) / wall if wall > 0 else 0.0

@@ -135,7 +135,7 @@ AC_MODES = ("none", "full", "selective")
 def ac_option_value(v) -> Optional[str]:
     """torchtune's ``ac_option`` for ``ac_mode: selective``: k >= 0 (checkpoint every k-th
     layer; 0 and 1 every layer), an integer or a string of digits (torchtune int()s it)."""
-    if (_is_int(v) and v >= 0) or (isinstance(v, str) and v.isdigit()):
+    if (_is_int(v) and v >= 0) or (isinstance(v, str) and v.isascii() and v.isdigit()):
         return None
     if v == "op":
         return ("selective op checkpointing is not implemented (torchtune 0.6.1 cannot run it "
@@ -448,6 +448,10 @@ def activation_offloading_problem(cfg: DictConfig) -> Optional[str]:
     (training/setup/offloading.activation_offloading_wanted) make, so they cannot disagree."""
     if cfg.get("enable_activation_offloading", False) and \
             not cfg.get("enable_activation_checkpointing", False):
+        if cfg.get("ac_mode") not in (None, "none"):
+            return (f"enable_activation_offloading=True needs enable_activation_checkpointing=True, "
+                    f"not ac_mode={cfg.get('ac_mode')}: offloading is built for every layer "
+                    "checkpointed, as torchtune's is (which refuses this too)")
         return ("enable_activation_offloading=True needs enable_activation_checkpointing=True: "
                 "without it every intermediate activation crosses to CPU memory and back, which "
                 "costs more time than it saves memory (torchtune refuses it too)")

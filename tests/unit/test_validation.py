@@ -209,6 +209,8 @@ CASES = [
     ("tiny/kd_single_device", ["ac_mode=selective", "ac_option=-1"],
      "ac_option=-1: expected an integer >= 0"),
     ("tiny/full_distributed", ["ac_mode=selective", "ac_option=2.5"], "ac_option=2.5: expected an integer"),
+    # str.isdigit() alone accepts these (int("²") then fails in the model setup)
+    ("tiny/full_single_device", ["ac_mode=selective", "ac_option=²"], "ac_option=²: expected an integer"),
     ("tiny/full_distributed", ["ac_mode=selective"],
      "ac_mode=selective needs ac_option: an integer k checkpoints every k-th transformer layer"),
     ("tiny/qat_single_device", ["enable_activation_checkpointing=True", "ac_mode=selective", "ac_option=2"],

@@ -110,6 +110,7 @@ class _Row:
     paused_s: float
     start: Any  # the window's start mark (DeviceValues or a test's stand-in)
     end: Any    # this step's mark, holding its loss, grad norm and extras
+    memory: Dict[str, float]  # peak memory when the step was queued (a host-side counter)
 
 
 class StepReporter:
@@ -184,8 +185,10 @@ class StepReporter:
                 self._window_start = self._mark({})
             values = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), **extra}
             mark = self._mark(values)
+            # Read now, not when the row is written: by then the next step is running.
+            memory = memory_stats(self.device) if self.log_peak_memory_stats else {}
             row = _Row(global_step, lr, self._tokens, self._window_steps, self._paused_s,
-                       self._window_start, mark)
+                       self._window_start, mark, memory)
             # The next window starts where this one ends: logging time is counted in the next
             # window, so the windows add up to the whole run's wall time.
             self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
@@ -215,8 +218,7 @@ class StepReporter:
         }
         if "grad_norm" in values:
             metrics["grad_norm"] = values.pop("grad_norm")
-        if self.log_peak_memory_stats:
-            metrics.update(memory_stats(self.device))
+        metrics.update(row.memory)
         metrics.update(values)
         self.metric_logger.log_dict(metrics, step=row.step)
         if self._pbar is not None:
@@ -247,8 +249,10 @@ class StepReporter:
             self._pbar = None
 
     def close(self) -> None:
-        # Also on the way out of a failed run: the last logged row is kept if its values can
-        # still be read, and a second error must not hide the first.
+        # The last logged row is written if its values can still be read; an error reading them
+        # (a failed device) is reported, not raised. (A run that dies mid-epoch never gets
+        # here: its waiting row is lost, but a checkpoint flushes first (driver.position), and
+        # a resumed run reruns and relogs the steps after its checkpoint.)
         try:
             self.end_epoch()
         except Exception as e:  # noqa: BLE001

@@ -157,6 +157,9 @@ class StepDriver:
         """Run the validation set now (once per global step) and log ``val_loss``."""
         if self.validator is None or self._validated_at == self.global_step:
             return
+        # Never validate weights a non-finite step produced (with the lagging reporter the
+        # logged step's flag is read one step late; validation waits for the device anyway).
+        self.check_finite()
         with self.reporter.paused():
             val_loss = self.validator()
         self._validated_at = self.global_step
@@ -204,6 +207,9 @@ class StepDriver:
         entries are all-gathered). A non-finite step so far stops the run first: such weights
         are never checkpointed."""
         self.check_finite()
+        # The row still waiting for its values (the lagging reporter) is written before the
+        # checkpoint: a run killed after the save would otherwise never log the saved step.
+        self.reporter.flush()
         mine = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict(),
                 DATA_SHAPE: data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)}
         if self.device.type == "cuda":

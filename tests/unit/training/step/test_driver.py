@@ -240,6 +240,39 @@ def test_with_a_lagging_reporter_the_flag_is_read_one_step_late_and_names_the_ba
     assert [r["step"] for r in logger.rows] == [1, 2, 3]  # rows up to the stop are still written
 
 
+def _lagging(log):
+    from tune_recipes.training.reporting.progress import DeviceValues
+
+    cpu = torch.device("cpu")
+    return StepReporter(log, 1, lag=True, mark=lambda v: DeviceValues(v, cpu, lagged=False))
+
+
+def test_with_a_lagging_reporter_a_checkpoint_position_writes_the_waiting_row():
+    d, model, logger = _driver(batch_size=2, ga=1, steps_per_epoch=5, reporter=_lagging)
+    d.dataloader.state_dict = lambda: {}  # a plain DataLoader here; the recipes' is stateful
+    for epoch in d.epochs():
+        for step in epoch:
+            for batch in step:
+                step.backward(_loss(model, batch))
+            step.finish()
+            if d.global_step == 3:
+                d.position()  # what a mid-epoch checkpoint calls before saving
+                # The saved step's row is out before the save: a run killed now keeps it.
+                assert [r["step"] for r in logger.rows] == [1, 2, 3]
+                return
+    pytest.fail("never reached step 3")
+
+
+def test_with_a_lagging_reporter_validation_never_runs_on_a_bad_steps_weights():
+    d, model, logger = _driver(batch_size=2, ga=1, steps_per_epoch=5, reporter=_lagging)
+    ran = []
+    d.validator = lambda: ran.append(d.global_step) or 1.0
+    d.validator.due = lambda step: step == 2
+    with pytest.raises(NonFiniteError, match="step 2"):
+        _train(d, model, nan_at_step=2)
+    assert ran == [] and d.global_step == 2
+
+
 def test_a_staged_flag_covers_only_the_steps_before_it():
     from tune_recipes.training.step.nonfinite import NonFiniteGuard, is_finite
 
