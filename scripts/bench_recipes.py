@@ -217,6 +217,9 @@ CASES = {
                "ours: FP8 base + embedding in CPU memory + checkpointing every 16th layer",
                loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True,
                ac_mode="selective", ac_option=16),
+            # The MLP's gate/up products kept in e4m3 for backward (fp8_mlp_activations).
+            _v("ours_fused_fp8_mlp8", "ours", "ours: FP8 base projections + MLP activations in FP8",
+               loss=_FUSED, compile=True, enable_fp8_training=True, fp8_mlp_activations=True),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
         ],

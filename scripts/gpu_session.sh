@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -209,6 +209,13 @@ for step in "$@"; do
                 --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
             bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_embcpu,ours_fused_fp8_embcpu_sac16 1 embcpu8b_lora_8b
             wait; finish_bench embcpu8b ;;
+    fp8mlp8b) # Issue #15, next: 8B LoRA FP8 with the MLP activations in FP8 (speed, memory under
+            # compile), beside stock and FP8 alone; then its 120-step curve needs lora_8b_curve.
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_mlp8 1 fp8mlp8b_lora_8b
+            wait; finish_bench fp8mlp8b ;;
     fp8loramodel) # 8B LoRA FP8 with the whole model compiled (one run; the others: fp8lora8b).
             test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
               python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \

@@ -230,6 +230,7 @@ SCHEMA: List[Rule] = [
     Rule("compile", no_dict("torchtune's per-part compile dict")),
     Rule("compile_scope", optional(one_of("layers", "model"))),
     Rule("embedding_on_cpu", boolean),
+    Rule("fp8_mlp_activations", boolean),
     Rule("custom_sharded_layers", optional(list_of(text))),
     Rule("collate_fn", text),
     Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),

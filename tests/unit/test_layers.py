@@ -52,6 +52,7 @@ TESTS = {
     "modules/_triton_ce.py": "test_fused_loss_gpu.py",
     "modules/fp8_lora.py": "modules/test_fp8_lora.py",
     "modules/host_embedding.py": "modules/test_host_embedding.py",
+    "modules/fp8_mlp.py": "modules/test_fp8_mlp.py",
     "modules/output.py": "modules/test_output.py",
     "modules/peft.py": "modules/test_peft.py",
     "modules/qat_lora.py": "modules/test_qat_lora.py",

@@ -11,6 +11,7 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
+from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
@@ -74,7 +75,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      compile_model: bool = False,
                      ac_interval: Optional[int] = None,
                      fp8: bool = False, compile_scope: Optional[str] = None,
-                     embedding_on_cpu: bool = False):
+                     embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
@@ -82,7 +83,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     ``fp8`` the frozen base projections then compute in FP8 (``modules.fp8_lora``; their bf16
     weights move to CPU memory, under the same names); with ``embedding_on_cpu`` the frozen token
     embedding stays in pinned CPU memory and each step's rows are read from there
-    (``modules.host_embedding``). Returns ``(model, LoRASpec)``."""
+    (``modules.host_embedding``); with ``fp8_mlp_activations`` each MLP keeps its intermediate
+    products in FP8 for backward (``modules.fp8_mlp``). Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -130,6 +132,12 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         converted = convert_lora_to_fp8(model)
         log.info("FP8 LoRA: %d frozen base projections in float8 e4m3 (tensorwise); their bf16 "
                  "weights are in CPU memory", len(converted))
+    if fp8_mlp_activations:
+        # After the FP8 base conversion: the swapped MLPs call their down projection's base
+        # product themselves, FP8 or not.
+        mlps = convert_mlps_to_fp8_saved(model)
+        log.info("fp8_mlp_activations: %d MLPs keep their intermediate products in float8 e4m3 "
+                 "for backward", len(mlps))
     if embedding_on_cpu:
         held = keep_embedding_on_cpu(model)
         log.info("embedding_on_cpu: the token embedding (%.2f GiB) is in pinned CPU memory",
