@@ -65,13 +65,15 @@ AMAX_EPS = 1e-12
 SKIPPED_NAMES = ("output",)
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``t`` in float8 ``dtype`` with one scale for the whole tensor, and the fp32 factor that
-    dequantizes it (``t ~= q.float() * inv_scale``): scale = max(dtype) / amax(t), saturated
-    cast, the arithmetic of torchao's tensorwise float8 (the division in float64, as torchao
-    does, so eager and compiled agree). The amax stays a device tensor: no host sync."""
+def to_float8(t: torch.Tensor, dtype: torch.dtype, per_row: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in float8 ``dtype`` with one scale for the whole tensor (or, ``per_row``, one per
+    row of the last dim, as [..., 1]), and the fp32 factor that dequantizes it
+    (``t ~= q.float() * inv_scale``): scale = max(dtype) / amax(t), saturated cast, the
+    arithmetic of torchao's tensorwise float8 (the division in float64, as torchao does, so
+    eager and compiled agree). The amax stays a device tensor: no host sync."""
     fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().to(torch.float64)
+    amax = (t.detach().abs().amax(dim=-1, keepdim=True) if per_row
+            else t.detach().abs().amax()).to(torch.float64)
     scale = (fmax / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
     q = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
     return q, scale.reciprocal()

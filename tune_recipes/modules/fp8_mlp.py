@@ -30,7 +30,7 @@ from torchtune.modules import FeedForward
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
 from tune_recipes.config import ConfigError
-from tune_recipes.modules.fp8_lora import AMAX_EPS, E4M3, FP8LoRALinear, frozen_fp8_linear
+from tune_recipes.modules.fp8_lora import E4M3, FP8LoRALinear, frozen_fp8_linear, to_float8
 from tune_recipes.modules.peft import state_dict_key
 
 KEY = "fp8_mlp_activations"
@@ -38,12 +38,8 @@ KEY = "fp8_mlp_activations"
 
 def to_float8_rows(t: torch.Tensor, dtype: torch.dtype = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
     """``t`` in float8 ``dtype`` with one scale per row (last dim), and the fp32 factors
-    [..., 1] that dequantize it (``t ~= q.float() * inv``). No host sync."""
-    fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scale = fmax / torch.clamp(amax, min=AMAX_EPS)
-    q = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale.reciprocal()
+    [..., 1] that dequantize it (``t ~= q.float() * inv``): ``fp8_lora.to_float8`` per row."""
+    return to_float8(t, dtype, per_row=True)
 
 
 def _swiglu_grads(grad_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
