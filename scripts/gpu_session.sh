@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -216,6 +216,22 @@ for step in "$@"; do
                 --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
             bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_mlp8 1 fp8mlp8b_lora_8b
             wait; finish_bench fp8mlp8b ;;
+    mem8b)  # Issue #15 (session 8): the two untried 8B LoRA memory levers on the GPU. Their GPU tests,
+            # then stock / FP8 / FP8 + MLP activations in FP8 / + embedding in CPU memory / both,
+            # one run each (~6 min with the checkpoint build). curve8b reuses the checkpoint.
+            timeout 150 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_host_embedding.py \
+              tests/unit/modules/test_fp8_mlp.py 2>&1 | grep "passed\|failed\|Error\|assert" | tail -8 | tee "$OUT/mem8b_tests.txt"
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_mlp8,ours_fused_fp8_embcpu,ours_fused_fp8_mlp8_embcpu 1 mem8b_lora_8b
+            wait; finish_bench mem8b ;;
+    curve8b) # The 220-step 8B LoRA curves at lr 1e-3: bf16 / FP8 base / FP8 base + MLP activations in FP8.
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            bench_on 0 lora_8b_curve ours_fused,ours_fused_fp8,ours_fused_fp8_mlp8 1 curve8b_lora_8b
+            wait; finish_bench curve8b ;;
     fp8loramodel) # 8B LoRA FP8 with the whole model compiled (one run; the others: fp8lora8b).
             test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
               python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
