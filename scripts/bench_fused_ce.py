@@ -23,7 +23,8 @@ Input kinds (``make_inputs``):
 
 ``--baseline DIR`` adds the loss as it was before issue 11 (bf16 logits), loaded from copies of
 its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show 4f17736:tune_recipes/modules/loss.py``);
-``--previous DIR`` the same for 916b32a's (fp32 logits, target terms not split off).
+``--previous DIR`` the same for another earlier version, named by ``--previous-label`` (e.g.
+4247504's: fp32 logits with the target terms split off, issue 11's first fix).
 """
 
 import argparse
@@ -127,7 +128,7 @@ def cce(h, w, y):
 
 METHODS = {
     "baseline": ("tune-recipes fused before issue 11 (bf16 logits)", baseline),
-    "previous": ("tune-recipes fused, fp32 logits without the target split (916b32a)", previous),
+    "previous": ("tune-recipes fused, an earlier version (--previous DIR)", previous),
     "ours": ("tune-recipes fused (default)", ours),
     "ours_fp32": ("tune-recipes fused, weight_grad_fp32=True", ours_fp32),
     "ours_16": ("tune-recipes fused, chunk_size=359", ours_16_chunks),
@@ -290,8 +291,11 @@ def main():
                     help="kinds timed at the other shapes (the rest: one run for the errors)")
     ap.add_argument("--baseline", default=None, help="directory with the pre-issue-11 loss.py and _triton_ce.py")
     ap.add_argument("--previous", default=None,
-                    help="directory with 916b32a's loss.py and _triton_ce.py (fp32 logits, no target split)")
+                    help="directory with an earlier version's loss.py and _triton_ce.py")
+    ap.add_argument("--previous-label", default=None, help="the row label of --previous")
     args = ap.parse_args()
+    if args.previous_label:
+        METHODS["previous"] = (args.previous_label, previous)
     if args.baseline:
         load_baseline(args.baseline)
     if args.previous:

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -85,6 +85,21 @@ for step in "$@"; do
               --time-kinds peaked,peaked_zipf --baseline .whl/baseline_4f17736 --previous .whl/previous_916b32a \
               --methods baseline,previous,ours,compiled,liger --out "$OUT/fused_v5_8192.json" > /tmp/fused_v5_8192.log 2>&1
             grep -h "^|" /tmp/fused_v5_8192.log | cut -c1-170 ;;
+    fusedv6) # Issue #11, session 8: bf16 logits with each row's target logit recomputed in fp32 (ours)
+            # beside 4247504's fp32 logits (v4), the pre-issue-11 loss and the peers; 8192x4096, three
+            # input kinds, after the fused loss's tests (fusedv6large: the other shapes).
+            python3 -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_fused_loss_gpu.py 2>&1 | grep "passed\|failed\|Error\|assert\|llama3 vocab\|peaked" | tail -12 | tee "$OUT/fused_gpu_tests.txt"
+            timeout 420 python3 scripts/bench_fused_ce.py --shapes 8192x4096 --kinds random,peaked,peaked_zipf \
+              --time-kinds peaked,peaked_zipf --baseline .whl/baseline_4f17736 --previous .whl/v4_4247504 \
+              --previous-label "tune-recipes fused v4 (4247504): fp32 logits, target split" \
+              --methods baseline,previous,ours,compiled,liger,cce --out "$OUT/fused_v6_8192.json" > /tmp/fused_v6_8192.log 2>&1
+            grep -h "^|\|rror" /tmp/fused_v6_8192.log | cut -c1-200 ;;
+    fusedv6large)
+            timeout 560 python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 \
+              --baseline .whl/baseline_4f17736 --previous .whl/v4_4247504 \
+              --previous-label "tune-recipes fused v4 (4247504): fp32 logits, target split" \
+              --methods baseline,previous,ours,compiled,liger,cce --out "$OUT/fused_v6_large.json" > /tmp/fused_v6_large.log 2>&1
+            grep -h "^|\|rror" /tmp/fused_v6_large.log | cut -c1-200 ;;
     fusedv4large)
             python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 \
               --baseline .whl/baseline_4f17736 --previous .whl/previous_916b32a \

@@ -105,24 +105,24 @@ def trace(args):
 
 
 def softmax_sweep(hv, yv, w, rows, res):
-    """Launch configurations of the softmax-gradient kernel on one chunk of fp32 logits (the
-    bf16 gradient written over them, as the loss does)."""
-    from tune_recipes.modules.loss import _softmax_grad_torch
+    """Launch configurations of the softmax-gradient kernel on one chunk of bf16 logits (the
+    target's logit recomputed, the gradient written over them, as the loss does)."""
+    from tune_recipes.modules.loss import _softmax_grad_torch, target_logits
 
     hc, yc = hv[:rows].contiguous(), yv[:rows].contiguous()
-    logits = torch.mm(hc, w.t(), out_dtype=torch.float32)
+    logits = torch.mm(hc, w.t())
     gl = logits.clone()
-    ref_loss, ref_grad = _softmax_grad_torch(logits.clone(), yc, 1e-4, torch.bfloat16)
+    ref_loss, ref_grad = _softmax_grad_torch(logits.clone(), yc, 1e-4, target_logit=target_logits(hc, w, yc))
     base = timed(lambda: gl.copy_(logits), iters=20)
     res["softmax_launch"] = []
     for launch in [(0, 4096, 16), (0, 2048, 8), (0, 8192, 32), (1, 8192, 32), (2, 4096, 16)]:
         t = timed(lambda: _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4, launch=launch,
-                                                          grad_dtype=torch.bfloat16), iters=20) - base
+                                                          weight=w, hidden=hc), iters=20) - base
         loss_k = torch.empty(rows, device="cuda")
         _, grad_k = _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4, loss_out=loss_k, launch=launch,
-                                                    grad_dtype=torch.bfloat16)
-        # Bytes: fp32 read twice, bf16 written once.
-        r = {"launch": launch, "ms": t, "TBps": logits.numel() * 10 / (t * 1e9),
+                                                    weight=w, hidden=hc)
+        # Bytes: bf16 read twice, bf16 written once.
+        r = {"launch": launch, "ms": t, "TBps": logits.numel() * 6 / (t * 1e9),
              "err_loss": rel_l2(loss_k, ref_loss), "err_grad": rel_l2(grad_k, ref_grad.float())}
         res["softmax_launch"].append(r)
         print(json.dumps(r), flush=True)
@@ -223,17 +223,17 @@ def main():
     # (2) stages per chunk size
     for rows in (map(int, args.rows.split(",")) if "stages" in parts else []):
         hc, yc = hv[:rows].contiguous(), yv[:rows].contiguous()
-        logits = torch.mm(hc, w.t(), out_dtype=torch.float32)  # as the loss: fp32 logits
+        logits = torch.mm(hc, w.t())  # as the loss: bf16 logits
         gl = logits.clone()
-        gv = _triton_ce.softmax_grad_inplace(gl, yc, 1e-4, grad_dtype=torch.bfloat16)[1]
+        gv = _triton_ce.softmax_grad_inplace(gl, yc, 1e-4, weight=w, hidden=hc)[1]
         n_chunks = -(-m // rows)
         st = {
             "rows": rows, "chunks": n_chunks,
-            "logits_mm": timed(lambda: torch.mm(hc, w.t(), out_dtype=torch.float32, out=logits)),
+            "logits_mm": timed(lambda: torch.mm(hc, w.t(), out=logits)),
             "softmax_grad": timed(lambda: _triton_ce.softmax_grad_inplace(gl.copy_(logits), yc, 1e-4,
-                                                                          grad_dtype=torch.bfloat16))
+                                                                          weight=w, hidden=hc))
             - timed(lambda: gl.copy_(logits)),
-            # The bf16 gradient as the loss leaves it: rows 2V elements apart.
+            # The bf16 gradient as the loss leaves it, over the logits.
             "grad_hidden_mm": timed(lambda: gv @ w),
             "grad_weight_write": timed(lambda: torch.mm(gv.t(), hc, out=gw)),
             "grad_weight_accumulate": timed(lambda: gw.addmm_(gv.t(), hc)),

@@ -3,8 +3,9 @@
 Tolerances: fp32 inputs rtol 1e-5 / relative-L2 1e-6 class; bf16 inputs relative L2 <= 2.5e-3
 with the weight gradient accumulated in fp32 (``weight_grad_fp32=True``). The default
 accumulates it in bf16, one rounding per chunk: its bound grows with the chunk count (below).
-Peaked, trained-LM-like logits (``_peaked_inputs``) are held to 1.1x the error of rounding the
-float64 gradients to bf16: see test_peaked_logits_gradients_within_ten_percent_of_the_bf16_floor.
+Peaked, trained-LM-like logits (``_peaked_inputs``): at Llama-3's vocabulary the gradients must
+be no worse than a method that keeps every logit in fp32 (issue 11), and at a small vocabulary
+within a measured multiple of the bf16 rounding of the exact gradients (the two peaked tests).
 """
 
 import math
@@ -151,26 +152,81 @@ def _bf16_floor(ref):
     return _rel_l2(ref.to(torch.bfloat16), ref)
 
 
+def _fp32_logits_grads(h, w, y):
+    """What a plain chunked loss that keeps its logits in fp32 returns: the fp32 softmax gradient
+    rounded to bf16 (target entry included), then the two bf16 products with fp32 accumulation."""
+    valid = y != IGNORE
+    hv, yv = h.detach()[valid].float(), y[valid]
+    probs = torch.softmax(hv @ w.detach().float().t(), dim=1)
+    probs[torch.arange(yv.numel(), device=yv.device), yv] -= 1.0
+    grad_logits = (probs / yv.numel()).bfloat16().float()
+    grad_h = torch.zeros(h.shape, dtype=torch.float64, device=h.device)
+    grad_h[valid] = (grad_logits @ w.detach().float()).bfloat16().double()
+    return grad_h, (grad_logits.t() @ hv).bfloat16().double()
+
+
+def test_peaked_logits_at_llama3_vocab_within_the_fp32_logits_bound():
+    """Issue 11's check, on the CPU: trained-LM-like logits at Llama-3's vocabulary (128256).
+    The logits are bf16, but each row's target logit is recomputed in fp32 and the target terms
+    never go through bf16. Measured (seeds 0-2): hidden 1.85-1.96e-3, weight 1.85-1.96e-3,
+    against 2.25-2.33e-3 for fp32 logits (``_fp32_logits_grads``) and a bf16 floor of 1.65e-3;
+    with the target's logit taken from the bf16 logits, as before issue 11, 4.3e-3. So the bound
+    is the fp32-logits method's own error, measured here on the same inputs, and issue 11's
+    2.5e-3. ~30 s on 2 cores (the float64 reference dominates)."""
+    h, w, y = _peaked_inputs(192, 1024, 128256, seed=1)
+    loss = fused_linear_cross_entropy(h, w, y)
+    loss.backward()
+    ref_loss, (ref_h, ref_w, _) = _reference(h, w, None, y, "mean")
+    assert 1.5 < ref_loss.item() < 2.5  # the kind of logits this test is about
+    fp32_h, fp32_w = _fp32_logits_grads(h, w, y)
+    err_h, err_w = _rel_l2(h.grad, ref_h), _rel_l2(w.grad, ref_w)
+    assert err_h <= min(2.5e-3, _rel_l2(fp32_h, ref_h)), (err_h, _rel_l2(fp32_h, ref_h))
+    assert err_w <= min(2.5e-3, _rel_l2(fp32_w, ref_w)), (err_w, _rel_l2(fp32_w, ref_w))
+    # bf16 logits move the loss through the log-sum-exp only: measured 1e-5 to 4e-5 relative.
+    assert abs(loss.item() - ref_loss.item()) <= 1e-4 * ref_loss.item()
+
+
 @pytest.mark.parametrize("labels", ["random", "repeated"])
-def test_peaked_logits_gradients_within_ten_percent_of_the_bf16_floor(labels):
-    """Peaked, trained-LM-like logits, default settings (bf16 weight-gradient accumulation over
-    6 chunks). The logits stay fp32 to the softmax gradient, and each row's target term,
-    softmax - 1, is kept out of the bf16 roundings (the hidden gradient adds it in fp32 before its
-    one rounding; the weight gradient adds it once, after the chunks). Measured over seeds 0-2:
-    1.02x (hidden) and 1.05x (weight) the error of rounding the float64 gradients to bf16. The
-    bound is 1.1x. Without the split the weight gradient was 1.4-1.5x (2.4e-3 against 1.65e-3,
-    even with fp32 accumulation), and bf16 logits cost 2.8-3x. ``repeated``: a few labels that
-    recur within and across chunks (frequent tokens), whose target terms must be summed apart
-    before the one rounding."""
+def test_peaked_logits_gradients_near_the_bf16_floor(labels):
+    """Peaked logits at a small vocabulary (8192), default settings (bf16 weight-gradient
+    accumulation over 6 chunks). With fewer logits to average over, the bf16 rounding of the
+    non-target logits shows more than at 128256: measured over seeds 0-2 and both label kinds,
+    1.50-1.82x the error of rounding the float64 gradients to bf16 (fp32 logits: ~1.4x). The
+    bound is 2x. What it guards: the target's logit taken from the bf16 logits instead of
+    recomputed gave 2.25-2.92x. ``repeated``: a few labels that recur within and across chunks
+    (frequent tokens), whose target terms must be summed apart before the one rounding."""
     h, w, y = _peaked_inputs(512, 256, 8192, seed=1, n_labels=20 if labels == "repeated" else None)
     loss = fused_linear_cross_entropy(h, w, y, chunk_size=64)
     loss.backward()
     ref_loss, (ref_h, ref_w, _) = _reference(h, w, None, y, "mean")
     assert 1.5 < ref_loss.item() < 2.5  # the kind of logits this test is about
-    assert _rel_l2(h.grad, ref_h) <= 1.1 * _bf16_floor(ref_h), (_rel_l2(h.grad, ref_h), _bf16_floor(ref_h))
-    assert _rel_l2(w.grad, ref_w) <= 1.1 * _bf16_floor(ref_w), (_rel_l2(w.grad, ref_w), _bf16_floor(ref_w))
-    # bf16 logits also moved the loss by ~4e-4 relative here; fp32 logits by ~1e-7.
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert _rel_l2(h.grad, ref_h) <= 2.0 * _bf16_floor(ref_h), (_rel_l2(h.grad, ref_h), _bf16_floor(ref_h))
+    assert _rel_l2(w.grad, ref_w) <= 2.0 * _bf16_floor(ref_w), (_rel_l2(w.grad, ref_w), _bf16_floor(ref_w))
+    # Measured 2e-5 to 1.2e-4 relative here (the bf16 logits' log-sum-exp; the rounded target: up
+    # to 4.9e-4).
+    assert abs(loss.item() - ref_loss.item()) <= 2e-4 * ref_loss.item()
+
+
+def test_target_logit_is_recomputed_exactly():
+    """The torch path's target logits are the float64 dot products (fp32 rounding), not the bf16
+    logits': changing the stored target logit changes nothing."""
+    from tune_recipes.modules.loss import _softmax_grad_torch, target_logits
+
+    h, w, y = _peaked_inputs(32, 64, 300, seed=4, prompt_frac=0.0)
+    h, w = h.detach(), w.detach()
+    b = torch.randn(300).bfloat16()
+    exact = target_logits(h, w, y, b)
+    assert exact.dtype == torch.float32
+    ref = (h.double() * w[y].double()).sum(1) + b[y].double()
+    torch.testing.assert_close(exact.double(), ref, rtol=1e-6, atol=1e-6)
+    logits = (h @ w.t() + b)
+    moved = logits.clone()
+    moved[torch.arange(32), y] += 0.5  # a stored value far off the exact one
+    loss_a, grad_a = _softmax_grad_torch(logits, y, 1.0, target_logit=exact)
+    loss_b, grad_b = _softmax_grad_torch(moved, y, 1.0, target_logit=exact)
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
+    loss_c, _ = _softmax_grad_torch(moved, y, 1.0)
+    assert not torch.allclose(loss_c, loss_a)
 
 
 @pytest.mark.parametrize("block_rows", [1, 3, 7, 1000])

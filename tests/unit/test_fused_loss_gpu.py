@@ -42,55 +42,69 @@ def test_triton_kernel_equals_torch_path():
     torch.testing.assert_close(grad_k.float(), grad_t.float(), rtol=1e-2, atol=1e-6)
 
 
-def test_fp32_logits_narrowed_in_place_equal_torch_path():
-    """fp32 logits in, bf16 gradient written over the same memory: every value must be the
-    torch path's bf16 rounding of the same fp32 gradient (up to one bf16 step for exp's last
-    bits), and identical run to run. A missing barrier would show as stale or mixed values."""
-    from tune_recipes.modules import _triton_ce
-    from tune_recipes.modules.loss import _softmax_grad_torch
-
-    v, n = 128256, 96
-    g = torch.Generator(device="cuda").manual_seed(1)
-    logits = torch.randn(n, v, device="cuda", generator=g) * 2.5
+def _bf16_chunk(n, v, d, seed, bias=True):
+    """A chunk as the loss sees it: bf16 hidden rows, weight and bias, the bf16 logits of their
+    product, peaked targets (margins 0-25 above N(0, 2.5^2) background logits)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d**0.5).bfloat16()
     target = torch.randint(0, v, (n,), device="cuda", generator=g)
-    logits[torch.arange(n, device="cuda"), target] += 15.0  # peaked, like a trained LM
-    loss_t, grad_t = _softmax_grad_torch(logits.clone(), target, 0.37, torch.bfloat16)
+    wy = w[target].float()
+    margin = torch.linspace(0, 25, n, device="cuda")
+    h = (2.5 * torch.randn(n, d, device="cuda", generator=g)
+         + (margin / (wy * wy).sum(1))[:, None] * wy).bfloat16()
+    b = torch.randn(v, device="cuda", generator=g).bfloat16() if bias else None
+    logits = h @ w.t()
+    if b is not None:
+        logits += b
+    return h, w, b, target, logits
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_exact_target_kernel_equals_torch_path(bias):
+    """The kernel recomputes each row's target logit in fp32 (h . W[y] + b[y]) and uses it in
+    the log-sum-exp, the loss and the gradient: equal to the torch path given the same exact
+    values, identical run to run, and different from using the stored bf16 target logit."""
+    from tune_recipes.modules import _triton_ce
+    from tune_recipes.modules.loss import _softmax_grad_torch, target_logits
+
+    n, v, d = 96, 128256, 1000  # d not a multiple of the kernel's block
+    h, w, b, target, logits = _bf16_chunk(n, v, d, seed=1, bias=bias)
+    exact = target_logits(h, w, target, b)
+    loss_t, grad_t = _softmax_grad_torch(logits.clone(), target, 0.37, target_logit=exact)
     grads = []
     for _ in range(3):
         buf = logits.clone()
         loss_k = torch.full((n,), float("nan"), device="cuda")
-        _, grad_k = _triton_ce.softmax_grad_inplace(buf, target, 0.37, loss_out=loss_k,
-                                                    grad_dtype=torch.bfloat16)
-        assert grad_k.dtype == torch.bfloat16 and grad_k.shape == (n, v)
-        assert grad_k.data_ptr() == buf.data_ptr() and grad_k.stride() == (2 * v, 1)
+        _, grad_k = _triton_ce.softmax_grad_inplace(buf, target, 0.37, loss_out=loss_k, weight=w,
+                                                    hidden=h, bias=b)
+        assert grad_k.data_ptr() == buf.data_ptr() and grad_k.dtype == torch.bfloat16
         grads.append(grad_k.clone())
         torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-5)
     for other in grads[1:]:
         assert torch.equal(other, grads[0])
     torch.testing.assert_close(grads[0].float(), grad_t.float(), rtol=2**-7, atol=1e-30)
+    stored_loss, _ = _triton_ce.softmax_grad_inplace(logits.clone(), target, 0.37)
+    assert (stored_loss - loss_k).abs().max() > 1e-3  # the bf16 target logit is ~1e-2 off
 
 
 def test_split_target_kernel_equals_torch_path():
     """The Triton kernel's split mode (0 at the target, (softmax[target] - 1) * scale apart, in
-    fp32) against the torch path's, on fp32 logits narrowed to bf16 in place."""
+    fp32, with the target's logit recomputed) against the torch path's, on bf16 logits."""
     from tune_recipes.modules import _triton_ce
-    from tune_recipes.modules.loss import _softmax_grad_torch
+    from tune_recipes.modules.loss import _softmax_grad_torch, target_logits
 
-    v, n = 128256, 64
-    g = torch.Generator(device="cuda").manual_seed(3)
-    logits = torch.randn(n, v, device="cuda", generator=g) * 2.5
-    target = torch.randint(0, v, (n,), device="cuda", generator=g)
-    logits[torch.arange(n, device="cuda"), target] += torch.linspace(0, 25, n, device="cuda")
+    n, v, d = 64, 128256, 1000
+    h, w, b, target, logits = _bf16_chunk(n, v, d, seed=3)
     coef_t = torch.empty(n, device="cuda")
-    loss_t, grad_t = _softmax_grad_torch(logits.clone(), target, 0.37, torch.bfloat16, coef_t)
+    loss_t, grad_t = _softmax_grad_torch(logits.clone(), target, 0.37, torch.bfloat16, coef_t,
+                                         target_logits(h, w, target, b))
     coef_k = torch.full((n,), float("nan"), device="cuda")
     loss_k = torch.empty(n, device="cuda")
-    weight = torch.randn(v, 1000, device="cuda", generator=g).bfloat16()
-    term_k = torch.full((n, 1000), float("nan"), device="cuda")
+    term_k = torch.full((n, d), float("nan"), device="cuda")
     _, grad_k = _triton_ce.softmax_grad_inplace(logits.clone(), target, 0.37, loss_out=loss_k,
-                                                grad_dtype=torch.bfloat16, target_coef_out=coef_k,
-                                                weight=weight, hidden_term_out=term_k)
-    torch.testing.assert_close(term_k, coef_k[:, None] * weight[target].float(), rtol=0, atol=0)
+                                                target_coef_out=coef_k, weight=w, hidden=h, bias=b,
+                                                hidden_term_out=term_k)
+    torch.testing.assert_close(term_k, coef_k[:, None] * w[target].float(), rtol=0, atol=0)
     assert torch.count_nonzero(grad_k[torch.arange(n, device="cuda"), target]) == 0
     # (p - 1) * 0.37 in fp32: p carries the fp32 rounding of a log-sum-exp up to ~35, a few
     # 2^-24 * 35 absolute, times 0.37.
@@ -123,10 +137,11 @@ def test_target_rows_kernel_sums_per_label_and_rounds_once(dtype):
 
 
 @pytest.mark.parametrize("labels", ["random", "repeated"])
-def test_cuda_peaked_logits_within_ten_percent_of_the_bf16_floor(labels):
-    """As test_fused_loss.py's peaked test, on the CUDA path (cuBLAS fp32-output products, the
-    Triton kernel, the target terms' sorted segment sums), default settings (6 chunks); two
-    runs must agree bit for bit (no atomics in the target terms)."""
+def test_cuda_peaked_logits_near_the_bf16_floor(labels):
+    """As test_fused_loss.py's small-vocabulary peaked test (bound 2x the bf16 floor), on the
+    CUDA path (cuBLAS products, the Triton kernel with the recomputed target logit, the target
+    terms' sorted segment sums), default settings (6 chunks); two runs must agree bit for bit
+    (no atomics in the target terms)."""
     h, w, y = _peaked_inputs(1024, 256, 8192, seed=2, n_labels=7 if labels == "repeated" else None)
     h, w = (t.detach().cuda().requires_grad_() for t in (h, w))
     grads = []
@@ -140,6 +155,25 @@ def test_cuda_peaked_logits_within_ten_percent_of_the_bf16_floor(labels):
     err_h, err_w = _rel_l2(h.grad.cpu(), ref_h), _rel_l2(w.grad.cpu(), ref_w)
     print(f"peaked {labels}: hidden {err_h:.3e} (floor {_bf16_floor(ref_h):.3e}), "
           f"weight {err_w:.3e} (floor {_bf16_floor(ref_w):.3e})")
-    assert err_h <= 1.1 * _bf16_floor(ref_h)
-    assert err_w <= 1.1 * _bf16_floor(ref_w)
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    assert err_h <= 2.0 * _bf16_floor(ref_h)
+    assert err_w <= 2.0 * _bf16_floor(ref_w)
+    assert abs(loss.item() - ref_loss.item()) <= 2e-4 * ref_loss.item()
+
+
+def test_cuda_peaked_logits_at_llama3_vocab_within_the_fp32_logits_bound():
+    """Issue 11's shape class on the CUDA path: 2048 x 4096 x 128256, default chunks, gradients
+    no worse than a plain fp32-logits loss's (test_fused_loss._fp32_logits_grads, computed here on
+    the same inputs) and within 2.5e-3; float64 reference on the GPU."""
+    from test_fused_loss import _fp32_logits_grads
+
+    h, w, y = _peaked_inputs(2048, 4096, 128256, seed=3)
+    h, w, y = h.detach().cuda().requires_grad_(), w.detach().cuda().requires_grad_(), y.cuda()
+    loss = fused_linear_cross_entropy(h, w, y)
+    loss.backward()
+    ref_loss, (ref_h, ref_w, _) = _reference(h, w, None, y, "mean")
+    fp32_h, fp32_w = _fp32_logits_grads(h, w, y)
+    err_h, err_w = _rel_l2(h.grad, ref_h), _rel_l2(w.grad, ref_w)
+    bound_h, bound_w = _rel_l2(fp32_h, ref_h), _rel_l2(fp32_w, ref_w)
+    print(f"llama3 vocab: hidden {err_h:.3e} (fp32 logits {bound_h:.3e}), weight {err_w:.3e} (fp32 logits {bound_w:.3e})")
+    assert err_h <= min(2.5e-3, bound_h) and err_w <= min(2.5e-3, bound_w)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-4 * ref_loss.item()

@@ -8,12 +8,12 @@ instead, with ``coef * W[target]`` written as the row's fp32 start of the hidden
 ``add_target_rows`` then adds ``coef * h`` to the weight gradient, summed per label in fp32
 (tune_recipes/modules/loss.py says why).
 
-The logits arrive in fp32 (the GEMM's fp32 output: rounding them to bf16 first doubled the
-gradient error on peaked, trained-LM-like logits) and the gradient leaves in the dtype the two
-gradient products want (bf16 for bf16 models). It is written into the first half of each fp32
-row's bytes, so the gradient is a [rows, V] view with a row stride of 2V elements: no second
-buffer. That is safe because a block's bf16 stores land on fp32 elements at half its column
-offset, which this program has already read (a barrier orders the block's own loads first).
+The logits arrive in the model's dtype (bf16: the GEMM's bf16 output), but the one logit that
+matters most is not taken from them: with ``hidden`` given, each program first recomputes its
+row's target logit as an fp32 dot product ``h . W[target]`` (+ bias) and uses that value in the
+log-sum-exp, the loss and the target coefficient. On a trained LM's peaked logits the target's
+rounding to bf16 was what doubled the gradient error; the other logits' roundings cost little
+(loss.py gives the numbers).
 
 The log-sum-exp keeps a running max and sum per lane and reduces across the block once per
 row, not once per block: at 128k columns that was about a quarter faster on the H200
@@ -56,14 +56,29 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def ce_grad(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, loss_ptr, coef_ptr,
-                w_ptr, w_stride, hid_ptr, hid_stride, dim, n_rows, n_cols, grad_scale,
-                BLOCK: tl.constexpr, NARROWING: tl.constexpr, SPLIT_TARGET: tl.constexpr,
-                HIDDEN_TERM: tl.constexpr):
+    def ce_grad(logits_ptr, stride_row, target_ptr, loss_ptr, coef_ptr, w_ptr, w_stride, h_ptr,
+                h_stride, bias_ptr, hid_ptr, hid_stride, dim, n_rows, n_cols, grad_scale,
+                BLOCK: tl.constexpr, SPLIT_TARGET: tl.constexpr, EXACT_TARGET: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HIDDEN_TERM: tl.constexpr):
         for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             base = logits_ptr + tl.cast(row, tl.int64) * stride_row
-            gbase = grad_ptr + tl.cast(row, tl.int64) * grad_stride_row
             target = tl.load(target_ptr + row)
+            in_range = (target >= 0) & (target < n_cols)
+            wbase = w_ptr + tl.cast(target, tl.int64) * w_stride
+            if EXACT_TARGET:
+                # The target's logit in fp32, h . W[target] (+ bias), not its stored rounding.
+                hbase = h_ptr + tl.cast(row, tl.int64) * h_stride
+                acc = tl.zeros([BLOCK], tl.float32)
+                for off in range(0, dim, BLOCK):
+                    dcols = off + tl.arange(0, BLOCK)
+                    dmask = (dcols < dim) & in_range
+                    acc += (tl.load(wbase + dcols, mask=dmask, other=0.0).to(tl.float32)
+                            * tl.load(hbase + dcols, mask=dmask, other=0.0).to(tl.float32))
+                x_target = tl.sum(acc, 0)
+                if HAS_BIAS:
+                    x_target += tl.load(bias_ptr + target, mask=in_range, other=0.0).to(tl.float32)
+            else:
+                x_target = tl.load(base + target, mask=in_range, other=0.0).to(tl.float32)
             # -1e30, not -inf: a lane that only ever sees masked (-inf) columns must not
             # compute exp(-inf - (-inf)) = NaN; its sum stays 0 and drops out below.
             lane_max = tl.full([BLOCK], -1e30, tl.float32)
@@ -71,6 +86,8 @@ def _kernel():
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 x = tl.load(base + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+                if EXACT_TARGET:
+                    x = tl.where(cols == target, x_target, x)
                 # One exponential per element: exp(-|x - max|) rescales whichever side is lower.
                 d = x - lane_max
                 e = tl.exp(-tl.abs(d))
@@ -78,8 +95,6 @@ def _kernel():
                 lane_max = tl.maximum(lane_max, x)
             row_max = tl.max(lane_max, 0)
             lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
-            in_range = (target >= 0) & (target < n_cols)
-            x_target = tl.load(base + target, mask=in_range, other=0.0).to(tl.float32)
             tl.store(loss_ptr + row, lse - x_target)
             if SPLIT_TARGET:
                 coef = (tl.exp(x_target - lse) - 1.0) * grad_scale
@@ -87,12 +102,11 @@ def _kernel():
                 if HIDDEN_TERM:
                     # The row's target term of the hidden gradient, coef * W[target], in fp32:
                     # the hidden-gradient product then adds the rest on top of it.
-                    wbase = w_ptr + tl.cast(target, tl.int64) * w_stride
-                    hbase = hid_ptr + tl.cast(row, tl.int64) * hid_stride
+                    obase = hid_ptr + tl.cast(row, tl.int64) * hid_stride
                     for off in range(0, dim, BLOCK):
                         dcols = off + tl.arange(0, BLOCK)
                         wv = tl.load(wbase + dcols, mask=(dcols < dim) & in_range, other=0.0).to(tl.float32)
-                        tl.store(hbase + dcols, coef * wv, mask=dcols < dim)
+                        tl.store(obase + dcols, coef * wv, mask=dcols < dim)
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < n_cols
@@ -101,41 +115,27 @@ def _kernel():
                 if SPLIT_TARGET:
                     g = tl.where(cols == target, 0.0, g)
                 else:
-                    g = tl.where(cols == target, g - grad_scale, g)
-                if NARROWING:
-                    # NOTE: this barrier is what makes writing narrower values over the row
-                    # safe: every thread has loaded this block before any thread overwrites
-                    # the front half of it. Earlier blocks were read in earlier iterations.
-                    tl.debug_barrier()
-                tl.store(gbase + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+                    g = tl.where(cols == target, tl.exp(x_target - lse) * grad_scale - grad_scale, g)
+                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
     return ce_grad
 
 
 def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
-                         loss_out=None, launch=None, grad_dtype=None, target_coef_out=None,
-                         weight=None, hidden_term_out=None):
+                         loss_out=None, launch=None, target_coef_out=None, weight=None,
+                         hidden=None, bias=None, hidden_term_out=None):
     """Returns (per-row loss in fp32, written to ``loss_out`` if given; the logits' scaled
-    gradient in ``grad_dtype``, default the logits' dtype).
+    gradient, written over ``logits`` in their dtype).
 
-    With ``target_coef_out`` (fp32, one per row) the target's entry is split off: the gradient
-    gets 0 there and ``target_coef_out`` gets ``(softmax[target] - 1) * grad_scale`` in fp32
-    (tune_recipes.modules.loss explains why). With ``weight`` [V, D] and ``hidden_term_out``
-    [rows, D] fp32 as well, row r of ``hidden_term_out`` gets ``coef[r] * weight[target[r]]``.
-
-    The gradient overwrites ``logits``: with the same dtype it is ``logits`` itself; with a
-    narrower one (fp32 logits, bf16 gradient) it is a [rows, V] view of the same memory whose
-    rows start where the logits' rows start (row stride in elements: 4/2 times the logits')."""
+    With ``weight`` [V, D] and ``hidden`` [rows, D] (the rows whose logits these are), the
+    target's logit is recomputed in fp32 as ``hidden[r] . weight[target[r]]`` (``+ bias[target[r]]``
+    with ``bias``) and used instead of its stored value. With ``target_coef_out`` (fp32, one per
+    row) the target's entry is split off: the gradient gets 0 there and ``target_coef_out`` gets
+    ``(softmax[target] - 1) * grad_scale`` in fp32 (tune_recipes.modules.loss explains why).
+    With ``weight`` and ``hidden_term_out`` [rows, D] fp32 as well, row r of ``hidden_term_out``
+    gets ``coef[r] * weight[target[r]]``."""
     assert _on_kernel_device(logits) and logits.dim() == 2 and logits.stride(1) == 1
     n_rows, n_cols = logits.shape
-    grad_dtype = grad_dtype or logits.dtype
-    if grad_dtype == logits.dtype:
-        grad = logits
-    else:
-        ratio = logits.element_size() // torch.empty((), dtype=grad_dtype).element_size()
-        assert ratio * torch.empty((), dtype=grad_dtype).element_size() == logits.element_size()
-        grad = logits.view(grad_dtype)[:, :n_cols]
-        assert grad.data_ptr() == logits.data_ptr() and grad.stride(0) == ratio * logits.stride(0)
     per_sm, block, warps = launch or LAUNCH
     if per_sm == 0:
         grid = n_rows
@@ -148,21 +148,33 @@ def softmax_grad_inplace(logits: torch.Tensor, target: torch.Tensor, grad_scale:
     if split:
         assert (target_coef_out.dtype == torch.float32 and target_coef_out.is_contiguous()
                 and target_coef_out.numel() == n_rows)
+    exact = hidden is not None
     hidden_term = hidden_term_out is not None
-    if hidden_term:
+    if exact or hidden_term:
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
+        assert weight.shape[0] == n_cols
+    if exact:
+        hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+        assert hidden.shape == (n_rows, weight.shape[1])
+        assert bias is None or (bias.is_contiguous() and bias.numel() == n_cols)
+    else:
+        assert bias is None
+    if hidden_term:
         assert split and hidden_term_out.stride(1) == 1
         assert hidden_term_out.dtype == torch.float32 and hidden_term_out.shape == (n_rows, weight.shape[1])
     if n_rows:
         _kernel()[(max(1, grid),)](
-            logits, logits.stride(0), grad, grad.stride(0), target.contiguous(), loss,
+            logits, logits.stride(0), target.contiguous(), loss,
             target_coef_out if split else loss,
-            weight if hidden_term else loss, weight.stride(0) if hidden_term else 0,
+            weight if weight is not None else loss, weight.stride(0) if weight is not None else 0,
+            hidden if exact else loss, hidden.stride(0) if exact else 0,
+            bias if bias is not None else loss,
             hidden_term_out if hidden_term else loss, hidden_term_out.stride(0) if hidden_term else 0,
-            weight.shape[1] if hidden_term else 0, n_rows, n_cols, float(grad_scale), BLOCK=block,
-            NARROWING=grad is not logits, SPLIT_TARGET=split, HIDDEN_TERM=hidden_term, num_warps=warps,
+            weight.shape[1] if weight is not None else 0, n_rows, n_cols, float(grad_scale), BLOCK=block,
+            SPLIT_TARGET=split, EXACT_TARGET=exact, HAS_BIAS=bias is not None, HIDDEN_TERM=hidden_term,
+            num_warps=warps,
         )
-    return loss, grad
+    return loss, logits
 
 
 # Sorted rows per piece in add_target_rows: a program sums at most this many rows of one label

@@ -2,21 +2,24 @@
 
 For hidden states H [N, D], the output weight W [V, D] (optional bias b [V]) and labels y [N],
 the loss is CE(H W^T + b, y) over the rows whose label is not ``ignore_index``. The rows are
-processed in chunks; each chunk computes its logits in fp32 (the bf16 GEMM's fp32 output: they
-are never rounded to bf16 before the softmax), the log-sum-exp, its loss and — in the same
-forward — its gradients w.r.t. H, W and b. Only the gradients survive the forward,
+processed in chunks; each chunk computes its logits (in the model's dtype), the log-sum-exp, its
+loss and — in the same forward — its gradients w.r.t. H, W and b. Only the gradients survive the forward,
 pre-multiplied by ``scaling`` (the factor the caller will multiply the loss by before
 backward). Backward then multiplies them by ``grad_output / scaling``, which is exactly 1.0 in
 the common case and then costs nothing.
 
 Accuracy: a row's logit gradient is ``softmax - onehot``, and on a trained LM's peaked logits its
-target entry, ``softmax[y] - 1``, dominates it. That entry is split off in fp32 (``coef``) and
-never rounded to bf16: the hidden gradient starts from ``coef * W[y]`` in fp32 and adds the rest's
-product before its one rounding; the weight gradient's chunk products accumulate only the rest,
-and ``coef * h`` is summed per label in fp32 and added once after the chunks. Both gradients then
-come within 3% of the bf16 rounding of exact gradients (1.66e-3 relative L2; on the H200 1.66e-3
-to 1.71e-3 at 9 to 36 chunks, docs/benchmarks.md); only the small rest still goes through one
-bf16 rounding per chunk.
+target entry, ``softmax[y] - 1``, dominates it. So the target is never taken from the rounded
+logits and its term never rounded to bf16:
+- the target's logit is recomputed in fp32 (``h . W[y]``, one dot product per row) and used in the
+  log-sum-exp, the loss and ``coef = softmax[y] - 1``; the other logits stay bf16 (rounding the
+  target's logit with them doubled the gradient error on peaked logits: 4.8e-3 vs 2.4e-3);
+- the hidden gradient starts from ``coef * W[y]`` in fp32 and adds the rest's product before its
+  one rounding; the weight gradient's chunk products accumulate only the rest, and ``coef * h``
+  is summed per label in fp32 and added once after the chunks.
+Both gradients then come within ~15% of the bf16 rounding of the exact gradients on peaked
+logits (float64 simulation at 128256 x 4096: 1.89e-3 / 1.63e-3 against 1.66e-3; fp32 logits would
+give 1.66e-3 at twice the logits' memory; docs/benchmarks.md has the GPU numbers).
 
 Backward rules (tests/unit/test_fused_loss.py covers each):
 - ``scaling == 0`` with a non-zero grad_output raises: the saved gradients were zeroed in
@@ -36,18 +39,16 @@ from torch import nn
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
-# Bytes of one chunk's fp32 logits: the loss's one large temporary (the chunk's bf16 gradient
-# is written over it). Each chunk also reads the whole [V, D] weight for two products and
-# re-reads and re-writes the whole weight gradient when W trains, so larger chunks are faster
-# and smaller ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 320 MiB is 654 rows
-# at V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks,
-# 2.4-4.6% slower than the bf16-logits loss before issue 11, at 1.337 GiB above its inputs, the
-# weight gradient included. Within 1.2 GiB (chunk_size: 359, 16 chunks) it ran 15-17% slower,
-# and block-shifted bf16 storage (2 bytes a logit, 9 chunks in 1.194 GiB) 15% slower: its
-# extra fp32 pass cost what the chunks saved (docs/benchmarks.md).
-# NOTE: do not go back to bf16 logits for the extra rows: rounding them doubled the gradient
-# error on peaked, trained-LM-like logits (4.8e-3 vs 2.4e-3).
-DEFAULT_CHUNK_BYTES = 320 * 1024**2
+# Bytes of one chunk's logits: the loss's one large temporary (the chunk's gradient is written
+# over it). Each chunk also reads the whole [V, D] weight for two products and re-reads and
+# re-writes the whole weight gradient when W trains, so larger chunks are faster and smaller
+# ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 160 MiB is 654 bf16 rows at
+# V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks within
+# 1.2 GiB above its inputs, the weight gradient included.
+# NOTE: the logits stay in the model's dtype on purpose. fp32 logits (issue 11's first fix)
+# needed 320 MiB for the same 9 chunks (1.337 GiB) and 2-4% more time; what they fixed, the
+# target's rounding, is fixed here by recomputing that one logit in fp32 (see above).
+DEFAULT_CHUNK_BYTES = 160 * 1024**2
 
 
 def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
@@ -59,24 +60,38 @@ def _as_float(scaling: Union[float, int, torch.Tensor]) -> float:
     return float(scaling)
 
 
-def logits_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    """The chunk's logits stay at least fp32 from the product to the softmax gradient."""
+def wide_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss's per-row sums and target terms: at least fp32."""
     return torch.promote_types(compute_dtype, torch.float32)
+
+
+def target_logits(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each row's target logit, ``hidden[r] . weight[target[r]] (+ bias[target[r]])``, summed in
+    at least fp32 and never rounded to the model's dtype (the torch path; the CUDA kernel
+    computes the same dot products itself)."""
+    wide = wide_dtype(hidden.dtype)
+    x = (hidden.to(wide) * weight.index_select(0, target).to(wide)).sum(1)
+    return x if bias is None else x + bias.index_select(0, target).to(wide)
 
 
 def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
                         grad_dtype: Optional[torch.dtype] = None,
-                        target_coef_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        target_coef_out: Optional[torch.Tensor] = None,
+                        target_logit: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference path (CPU, or CUDA without Triton): per-row loss, and the logits' gradient
     ``(softmax - onehot) * grad_scale`` in ``grad_dtype`` (default: the logits' dtype). With
+    ``target_logit`` (fp32 or wider) that value replaces each row's stored target logit. With
     ``target_coef_out`` the target's entry is split off as in the Triton kernel: 0 in the
     gradient, ``(softmax[target] - 1) * grad_scale`` in ``target_coef_out``."""
     # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    rows = torch.arange(target.numel(), device=target.device)
+    if target_logit is not None:
+        lf[rows, target] = target_logit.to(lf.dtype)
     lse = torch.logsumexp(lf, dim=-1)
     loss_rows = lse - lf.gather(1, target[:, None]).squeeze(1)
     probs = torch.exp(lf.sub_(lse[:, None]))
-    rows = torch.arange(target.numel(), device=target.device)
     if target_coef_out is None:
         probs[rows, target] -= 1.0
     else:
@@ -87,8 +102,8 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
 
 
 def _uses_kernels(t: torch.Tensor, target_coef: torch.Tensor) -> bool:
-    """Whether the chunk step and the target terms run as the Triton kernels: CUDA, fp32 logits
-    (bf16 or fp32 models) and Triton installed; otherwise the torch reference path."""
+    """Whether the chunk step and the target terms run as the Triton kernels: CUDA, fp32 target
+    terms (bf16, fp16 or fp32 models) and Triton installed; otherwise the torch reference path."""
     if not (t.is_cuda and target_coef.dtype == torch.float32):
         return False
     from tune_recipes.modules import _triton_ce
@@ -97,19 +112,21 @@ def _uses_kernels(t: torch.Tensor, target_coef: torch.Tensor) -> bool:
 
 
 def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float, loss_out: torch.Tensor,
-                  grad_dtype: torch.dtype, target_coef_out: torch.Tensor, weight: torch.Tensor,
-                  hidden_term_out: Optional[torch.Tensor]):
-    """Writes the per-row losses to ``loss_out`` (fp32), the split-off target terms to
-    ``target_coef_out`` and, if given, ``target_coef_out[r] * weight[target[r]]`` to
-    ``hidden_term_out`` (the hidden gradient's target terms, in the logits' dtype); returns the
-    rest of the logits' gradient in ``grad_dtype`` (on CUDA written over the logits' memory)."""
+                  target_coef_out: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor,
+                  bias: Optional[torch.Tensor], hidden_term_out: Optional[torch.Tensor]):
+    """With each row's target logit recomputed exactly from ``hidden`` and ``weight`` (+ ``bias``):
+    writes the per-row losses to ``loss_out``, the split-off target terms to ``target_coef_out``
+    and, if given, ``target_coef_out[r] * weight[target[r]]`` to ``hidden_term_out`` (the hidden
+    gradient's target terms, fp32 or wider); returns the rest of the logits' gradient in the
+    logits' dtype (on CUDA written over the logits)."""
     if _uses_kernels(logits, target_coef_out):
         from tune_recipes.modules import _triton_ce
 
         return _triton_ce.softmax_grad_inplace(logits, target, grad_scale, loss_out=loss_out,
-                                               grad_dtype=grad_dtype, target_coef_out=target_coef_out,
-                                               weight=weight, hidden_term_out=hidden_term_out)[1]
-    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, grad_dtype, target_coef_out)
+                                               target_coef_out=target_coef_out, weight=weight,
+                                               hidden=hidden, bias=bias, hidden_term_out=hidden_term_out)[1]
+    loss_rows, grad = _softmax_grad_torch(logits, target, grad_scale, logits.dtype, target_coef_out,
+                                          target_logits(hidden, weight, target, bias))
     loss_out.copy_(loss_rows)
     if hidden_term_out is not None:
         torch.mul(weight.index_select(0, target), target_coef_out[:, None], out=hidden_term_out)
@@ -117,12 +134,11 @@ def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
 
 
 class _LogitsProduct:
-    """``out = h @ weight.T`` with ``out`` in the logits' dtype (fp32 for bf16 models) and no
-    rounding on the way: on CUDA the bf16 GEMM writes its fp32 accumulator directly
-    (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.11); elsewhere (CPU has no such
-    kernel as of torch 2.13) the operands are upcast, which computes the same exact products.
-    ``hidden_grad`` is the other product with the weight, ``out += grad_logits @ weight``, the
-    same way (``out`` already holds the chunk's target terms)."""
+    """``out = h @ weight.T`` in the model's dtype, and ``hidden_grad``, the other product with
+    the weight, ``out += grad_logits @ weight`` with ``out`` fp32 (it already holds the chunk's
+    target terms, which must not be rounded): on CUDA the bf16 GEMM accumulates into it directly
+    (``torch.addmm(..., out_dtype=torch.float32)``, torch >= 2.11); elsewhere (CPU has no such
+    kernel as of torch 2.13) the operands are upcast, which computes the same exact products."""
 
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
         self.weight, self.out_dtype = weight, out_dtype
@@ -135,12 +151,7 @@ class _LogitsProduct:
         return self._upcast
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w.dtype == self.out_dtype:
-            return torch.mm(h, w.t(), out=out)
-        if self.direct:
-            return torch.mm(h, w.t(), out_dtype=self.out_dtype, out=out)
-        return torch.mm(h.to(self.out_dtype), self._wide_weight().t(), out=out)
+        return torch.mm(h, self.weight.t(), out=out)
 
     def hidden_grad(self, grad_logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -249,7 +260,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     compute_dtype = hidden.dtype
     if weight.dtype != compute_dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the output weight is {weight.dtype}")
-    lg_dtype = logits_dtype(compute_dtype)
+    lg_dtype = wide_dtype(compute_dtype)  # per-row sums and target terms
     grad_bias = torch.zeros(vocab, dtype=lg_dtype, device=weight.device) if need_bias else None
     # Rows with ignored labels cost nothing: only the valid ones are gathered, a chunk at a
     # time. Their count sizes the chunks: given by the caller (recipes count the labels on the
@@ -281,7 +292,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # Written (not accumulated) by the first chunk, so it needs no zero-fill.
     grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
-    rows = chunk_rows(n_valid, vocab, torch.empty((), dtype=lg_dtype).element_size(), chunk_size)
+    rows = chunk_rows(n_valid, vocab, hidden.element_size(), chunk_size)
     y_valid = labels if all_valid else labels.index_select(0, valid_idx)
     _check_label_range(y_valid, vocab, ignore_index)
     # Per-row losses (fp32, fp64 for fp64 inputs), summed once at the end: no per-chunk
@@ -293,7 +304,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # The chunk's hidden gradient before its one rounding (a [rows, D] fp32 scratch).
     hidden_grad_buf = torch.empty(min(rows, n_valid), dim, dtype=lg_dtype, device=hidden.device) if need_hidden else None
     # One logits buffer serves every chunk (the chunk's gradient is written over it on CUDA).
-    logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=lg_dtype, device=hidden.device)
+    logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=compute_dtype, device=hidden.device)
     logits_mm = _LogitsProduct(weight, lg_dtype)
     # Every row written: no zero-fill. With ignored rows, the valid rows are gathered, a chunk
     # at a time, into a compact [n_valid, D] buffer whose slot then takes the chunk's hidden
@@ -318,8 +329,8 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             logits += bias
         coef = target_coef[start:stop]
         hidden_acc = hidden_grad_buf[:stop - start] if need_hidden else None
-        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], compute_dtype, coef,
-                                    weight, hidden_acc)
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], coef, weight, h, bias,
+                                    hidden_acc)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
             grad_bias.index_put_((y,), coef.to(grad_bias.dtype), accumulate=True)
