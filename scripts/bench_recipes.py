@@ -212,7 +212,7 @@ CASES = {
                loss=_FUSED, compile=True, enable_fp8_training=True, ac_mode="selective", ac_option=10),
             # The frozen embedding table in pinned CPU memory (embedding_on_cpu): -0.98 GiB at 8B.
             _v("ours_fused_fp8_embcpu", "ours", "ours: FP8 base projections + embedding in CPU memory",
-               loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True),
+               head=True, loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True),
             _v("ours_fused_fp8_embcpu_sac16", "ours",
                "ours: FP8 base + embedding in CPU memory + checkpointing every 16th layer",
                loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
-# Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig
+# Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
 #    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large)
@@ -95,7 +95,9 @@ for step in "$@"; do
               --methods baseline,previous,ours,compiled,liger,cce --out "$OUT/fused_v6_8192.json" > /tmp/fused_v6_8192.log 2>&1
             grep -h "^|\|rror" /tmp/fused_v6_8192.log | cut -c1-200 ;;
     fusedv6large)
-            timeout 560 python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 \
+            python3 -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_fused_loss_gpu.py -k "exact_target or split_target" 2>&1 \
+              | grep "passed\|failed\|Mismatch\|Greatest\|Error" | tail -12 | tee "$OUT/fused_gpu_tests_exact.txt"
+            timeout 480 python3 scripts/bench_fused_ce.py --shapes 32768x4096,16384x2048 --iters 6 --warmup 2 \
               --baseline .whl/baseline_4f17736 --previous .whl/v4_4247504 \
               --previous-label "tune-recipes fused v4 (4247504): fp32 logits, target split" \
               --methods baseline,previous,ours,compiled,liger,cce --out "$OUT/fused_v6_large.json" > /tmp/fused_v6_large.log 2>&1

@@ -82,7 +82,12 @@ def test_exact_target_kernel_equals_torch_path(bias):
         torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-5)
     for other in grads[1:]:
         assert torch.equal(other, grads[0])
-    torch.testing.assert_close(grads[0].float(), grad_t.float(), rtol=2**-7, atol=1e-30)
+    # Off the target: within one bf16 step. At the target (this test's unsplit mode), p - 1 with
+    # p within 2^-24 of 1 on the most peaked rows: fp32 rounding of p, times 0.37.
+    at_target = torch.zeros(n, v, dtype=torch.bool, device="cuda")
+    at_target[torch.arange(n, device="cuda"), target] = True
+    torch.testing.assert_close(grads[0].float()[~at_target], grad_t.float()[~at_target], rtol=2**-7, atol=1e-30)
+    torch.testing.assert_close(grads[0].float()[at_target], grad_t.float()[at_target], rtol=2**-7, atol=1e-6)
     stored_loss, _ = _triton_ce.softmax_grad_inplace(logits.clone(), target, 0.37)
     assert (stored_loss - loss_k).abs().max() > 1e-3  # the bf16 target logit is ~1e-2 off
 
