@@ -226,6 +226,12 @@ CASES = {
                embedding_on_cpu=True),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
+            # Where the time goes at 8B: each side's best under torch.profiler (steps 7-9).
+            _v("stock_best_profiled", "stock", "stock: compile, profiled (not a speed row)", steps=10,
+               loss=_CHUNKED, compile=True, profiler=_profiler("stock_best_8b")),
+            _v("ours_fp8_embcpu_profiled", "ours", "ours: FP8 base + embedding in CPU memory, profiled (not a speed row)",
+               steps=10, loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True,
+               profiler=_profiler("ours_fp8_embcpu_8b")),
         ],
     ),
     # FP8 LoRA vs bf16 where the loss moves: lora_8b's 20 steps at lr 3e-4 barely do

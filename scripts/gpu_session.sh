@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -128,6 +128,16 @@ for step in "$@"; do
             python3 scripts/trace_summary.py /tmp/bw/prof_stock_best /tmp/bw/prof_ours_best > /tmp/where_traces.txt 2>&1
             tar czf "$OUT/where.tgz" /tmp/where*.log /tmp/where_traces.txt /tmp/bw/full_1b_curve*.log /tmp/bw/full_1b_*profiled*.log 2>/dev/null
             grep -h "^|\|^loss curve\|rror" /tmp/where_prof.log /tmp/where_curve.log | cut -c1-250; cut -c1-150 /tmp/where_traces.txt ;;
+    where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
+            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
+              --only stock_best_profiled,ours_fp8_embcpu_profiled --run-timeout 200 \
+              --out "$OUT/profiled_lora_8b.json" > /tmp/where8b_prof.log 2>&1
+            python3 scripts/trace_summary.py /tmp/bw/prof_stock_best_8b /tmp/bw/prof_ours_fp8_embcpu_8b > /tmp/where8b_traces.txt 2>&1
+            tar czf "$OUT/where8b.tgz" /tmp/where8b*.log /tmp/where8b_traces.txt /tmp/bw/lora_8b_*profiled*.log 2>/dev/null
+            grep -h "rror" /tmp/where8b_prof.log | cut -c1-250; cut -c1-150 /tmp/where8b_traces.txt ;;
     offload) timeout 120 python3 -m tune_recipes run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed \
               device=cuda dtype=bf16 max_steps_per_epoch=3 output_dir=/tmp/fs_offload log_peak_memory_stats=True \
               fsdp_cpu_offload=True > /tmp/offload.log 2>&1; echo "fsdp_cpu_offload rc=$? $(tail -1 /tmp/fs_offload/metrics.jsonl | cut -c1-200)"; grep -m5 "rror" /tmp/offload.log ;;
