@@ -17,9 +17,11 @@ logits and its term never rounded to bf16:
 - the hidden gradient starts from ``coef * W[y]`` in fp32 and adds the rest's product before its
   one rounding; the weight gradient's chunk products accumulate only the rest, and ``coef * h``
   is summed per label in fp32 and added once after the chunks.
-Both gradients then come within ~15% of the bf16 rounding of the exact gradients on peaked
-logits (float64 simulation at 128256 x 4096: 1.89e-3 / 1.63e-3 against 1.66e-3; fp32 logits would
-give 1.66e-3 at twice the logits' memory; docs/benchmarks.md has the GPU numbers).
+On the H200 at 8192 x 4096 x 128256 (docs/benchmarks.md, v6) both gradients come within ~15% of
+the bf16 rounding of the exact gradients on peaked logits: 1.89e-3 / 1.90e-3 against 1.66e-3
+(1.66e-3 on near-uniform logits). Keeping all logits in fp32 as well (v4) gave 1.66e-3 at twice
+the logits' memory and 3-4% more time; a plain fp32-logits loss without the target split gives
+~2.3e-3 (tests/unit/test_fused_loss.py).
 
 Backward rules (tests/unit/test_fused_loss.py covers each):
 - ``scaling == 0`` with a non-zero grad_output raises: the saved gradients were zeroed in
@@ -44,7 +46,7 @@ from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 # re-writes the whole weight gradient when W trains, so larger chunks are faster and smaller
 # ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 160 MiB is 654 bf16 rows at
 # V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks within
-# 1.2 GiB above its inputs, the weight gradient included.
+# 1.2 GiB above its inputs, the weight gradient included (fp32 models: 327 rows a chunk).
 # NOTE: the logits stay in the model's dtype on purpose. fp32 logits (issue 11's first fix)
 # needed 320 MiB for the same 9 chunks (1.337 GiB) and 2-4% more time; what they fixed, the
 # target's rounding, is fixed here by recomputing that one logit in fp32 (see above).
@@ -83,7 +85,9 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
     ``(softmax - onehot) * grad_scale`` in ``grad_dtype`` (default: the logits' dtype). With
     ``target_logit`` (fp32 or wider) that value replaces each row's stored target logit. With
     ``target_coef_out`` the target's entry is split off as in the Triton kernel: 0 in the
-    gradient, ``(softmax[target] - 1) * grad_scale`` in ``target_coef_out``."""
+    gradient, ``(softmax[target] - 1) * grad_scale`` in ``target_coef_out``. Like the kernel it
+    uses ``logits`` as scratch: fp32 and wider logits are overwritten (bf16/fp16 ones are upcast
+    into a new buffer); callers that need them afterwards pass a copy."""
     # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     rows = torch.arange(target.numel(), device=target.device)
@@ -134,11 +138,12 @@ def _softmax_grad(logits: torch.Tensor, target: torch.Tensor, grad_scale: float,
 
 
 class _LogitsProduct:
-    """``out = h @ weight.T`` in the model's dtype, and ``hidden_grad``, the other product with
-    the weight, ``out += grad_logits @ weight`` with ``out`` fp32 (it already holds the chunk's
-    target terms, which must not be rounded): on CUDA the bf16 GEMM accumulates into it directly
-    (``torch.addmm(..., out_dtype=torch.float32)``, torch >= 2.11); elsewhere (CPU has no such
-    kernel as of torch 2.13) the operands are upcast, which computes the same exact products."""
+    """``out = h @ weight.T (+ bias)`` in the model's dtype, rounded once, and ``hidden_grad``,
+    the other product with the weight, ``out += grad_logits @ weight`` with ``out`` fp32 (it
+    already holds the chunk's target terms, which must not be rounded): on CUDA the bf16 GEMMs
+    do it directly (``torch.addmm(..., out_dtype=torch.float32)``, torch >= 2.11); on the CPU
+    (no such kernel as of torch 2.13, and slow bf16 GEMMs) both products run on fp32 copies of
+    the operands, which computes the same exact products."""
 
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype):
         self.weight, self.out_dtype = weight, out_dtype
@@ -150,8 +155,16 @@ class _LogitsProduct:
             self._upcast = self.weight.to(self.out_dtype)
         return self._upcast
 
-    def __call__(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.mm(h, self.weight.t(), out=out)
+    def __call__(self, h: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.direct:
+            # CPU, bf16/fp16: the same products in fp32, rounded once (CPU bf16 GEMMs without
+            # native support ran ~5-10x slower than fp32 ones on the CI machine).
+            wide = h.to(self.out_dtype) @ self._wide_weight().t()
+            return out.copy_(wide if bias is None else wide.add_(bias))
+        if bias is None:
+            return torch.mm(h, self.weight.t(), out=out)
+        # The bias inside the product: one rounding to the logits' dtype, not two.
+        return torch.addmm(bias, h, self.weight.t(), out=out)
 
     def hidden_grad(self, grad_logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -167,22 +180,23 @@ def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tenso
     read of it), acc += grad_logits^T @ h after. Accumulates in acc's dtype without a [V, D]
     temporary where the backend can (cuBLAS: bf16 inputs, fp32 output)."""
     a = grad_logits.t()
-    if acc.dtype == grad_logits.dtype:
+    narrow = (torch.bfloat16, torch.float16)
+    if not acc.is_cuda and (acc.dtype in narrow or grad_logits.dtype in narrow):
+        # CPU: in at least fp32 and rounded once into acc, as cuBLAS does (and 5-10x faster than
+        # a CPU bf16 GEMM without native support, measured on the CI machine).
+        wide = torch.promote_types(acc.dtype, torch.float32)
+        part = a.to(wide) @ h.to(wide)
+        acc.copy_(part if first else part.add_(acc))
+    elif acc.dtype == grad_logits.dtype:
         if first:
             torch.mm(a, h, out=acc)
         else:
             acc.addmm_(a, h)
-    elif acc.is_cuda:
+    else:  # CUDA: bf16 inputs, fp32 accumulator
         if first:
             torch.mm(a, h, out_dtype=acc.dtype, out=acc)
         else:
             torch.addmm(acc, a, h, out_dtype=acc.dtype, out=acc)
-    else:
-        part = a.to(acc.dtype) @ h.to(acc.dtype)
-        if first:
-            acc.copy_(part)
-        else:
-            acc += part
 
 
 def _add_target_terms(grad_weight: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,
@@ -306,6 +320,9 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
     # One logits buffer serves every chunk (the chunk's gradient is written over it on CUDA).
     logits_buf = torch.empty(min(rows, n_valid), vocab, dtype=compute_dtype, device=hidden.device)
     logits_mm = _LogitsProduct(weight, lg_dtype)
+    # The weight as the kernel reads its rows (W[y] for the target logits and terms): made
+    # row-contiguous once per call, not once per chunk (a [V, D] copy each time otherwise).
+    weight_rows = weight if weight.stride(1) == 1 else weight.contiguous()
     # Every row written: no zero-fill. With ignored rows, the valid rows are gathered, a chunk
     # at a time, into a compact [n_valid, D] buffer whose slot then takes the chunk's hidden
     # gradient; the zero-filled [N, D] gradient is made after the loop, once the logits buffer
@@ -324,12 +341,10 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             slot = compact[start:stop] if need_hidden else compact[:stop - start]
             h = torch.index_select(hidden, 0, idx, out=slot)
         y = y_valid[start:stop]
-        logits = logits_mm(h, out=logits_buf[:stop - start])
-        if bias is not None:
-            logits += bias
+        logits = logits_mm(h, out=logits_buf[:stop - start], bias=bias)
         coef = target_coef[start:stop]
         hidden_acc = hidden_grad_buf[:stop - start] if need_hidden else None
-        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], coef, weight, h, bias,
+        grad_logits = _softmax_grad(logits, y, grad_scale, loss_rows[start:stop], coef, weight_rows, h, bias,
                                     hidden_acc)
         if need_bias:
             grad_bias += grad_logits.float().sum(0)
@@ -344,7 +359,7 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reductio
             logits_mm.hidden_grad(grad_logits, out=hidden_acc)
             (grad_hidden[start:stop] if all_valid else h).copy_(hidden_acc)
     # NOTE: the views too (h, slot, hidden_acc), or their buffers stay alive.
-    del logits_buf, logits, grad_logits, h, logits_mm, hidden_grad_buf, hidden_acc, coef
+    del logits_buf, logits, grad_logits, h, logits_mm, hidden_grad_buf, hidden_acc, coef, weight_rows
     slot = None
     if need_weight:
         rows_of_valid = torch.arange(n_rows, device=hidden.device) if all_valid else valid_idx
