@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -135,6 +135,10 @@ for step in "$@"; do
                 --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
             bench_on 0 qlora_8b stock_best,ours_best,ours_fused_embcpu 2 qlora8b_qlora_8b
             wait; finish_bench qlora8b ;;
+    data1b) # Issue #15's data path (never measured): 1B full FT on spread-length sequences, packed vs
+            # padded, stock vs ours, one rep each (~6 min with the checkpoint build).
+            bench_on 0 data_1b stock_best,ours_best,stock_padded,ours_padded 1 data1b_data_1b
+            wait; finish_bench data1b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
               python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \

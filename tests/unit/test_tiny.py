@@ -41,3 +41,43 @@ def test_synthetic_repeat_tiles_one_block_per_sequence():
         t = ds[i]["tokens"]
         assert len(t) == 10 and t[4:8] == t[:4] and t[8:] == t[:2] and t == ds[i]["labels"]
     assert ds[0]["tokens"][:4] != ds[1]["tokens"][:4]
+
+
+def test_synthetic_spread_lengths_follow_the_log_normal_and_pack():
+    """median_len spreads the lengths log-normally (median near median_len, clipped to
+    [min_len, seq_len], a fifth under half the median at len_sigma 0.9); packed=True packs the
+    same sequences into seq_len-token packs (torchtune's PackedDataset) without losing or
+    splitting any."""
+    import statistics
+
+    from torchtune.datasets import PackedDataset
+
+    ds = synthetic_dataset(num_samples=2000, seq_len=512, vocab_size=97, median_len=100, min_len=8)
+    lengths = [len(ds[i]["tokens"]) for i in range(len(ds))]
+    assert 90 <= statistics.median(lengths) <= 110
+    assert min(lengths) >= 8 and max(lengths) == 512  # the tail reaches the clip
+    assert 0.17 <= sum(n < 50 for n in lengths) / len(lengths) <= 0.27
+    assert all(ds[i]["tokens"] == ds[i]["labels"] for i in range(5))
+    packed = synthetic_dataset(num_samples=2000, seq_len=512, vocab_size=97, median_len=100,
+                               min_len=8, packed=True)
+    assert isinstance(packed, PackedDataset)
+    # In order, every sequence lands whole in a pack; a pack's padding, if any, is its last entry.
+    j = 0
+    for i in range(len(packed)):
+        assert len(packed[i]["tokens"]) == 512
+        entries = packed[i]["seq_lens"].tolist()
+        assert sum(entries) == 512
+        for k, n in enumerate(entries):
+            if j < len(lengths) and n == lengths[j]:
+                j += 1
+            else:
+                assert k == len(entries) - 1, (i, entries)  # the padding
+    assert j == len(lengths)
+    assert len(packed) < len(ds) / 2
+
+
+def test_synthetic_spread_lengths_reject_inconsistent_bounds():
+    import pytest
+
+    with pytest.raises(ValueError, match="min_len=300, median_len=100"):
+        synthetic_dataset(num_samples=4, seq_len=512, vocab_size=97, median_len=100, min_len=300)
