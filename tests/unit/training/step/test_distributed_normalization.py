@@ -44,9 +44,14 @@ def _flat_grad(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def _worker(rank, world, port, counts, mode, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+# Every (mode, counts) case the tests below check, all computed by one pair of gloo processes
+# (spawning a pair costs ~20 s of imports on the CI machine; one pair per case cost ~3 min).
+CASES = ([("in_bwd", c) for c in ([5, 3], [1, 64], [0, 7])]
+         + [("library", c) for c in ([5, 3], [1, 64], [4, 4])]
+         + [("shortcut", c) for c in ([5, 3], [1, 64], [4, 4])])
+
+
+def _one_case(rank, world, case_id, counts, mode, q):
     x, y = _data(counts)[rank]
     model = _model()
     n = int((y != IGNORE).sum())
@@ -66,14 +71,20 @@ def _worker(rank, world, port, counts, mode, q):
     if mode == "in_bwd":
         # before finish_step: what a hook sees (a list: a shared-memory tensor would vanish
         # with this process if it exits before the parent reads it)
-        q.put(("seen", rank, _flat_grad(model).tolist()))
+        q.put((case_id, "seen", rank, _flat_grad(model).tolist()))
     logged = norm.finish_step(model.parameters()).item() if mode != "shortcut" else None
     if rank == 0:
         # Plain lists, not tensors: a tensor crosses the queue as a shared-memory handle that
         # dies with this process, and the parent read it after exit at random
         # (ConnectionResetError under load).
-        grad = _flat_grad(model).tolist()
-        q.put((grad, logged) if mode != "in_bwd" else ("final", grad, logged))
+        q.put((case_id, "final", _flat_grad(model).tolist(), logged))
+
+
+def _worker(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for case_id, (mode, counts) in enumerate(CASES):
+        _one_case(rank, world, case_id, counts, mode, q)
     dist.destroy_process_group()
 
 
@@ -83,25 +94,32 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _two_ranks(counts, mode):
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """{(mode, counts): (grad, logged)} and, for in_bwd, the gradient each rank's hook saw."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, counts, mode, q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    result = q.get(timeout=120)
-    seen = None
-    if mode == "in_bwd":  # the gradient each rank's hook saw, and the final one, in any order
-        messages = [result, q.get(timeout=120), q.get(timeout=120)]
-        seen = {m[1]: torch.tensor(m[2]) for m in messages if m[0] == "seen"}
-        result = next(m[1:] for m in messages if m[0] == "final")
+    expected = sum(3 if mode == "in_bwd" else 1 for mode, _ in CASES)
+    final, seen = {}, {}
+    for _ in range(expected):
+        msg = q.get(timeout=300)
+        if msg[1] == "seen":
+            seen.setdefault(msg[0], {})[msg[2]] = torch.tensor(msg[3])
+        else:
+            final[msg[0]] = (torch.tensor(msg[2], dtype=torch.float32), msg[3])
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    grad, logged = result
-    out = torch.tensor(grad, dtype=torch.float32), logged
-    return out if seen is None else (out, seen)
+    return {(mode, tuple(counts)): (final[i], seen.get(i)) for i, (mode, counts) in enumerate(CASES)}
+
+
+def _two_ranks(results, counts, mode):
+    out, seen = results[(mode, tuple(counts))]
+    return out if mode != "in_bwd" else (out, seen)
 
 
 def _reference(counts):
@@ -118,8 +136,8 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("counts", [[5, 3], [1, 64], [0, 7]])
-def test_in_backward_global_gradient_is_exact_inside_backward(counts):
-    (grad, logged), seen = _two_ranks(counts, "in_bwd")
+def test_in_backward_global_gradient_is_exact_inside_backward(counts, two_rank_results):
+    (grad, logged), seen = _two_ranks(two_rank_results, counts, "in_bwd")
     ref_grad, ref_loss = _reference(counts)
     for rank in (0, 1):
         assert _rel(seen[rank], ref_grad) < 1e-6
@@ -128,17 +146,17 @@ def test_in_backward_global_gradient_is_exact_inside_backward(counts):
 
 
 @pytest.mark.parametrize("counts", [[5, 3], [1, 64], [4, 4]])
-def test_library_matches_global_token_mean(counts):
-    grad, logged = _two_ranks(counts, "library")
+def test_library_matches_global_token_mean(counts, two_rank_results):
+    grad, logged = _two_ranks(two_rank_results, counts, "library")
     ref_grad, ref_loss = _reference(counts)
     assert _rel(grad, ref_grad) < 1e-6
     assert logged == pytest.approx(ref_loss, rel=1e-6)
 
 
-def test_per_rank_shortcut_is_wrong_on_ragged_batches():
+def test_per_rank_shortcut_is_wrong_on_ragged_batches(two_rank_results):
     errors = {}
     for counts in ([5, 3], [1, 64], [4, 4]):
-        grad, _ = _two_ranks(counts, "shortcut")
+        grad, _ = _two_ranks(two_rank_results, counts, "shortcut")
         ref_grad, _ = _reference(counts)
         errors[tuple(counts)] = _rel(grad, ref_grad)
     print("per-rank shortcut relative gradient error:", errors)
