@@ -21,6 +21,12 @@ bench_on() {
   CUDA_VISIBLE_DEVICES=$1 timeout 550 python3 scripts/bench_recipes.py --cases "$2" --only "$3" --reps "$4" \
     --work /tmp/bw --run-timeout 300 --out "$OUT/$5.json" > "/tmp/speed_$5.log" 2>&1 &
 }
+# ensure_ckpt8b: the random-init Llama-3.1-8B checkpoint the 8B cases share, built once per machine.
+ensure_ckpt8b() {
+  test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
+    python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
+      --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+}
 # finish_bench PREFIX: the runs' logs and configs into $OUT, the tables and any error lines printed.
 finish_bench() {
   tar czf "$OUT/$1_logs.tgz" /tmp/speed_"$1"*.log /tmp/bw/*.log /tmp/bw/*.yaml 2>/dev/null
@@ -130,9 +136,7 @@ for step in "$@"; do
             grep -h "^|\|^loss curve\|rror" /tmp/where_prof.log /tmp/where_curve.log | cut -c1-250; cut -c1-150 /tmp/where_traces.txt ;;
     qlora8b) # Issue #15's QLoRA half (never measured): 8B QLoRA stock / ours fused CE / + embedding in
             # CPU memory, 2 alternating reps (~7 min with the checkpoint build).
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 qlora_8b stock_best,ours_best,ours_fused_embcpu 2 qlora8b_qlora_8b
             wait; finish_bench qlora8b ;;
     data1b) # Issue #15's data path (never measured): 1B full FT on spread-length sequences, packed vs
@@ -140,9 +144,7 @@ for step in "$@"; do
             bench_on 0 data_1b stock_best,ours_best,stock_padded,ours_padded 1 data1b_data_1b
             wait; finish_bench data1b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
               --only stock_best_profiled,ours_fp8_embcpu_profiled --run-timeout 200 \
               --out "$OUT/profiled_lora_8b.json" > /tmp/where8b_prof.log 2>&1
@@ -198,9 +200,7 @@ for step in "$@"; do
             # (tune_recipes/modules/fp8_lora.py). The 8B checkpoint builds in the background while
             # the module's GPU tests run (untimed); then 8B LoRA bf16 (ours_best) vs FP8, 20 steps
             # each, and the 120-step FP8 vs bf16 loss curve (lora_8b_curve), one after another.
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & }
+            ensure_ckpt8b &  # in the background
             timeout 240 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_fp8_lora.py \
               tests/recipes/test_fp8_lora_recipe.py 2>&1 | grep -v "Warning\|warn" | tail -15 | tee "$OUT/fp8lora_tests.txt"
             wait  # the checkpoint
@@ -208,9 +208,7 @@ for step in "$@"; do
             wait; finish_bench fp8lora ;;
     fp8lora8b) # fp8lora in two calls of < 10 min on one GPU. This one: the 8B checkpoint (background)
             # beside the FP8 LoRA GPU tests, then 8B LoRA stock / ours bf16 / ours FP8, one run each.
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1 & }
+            ensure_ckpt8b &  # in the background
             timeout 200 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_fp8_lora.py \
               tests/recipes/test_fp8_lora_recipe.py 2>&1 | grep -v "Warning\|warn" | tail -15 | tee "$OUT/fp8lora_tests.txt"
             wait
@@ -233,25 +231,19 @@ for step in "$@"; do
             # checkpointing every 10th layer (3 of 32), one run each, after the reporter's GPU test.
             timeout 120 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/training/reporting/test_progress.py \
               2>&1 | grep "passed\|failed\|Error\|assert" | tail -6 | tee "$OUT/lag_tests.txt"
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_sac 1 sac8b_lora_8b
             wait; finish_bench sac8b ;;
     embcpu8b) # Issue #15, next: 8B LoRA memory levers beside stock and FP8 alone, one run each
             # (~5 min with the checkpoint build): embedding in CPU memory, + 2 checkpointed layers.
             timeout 150 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_host_embedding.py \
               2>&1 | grep "passed\|failed\|Error\|assert" | tail -6 | tee "$OUT/embcpu_tests.txt"
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_embcpu,ours_fused_fp8_embcpu_sac16 1 embcpu8b_lora_8b
             wait; finish_bench embcpu8b ;;
     fp8mlp8b) # Issue #15, next: 8B LoRA FP8 with the MLP activations in FP8 (speed, memory under
             # compile), beside stock and FP8 alone; then its 120-step curve needs lora_8b_curve.
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_mlp8 1 fp8mlp8b_lora_8b
             wait; finish_bench fp8mlp8b ;;
     mem8b)  # Issue #15 (session 8): the two untried 8B LoRA memory levers on the GPU. Their GPU tests,
@@ -259,21 +251,15 @@ for step in "$@"; do
             # one run each (~6 min with the checkpoint build). curve8b reuses the checkpoint.
             timeout 150 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_host_embedding.py \
               tests/unit/modules/test_fp8_mlp.py 2>&1 | grep "passed\|failed\|Error\|assert" | tail -8 | tee "$OUT/mem8b_tests.txt"
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 lora_8b stock_best,ours_fused_fp8,ours_fused_fp8_mlp8,ours_fused_fp8_embcpu,ours_fused_fp8_mlp8_embcpu 1 mem8b_lora_8b
             wait; finish_bench mem8b ;;
     curve8b) # The 220-step 8B LoRA curves at lr 1e-3: bf16 / FP8 base / FP8 base + MLP activations in FP8.
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 lora_8b_curve ours_fused,ours_fused_fp8,ours_fused_fp8_mlp8 1 curve8b_lora_8b
             wait; finish_bench curve8b ;;
     fp8loramodel) # 8B LoRA FP8 with the whole model compiled (one run; the others: fp8lora8b).
-            test -f /tmp/bw/ckpt_lora_8b/model.safetensors || { mkdir -p /tmp/bw
-              python3 scripts/make_random_checkpoint.py --builder torchtune.models.llama3_1.llama3_1_8b \
-                --out /tmp/bw/ckpt_lora_8b > /tmp/ckpt8b.log 2>&1; }
+            ensure_ckpt8b
             bench_on 0 lora_8b ours_fused_fp8_model 1 fp8loramodel_8b
             wait; finish_bench fp8loramodel ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --order "${RECIPES_ORDER:-stock-first}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;

@@ -89,7 +89,7 @@ def _softmax_grad_torch(logits: torch.Tensor, target: torch.Tensor, grad_scale: 
     uses ``logits`` as scratch: fp32 and wider logits are overwritten (bf16/fp16 ones are upcast
     into a new buffer); callers that need them afterwards pass a copy."""
     # fp32 at least (bf16 logits are upcast; fp64 stays fp64 for reference checks).
-    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lf = logits.to(wide_dtype(logits.dtype))
     rows = torch.arange(target.numel(), device=target.device)
     if target_logit is not None:
         lf[rows, target] = target_logit.to(lf.dtype)
@@ -184,7 +184,7 @@ def _weight_grad_mm(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tenso
     if not acc.is_cuda and (acc.dtype in narrow or grad_logits.dtype in narrow):
         # CPU: in at least fp32 and rounded once into acc, as cuBLAS does (and 5-10x faster than
         # a CPU bf16 GEMM without native support, measured on the CI machine).
-        wide = torch.promote_types(acc.dtype, torch.float32)
+        wide = wide_dtype(acc.dtype)
         part = a.to(wide) @ h.to(wide)
         acc.copy_(part if first else part.add_(acc))
     elif acc.dtype == grad_logits.dtype:
