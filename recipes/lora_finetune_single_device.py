@@ -63,7 +63,7 @@ CONFIG_KEYS = {
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
     "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",
-    "embedding_on_cpu", "fp8_mlp_activations",
+    "embedding_on_cpu", "fp8_mlp_activations", "fp8_adapter_inputs",
 }
 
 
@@ -93,6 +93,7 @@ class LoRAFinetuneRecipeSingleDevice:
             ac_interval=ac_interval(cfg),
             fp8=self._fp8, embedding_on_cpu=self._embedding_on_cpu,
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
+            fp8_adapter_inputs=cfg.get("fp8_adapter_inputs", False),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -241,6 +241,11 @@ CASES = {
                "ours: FP8 base + MLP activations in FP8 + embedding in CPU memory",
                loss=_FUSED, compile=True, enable_fp8_training=True, fp8_mlp_activations=True,
                embedding_on_cpu=True),
+            # The adapters' weight gradients from the FP8 base product's e4m3 input
+            # (fp8_adapter_inputs): backward keeps 1 byte of each adapter input instead of 2.
+            _v("ours_fp8_ain_embcpu", "ours",
+               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", loss=_FUSED,
+               compile=True, enable_fp8_training=True, fp8_adapter_inputs=True, embedding_on_cpu=True),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
             # Where the time goes at 8B: each side's best under torch.profiler (steps 7-9).
@@ -264,6 +269,14 @@ CASES = {
             _v("ours_best", "ours", "ours: compile + fused CE", head=True, loss=_FUSED, compile=True),
             _v("ours_fused_embcpu", "ours", "ours: compile + fused CE + embedding in CPU memory",
                head=True, loss=_FUSED, compile=True, embedding_on_cpu=True),
+            # What QLoRA is for (an 8B fine-tune in less memory), ours' way: the bf16-base LoRA
+            # builder with the frozen base in FP8 (e4m3, one scale per tensor: finer than NF4's
+            # 4 bits), FP8 adapter inputs and the embedding in CPU memory. Not NF4: a different
+            # quantization of the same frozen base, compared at stock QLoRA's tokens and steps.
+            _v("ours_fp8_instead", "ours",
+               "ours: FP8 base instead of NF4 + FP8 adapter inputs + embedding in CPU memory",
+               loss=_FUSED, compile=True, model=_LORA_8B["model"], enable_fp8_training=True,
+               fp8_adapter_inputs=True, embedding_on_cpu=True),
         ],
     ),
     # Issue #15's data-path lever: Llama-3.2-1B full fine-tune on sequences of realistic spread
@@ -307,6 +320,8 @@ CASES = {
             _v("ours_fused_fp8_mlp8", "ours",
                "ours: FP8 base + MLP activations in FP8, lr 1e-3", loss=_FUSED, compile=True,
                enable_fp8_training=True, fp8_mlp_activations=True),
+            _v("ours_fp8_ain", "ours", "ours: FP8 base + FP8 adapter inputs, lr 1e-3",
+               loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True),
         ],
     ),
 }

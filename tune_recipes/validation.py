@@ -231,6 +231,7 @@ SCHEMA: List[Rule] = [
     Rule("compile_scope", optional(one_of("layers", "model"))),
     Rule("embedding_on_cpu", boolean),
     Rule("fp8_mlp_activations", boolean),
+    Rule("fp8_adapter_inputs", boolean),
     Rule("custom_sharded_layers", optional(list_of(text))),
     Rule("collate_fn", text),
     Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),
@@ -346,6 +347,10 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     ``tune validate`` (CROSS_KEY) and the recipe's start (training/setup/fp8.fp8_lora_wanted)
     make; the conversion itself refuses the same layers by type, for builders this cannot
     read."""
+    if cfg.get("fp8_adapter_inputs", False) is True and cfg.get("enable_fp8_training", False) is not True:
+        return ("fp8_adapter_inputs=True needs enable_fp8_training=True: the adapters' inputs are "
+                "taken from the FP8 base product's e4m3 copy; set enable_fp8_training=True or "
+                "fp8_adapter_inputs=False")
     if cfg.get("enable_fp8_training", False) is not True or not _is_lora_model(cfg):
         return None
     if _model_builder(cfg).startswith("qlora_"):

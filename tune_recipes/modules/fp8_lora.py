@@ -63,6 +63,9 @@ E5M2_MAX = torch.finfo(E5M2).max  # 57344
 AMAX_EPS = 1e-12
 # Modules never converted, by the last part of their name (the LM head; see the docstring).
 SKIPPED_NAMES = ("output",)
+# The config key that makes the adapters' weight gradients read the e4m3 input (see
+# _FrozenFP8LoRAMatmul): opt-in, a precision trade of its own.
+ADAPTER_INPUTS_KEY = "fp8_adapter_inputs"
 
 
 def to_float8(t: torch.Tensor, dtype: torch.dtype, per_row: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +130,55 @@ def frozen_fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scal
     return _FrozenFP8Matmul.apply(x, weight_fp8, weight_inv_scale, emulate)
 
 
+def low_rank_product(a: torch.Tensor, b_weight: torch.Tensor) -> torch.Tensor:
+    """a [tokens, rank] @ b_weight [out, rank]^T: an adapter's second product."""
+    return a @ b_weight.t()
+
+
+class _FrozenFP8LoRAMatmul(torch.autograd.Function):
+    """x @ W^T + scale * (x @ A^T) @ B^T: the frozen FP8 base product and a LoRA adapter (A
+    [rank, in], B [out, rank]) in one function, so that backward can take the adapter's input
+    from the e4m3 copy of x the base product made anyway (``fp8_adapter_inputs``).
+
+    Forward is exactly ``FP8LoRALinear``'s (the adapter computes from x in the training dtype).
+    Backward differs in one place: A's gradient is grad_a^T @ x8, x8 being x rounded to e4m3 with
+    one scale per tensor (the base product's operand), instead of grad_a^T @ x. B's gradient
+    and the input gradient's adapter term are unchanged. What backward keeps of x is 1 byte an
+    element instead of 2."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
+                a_weight: torch.Tensor, b_weight: torch.Tensor, scale: float, emulate: bool
+                ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x_fp8, x_inv = to_float8(x2, E4M3)
+        out = _mm(x_fp8, x_inv, weight_fp8.t(), weight_inv_scale, x.dtype, True, emulate)
+        a = x2 @ a_weight.t()
+        out = out + scale * low_rank_product(a, b_weight)
+        # NOTE: x8, not x: the point of the function. Saving x here would undo the saving.
+        ctx.save_for_backward(weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a)
+        ctx.scale, ctx.emulate, ctx.x_shape = scale, emulate, x.shape
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        grad_a = ctx.scale * (g2 @ b_weight)  # [tokens, rank]
+        grad_x = grad_a_weight = grad_b_weight = None
+        if ctx.needs_input_grad[4]:
+            grad_b_weight = ctx.scale * (g2.t() @ a)
+        if ctx.needs_input_grad[3]:
+            x_deq = (x_fp8.to(torch.float32) * x_inv).to(grad_out.dtype)
+            grad_a_weight = grad_a.t() @ x_deq
+        if ctx.needs_input_grad[0]:
+            g_fp8, g_inv = to_float8(g2, E5M2)
+            w_col = weight_fp8.t().contiguous().t()  # NOTE: column-major operand, as in _FrozenFP8Matmul
+            grad_x = _mm(g_fp8, g_inv, w_col, weight_inv_scale, grad_out.dtype, False, ctx.emulate)
+            grad_x = (grad_x + low_rank_product(grad_a, a_weight.t())).reshape(ctx.x_shape)
+        return grad_x, None, None, grad_a_weight, grad_b_weight, None, None
+
+
 class FP8LoRALinear(LoRALinear):
     """A ``LoRALinear`` whose frozen base product runs in FP8 (module docstring).
 
@@ -136,10 +188,18 @@ class FP8LoRALinear(LoRALinear):
     ``weight`` is the original bf16 Parameter, frozen, in CPU memory; forward never reads it.
     """
 
+    # With True, backward takes the adapter's input from the base product's e4m3 copy of x
+    # (``_FrozenFP8LoRAMatmul``); set by ``convert_lora_to_fp8(..., fp8_adapter_inputs=True)``.
+    fp8_adapter_inputs = False
+
     @classmethod
-    def from_lora_linear(cls, lora: LoRALinear, name: str = "", emulate: bool = False
-                         ) -> "FP8LoRALinear":
+    def from_lora_linear(cls, lora: LoRALinear, name: str = "", emulate: bool = False,
+                         fp8_adapter_inputs: bool = False) -> "FP8LoRALinear":
         where = f" ({name})" if name else ""
+        if fp8_adapter_inputs and not isinstance(lora.dropout, nn.Identity):
+            raise ConfigError(f"{ADAPTER_INPUTS_KEY}=True with LoRA dropout{where} "
+                              "(model.lora_dropout > 0): the adapter's input is then not the base "
+                              f"product's; set model.lora_dropout=0.0 or {ADAPTER_INPUTS_KEY}=False")
         if getattr(lora, "_quantize_base", False):
             raise ConfigError(
                 f"enable_fp8_training=True with a quantized base{where}: the frozen base is NF4 "
@@ -169,9 +229,15 @@ class FP8LoRALinear(LoRALinear):
         # do not "simplify" it to a dequantized copy: the merged model would change.
         new.weight = nn.Parameter(weight.to("cpu", copy=True), requires_grad=False)
         new.emulate = emulate
+        new.fp8_adapter_inputs = fp8_adapter_inputs
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_adapter_inputs and not self.disabled:
+            out = _FrozenFP8LoRAMatmul.apply(x, self.weight_fp8, self.weight_inv_scale,
+                                             self.lora_a.weight, self.lora_b.weight,
+                                             self.alpha / self.rank, self.emulate)
+            return out + self.bias if self.bias is not None else out
         out = frozen_fp8_linear(x, self.weight_fp8, self.weight_inv_scale, self.emulate)
         if self.bias is not None:
             out = out + self.bias
@@ -187,7 +253,8 @@ def _eligible(module: LoRALinear, name: str) -> bool:
     return module.in_dim % 16 == 0 and module.out_dim % 16 == 0
 
 
-def convert_lora_to_fp8(model: nn.Module, emulate: bool = False) -> List[str]:
+def convert_lora_to_fp8(model: nn.Module, emulate: bool = False,
+                        fp8_adapter_inputs: bool = False) -> List[str]:
     """Swap every eligible ``LoRALinear`` of ``model`` for an ``FP8LoRALinear``, in place;
     returns the names of the modules that compute in FP8. Call it after the base weights are loaded (they are
     quantized here, once) and before the first forward (compile traces lazily, so a model
@@ -213,7 +280,8 @@ def convert_lora_to_fp8(model: nn.Module, emulate: bool = False) -> List[str]:
                         f"enable_fp8_training=True: {name} is a {type(child).__name__}; FP8 "
                         "converts plain LoRALinear layers only")
                 if _eligible(child, name):
-                    setattr(parent, child_name, FP8LoRALinear.from_lora_linear(child, name, emulate))
+                    setattr(parent, child_name, FP8LoRALinear.from_lora_linear(
+                        child, name, emulate, fp8_adapter_inputs))
                     converted.append(name)
                 continue
             swap(child, f"{prefix}{child_name}.")

@@ -319,3 +319,88 @@ def test_gpu_compiled_fp8_lora_follows_bf16():
     _fp8_gpu()
     kw = dict(device="cuda", steps=8, compile_layers=True, dim=512, num_layers=4, tokens=(4, 251))
     _assert_follows(_train_losses(False, **kw), _train_losses(True, **kw), fall=1.0)
+
+
+# ---------------------------------------------------------------- fp8_adapter_inputs
+def _saved_bytes_by_dtype(fn):
+    """Bytes of the tensors ``fn`` saves for backward (each storage once), by dtype."""
+    seen = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), (t.dtype, t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    by_dtype = {}
+    for dtype, nbytes in seen.values():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    return out, by_dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapter_inputs_change_only_lora_a_grad_to_the_e4m3_input(dtype):
+    ref = FP8LoRALinear.from_lora_linear(_lora(dtype=dtype, use_bias=True), emulate=True)
+    new = FP8LoRALinear.from_lora_linear(_lora(dtype=dtype, use_bias=True), emulate=True,
+                                         fp8_adapter_inputs=True)
+    torch.manual_seed(6)
+    x = torch.randn(2, 48, 512, dtype=dtype)
+    g = torch.randn(2, 48, 256, dtype=dtype)
+    outs, grads_x = [], []
+    for m in (ref, new):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        out.backward(g)
+        outs.append(out)
+        grads_x.append(xi.grad)
+    # Forward: the same operations (on [tokens, features] instead of [batch, seq, features]).
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(grads_x[1], grads_x[0], **tol)
+    torch.testing.assert_close(new.lora_b.weight.grad, ref.lora_b.weight.grad, **tol)
+    # lora_a's gradient: exactly grad_a^T @ x8 (x rounded to e4m3, one scale), computed here in
+    # float64 from the same grad_a; and within e4m3 rounding of the unrounded one, but not equal.
+    scale = new.alpha / new.rank
+    grad_a = scale * (g.reshape(-1, 256).double() @ new.lora_b.weight.double())
+    x8, inv = to_float8(x.reshape(-1, 512), E4M3)
+    want = grad_a.t() @ (x8.double() * inv.double())
+    got = new.lora_a.weight.grad.double()
+    assert _rel(got, want) < (2e-6 if dtype == torch.float32 else 1e-2)
+    rel_to_bf16_input = _rel(got, ref.lora_a.weight.grad)
+    assert 1e-3 < rel_to_bf16_input < U4 / math.sqrt(3), rel_to_bf16_input
+
+
+def test_adapter_inputs_save_the_input_in_e4m3_not_in_the_training_dtype():
+    ref = FP8LoRALinear.from_lora_linear(_lora(), emulate=True)
+    new = FP8LoRALinear.from_lora_linear(_lora(), emulate=True, fp8_adapter_inputs=True)
+    x = torch.randn(4, 64, 512, dtype=torch.bfloat16, requires_grad=True)
+    _, ref_saved = _saved_bytes_by_dtype(lambda: ref(x))
+    _, new_saved = _saved_bytes_by_dtype(lambda: new(x))
+    x_bytes = x.numel() * x.element_size()
+    assert ref_saved[torch.bfloat16] >= x_bytes  # plain LoRA keeps x for lora_a's gradient
+    assert new_saved[torch.bfloat16] < x_bytes / 8  # only the adapter weights and [tokens, rank]
+    assert new_saved[E4M3] == x.numel() + ref_saved[E4M3]  # x8, beside the e4m3 weight both keep
+
+
+def test_adapter_inputs_no_input_grad_skips_the_base_backward():
+    new = FP8LoRALinear.from_lora_linear(_lora(), emulate=True, fp8_adapter_inputs=True)
+    x = torch.randn(2, 16, 512, dtype=torch.bfloat16)  # a frozen embedding's output: no grad
+    new(x).sum().backward()
+    assert new.lora_a.weight.grad is not None and new.lora_b.weight.grad is not None
+
+
+def test_adapter_inputs_refuse_dropout_and_need_fp8():
+    lora = _lora()
+    lora.dropout = nn.Dropout(0.1)
+    with pytest.raises(ConfigError, match="fp8_adapter_inputs=True with LoRA dropout"):
+        FP8LoRALinear.from_lora_linear(lora, name="layers.0.attn.q_proj", emulate=True,
+                                       fp8_adapter_inputs=True)
+    from omegaconf import OmegaConf
+
+    from tune_recipes.validation import fp8_lora_problem
+
+    cfg = OmegaConf.create({"fp8_adapter_inputs": True, "model": {
+        "_component_": "torchtune.models.llama3_1.lora_llama3_1_8b"}})
+    assert "fp8_adapter_inputs=True needs enable_fp8_training=True" in fp8_lora_problem(cfg)
+    cfg.enable_fp8_training = True
+    assert fp8_lora_problem(cfg) is None

@@ -75,7 +75,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      compile_model: bool = False,
                      ac_interval: Optional[int] = None,
                      fp8: bool = False, compile_scope: Optional[str] = None,
-                     embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False):
+                     embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False,
+                     fp8_adapter_inputs: bool = False):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
@@ -84,7 +85,9 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     weights move to CPU memory, under the same names); with ``embedding_on_cpu`` the frozen token
     embedding stays in pinned CPU memory and each step's rows are read from there
     (``modules.host_embedding``); with ``fp8_mlp_activations`` each MLP keeps its intermediate
-    products in FP8 for backward (``modules.fp8_mlp``). Returns ``(model, LoRASpec)``."""
+    products in FP8 for backward (``modules.fp8_mlp``); with ``fp8_adapter_inputs`` (and ``fp8``)
+    the adapters' weight gradients read the FP8 base product's e4m3 input, so backward keeps 1
+    byte of each adapter input instead of 2 (``modules.fp8_lora``). Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -129,9 +132,10 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         # NOTE: after both loads (each base weight is quantized here, once, from the loaded
         # values) and before the first forward (compile above only marks the layers; they are
         # traced at their first call, with the FP8 modules in place).
-        converted = convert_lora_to_fp8(model)
+        converted = convert_lora_to_fp8(model, fp8_adapter_inputs=fp8_adapter_inputs)
         log.info("FP8 LoRA: %d frozen base projections in float8 e4m3 (tensorwise); their bf16 "
-                 "weights are in CPU memory", len(converted))
+                 "weights are in CPU memory%s", len(converted),
+                 "; the adapters' weight gradients read their e4m3 inputs" if fp8_adapter_inputs else "")
     if fp8_mlp_activations:
         # After the FP8 base conversion: the swapped MLPs call their down projection's base
         # product themselves, FP8 or not.
