@@ -202,9 +202,11 @@ def test_the_real_fp8_matmul_needs_cuda_and_small_or_odd_layers_stay():
         convert_lora_to_fp8(nn.Sequential(_lora(24, 256)), emulate=True)
 
 
-def test_compiles_as_one_graph_forward_and_backward():
+@pytest.mark.parametrize("adapter_inputs", [False, True])
+def test_compiles_as_one_graph_forward_and_backward(adapter_inputs):
     # fullgraph: no .item(), no branch on tensor values (the recipe compiles every layer).
-    layer = FP8LoRALinear.from_lora_linear(_lora(use_bias=True), emulate=True)
+    layer = FP8LoRALinear.from_lora_linear(_lora(use_bias=True), emulate=True,
+                                           fp8_adapter_inputs=adapter_inputs)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     torch.manual_seed(6)
     x = torch.randn(2, 48, 512, dtype=torch.bfloat16)
@@ -221,9 +223,10 @@ def test_compiles_as_one_graph_forward_and_backward():
 
 
 def _train_losses(fp8: bool, device: str, steps: int, compile_layers: bool = False, dim: int = 256,
-                  num_layers: int = 2, tokens=(4, 65)):
+                  num_layers: int = 2, tokens=(4, 65), adapter_inputs: bool = False):
     """Losses of ``steps`` AdamW steps (lr 1e-2) of a LoRA Llama in bf16 on one fixed batch; the
-    frozen base projections in FP8 when ``fp8`` (emulated on CPU)."""
+    frozen base projections in FP8 when ``fp8`` (emulated on CPU), with ``fp8_adapter_inputs``
+    when ``adapter_inputs``."""
     from torchtune import training
     from torchtune.models.llama3 import lora_llama3
 
@@ -239,7 +242,7 @@ def _train_losses(fp8: bool, device: str, steps: int, compile_layers: bool = Fal
         training.compile_model(model, verbose=False)  # per layer, as the recipe does
     if fp8:
         # After compile marks the layers, as setup_lora_model does (they trace at first call).
-        convert_lora_to_fp8(model, emulate=device == "cpu")
+        convert_lora_to_fp8(model, emulate=device == "cpu", fp8_adapter_inputs=adapter_inputs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     batch = torch.randint(0, vocab, tokens, generator=gen).to(device)
@@ -263,9 +266,11 @@ def _assert_follows(bf16, fp8, fall):
         assert abs(a - b) <= 0.03 * a + 0.01, (bf16, fp8)
 
 
-def test_lora_with_an_emulated_fp8_base_trains_like_bf16():
+@pytest.mark.parametrize("adapter_inputs", [False, True])
+def test_lora_with_an_emulated_fp8_base_trains_like_bf16(adapter_inputs):
     # Measured: 7.09 -> 5.49 over 8 steps (6 here), both ways.
-    _assert_follows(_train_losses(False, "cpu", 6), _train_losses(True, "cpu", 6), fall=0.5)
+    _assert_follows(_train_losses(False, "cpu", 6),
+                    _train_losses(True, "cpu", 6, adapter_inputs=adapter_inputs), fall=0.5)
 
 
 # ----------------------------------------------------------------------------- on a GPU
@@ -315,10 +320,12 @@ def test_gpu_conversion_halves_the_base_weights_memory():
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_fp8_lora_follows_bf16():
+@pytest.mark.parametrize("adapter_inputs", [False, True])
+def test_gpu_compiled_fp8_lora_follows_bf16(adapter_inputs):
     _fp8_gpu()
     kw = dict(device="cuda", steps=8, compile_layers=True, dim=512, num_layers=4, tokens=(4, 251))
-    _assert_follows(_train_losses(False, **kw), _train_losses(True, **kw), fall=1.0)
+    _assert_follows(_train_losses(False, **kw), _train_losses(True, adapter_inputs=adapter_inputs, **kw),
+                    fall=1.0)
 
 
 # ---------------------------------------------------------------- fp8_adapter_inputs
