@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -153,6 +153,16 @@ for step in "$@"; do
             bench_on 0 lora_8b stock_best,ours_fused_fp8_embcpu,ours_fp8_ain_embcpu 1 ain8b_lora_8b; wait
             bench_on 0 qlora_8b stock_best,ours_fp8_instead 1 ain8b_qlora_8b; wait
             finish_bench ain8b ;;
+    final8b) # Issue #15 (session 9): FP8 LoRA's GPU tests (with fp8_adapter_inputs), then 8B LoRA stock vs
+            # ours best (FP8 base + FP8 adapter inputs + embedding in CPU memory), 2 alternating reps,
+            # then the 220-step lr-1e-3 curves bf16 / FP8 + FP8 adapter inputs (~8 min in all).
+            ensure_ckpt8b &
+            timeout 110 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_fp8_lora.py \
+              2>&1 | grep "passed\|failed\|Error\|assert" | tail -8 | tee "$OUT/final8b_tests.txt"
+            wait
+            bench_on 0 lora_8b stock_best,ours_fp8_ain_embcpu 2 final8b_lora_8b; wait
+            bench_on 0 lora_8b_curve ours_fused,ours_fp8_ain 1 final8b_curve; wait
+            finish_bench final8b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
