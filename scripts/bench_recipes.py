@@ -244,7 +244,7 @@ CASES = {
             # The adapters' weight gradients from the FP8 base product's e4m3 input
             # (fp8_adapter_inputs): backward keeps 1 byte of each adapter input instead of 2.
             _v("ours_fp8_ain_embcpu", "ours",
-               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", loss=_FUSED,
+               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", head=True, loss=_FUSED,
                compile=True, enable_fp8_training=True, fp8_adapter_inputs=True, embedding_on_cpu=True),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
