@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -163,6 +163,13 @@ for step in "$@"; do
             bench_on 0 lora_8b stock_best,ours_fp8_ain_embcpu 2 final8b_lora_8b; wait
             bench_on 0 lora_8b_curve ours_fused,ours_fp8_ain 1 final8b_curve; wait
             finish_bench final8b ;;
+    where1b) # Issue #15 (session 9, ~3 min): ours' best 1B step (whole model compiled) under the profiler,
+            # summed by kernel kind; stock's 1B profile (2026-11-30) is unchanged since.
+            timeout 200 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
+              --only ours_best_model_profiled --run-timeout 190 --out "$OUT/profiled_full_1b.json" > /tmp/where1b_prof.log 2>&1
+            python3 scripts/trace_summary.py /tmp/bw/prof_ours_best_model > /tmp/where1b_traces.txt 2>&1
+            tar czf "$OUT/where1b.tgz" /tmp/where1b*.log /tmp/where1b_traces.txt /tmp/bw/full_1b_*profiled*.log 2>/dev/null
+            grep -h "rror" /tmp/where1b_prof.log | cut -c1-250; cut -c1-150 /tmp/where1b_traces.txt ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
