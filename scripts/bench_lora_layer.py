@@ -12,9 +12,9 @@ Variants:
   bf16          torchtune's LoRALinear, bf16 base (what stock runs)
   fp8           enable_fp8_training: frozen base products in FP8 (FP8LoRALinear)
   fp8_inputs    + fp8_adapter_inputs: the adapters' weight gradients from the base's e4m3 input
-  fp8_inputs_pw + the adapters' second products computed inside the adding kernel (a broadcast
-                multiply-sum over the rank instead of a rank-8 matmul): a rejected candidate,
-                kept to show why: 8.71 ms a layer against 5.61 on an H200 (2026-12-01)
+
+(Commit 21eff57's version also timed the adapters' second products computed inside the adding
+kernel, a multiply-sum over the rank: 8.71 ms a layer against 5.61 on an H200, 2026-12-01.)
 
     python3 scripts/bench_lora_layer.py --out /tmp/lora_layer.json
 """
@@ -25,14 +25,6 @@ import time
 
 import torch
 
-MATMUL_LOW_RANK_PRODUCT = None  # fp8_lora's own, kept before any variant replaces it
-
-
-def pointwise_low_rank_product(a: torch.Tensor, b_weight: torch.Tensor) -> torch.Tensor:
-    """a @ b_weight^T written as a multiply-sum over the rank, so Inductor can fuse it into the
-    kernel that adds it (no [tokens, out] product in memory)."""
-    return (a.unsqueeze(-2) * b_weight).sum(-1)
-
 
 def build(args, variant: str):
     from torchtune import training
@@ -40,8 +32,6 @@ def build(args, variant: str):
 
     from tune_recipes.modules import fp8_lora
 
-    fp8_lora.low_rank_product = (pointwise_low_rank_product if variant.endswith("_pw")
-                                 else MATMUL_LOW_RANK_PRODUCT)
     torch.manual_seed(0)
     with training.set_default_dtype(torch.bfloat16), torch.device(args.device):
         model = lora_llama3_1(
@@ -107,7 +97,7 @@ def run(args, variant: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="bf16,fp8,fp8_inputs,fp8_inputs_pw")
+    parser.add_argument("--variants", default="bf16,fp8,fp8_inputs")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=14336)
@@ -119,10 +109,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from tune_recipes.modules import fp8_lora
-
-    global MATMUL_LOW_RANK_PRODUCT
-    MATMUL_LOW_RANK_PRODUCT = fp8_lora.low_rank_product
     rows = []
     for rep in range(args.reps):
         order = args.variants.split(",")

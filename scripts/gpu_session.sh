@@ -144,7 +144,7 @@ for step in "$@"; do
             bench_on 0 data_1b stock_best,ours_best,stock_padded,ours_padded 1 data1b_data_1b
             wait; finish_bench data1b ;;
     ain8b)  # Issue #15 (session 9): fp8_adapter_inputs. The 8B-shaped LoRA layers alone (bf16 / FP8 /
-            # FP8 + adapter inputs / + the rank-8 product inside the adding kernel), then 8B LoRA
+            # FP8 + adapter inputs; 21eff57 also timed the rank-8 product inside the adding kernel), then 8B LoRA
             # stock / ours FP8 + embcpu / + FP8 adapter inputs, and QLoRA stock / ours FP8 instead of NF4.
             ensure_ckpt8b &
             timeout 200 python3 scripts/bench_lora_layer.py --layers 2 --reps 1 --out "$OUT/lora_layer.json" 2>&1 \

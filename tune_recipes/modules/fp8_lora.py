@@ -107,6 +107,31 @@ def _mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tens
                             use_fast_accum=fast_accum)
 
 
+def _base_forward(x2: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
+                  emulate: bool):
+    """x2 [tokens, in] @ W^T on the FP8 tensor cores; also returns x2's e4m3 copy and scale."""
+    # Row-major first operand (the caller makes x2 contiguous; the cast keeps its strides).
+    x_fp8, x_inv = to_float8(x2, E4M3)
+    # W [out, in] row-major: its .t() is the column-major [in, out] operand, no copy.
+    out = _mm(x_fp8, x_inv, weight_fp8.t(), weight_inv_scale, x2.dtype, True, emulate)
+    return out, x_fp8, x_inv
+
+
+def _base_grad_input(g2: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
+                     emulate: bool) -> torch.Tensor:
+    """g2 [tokens, out] @ W, the base product's input gradient, g2 cast to e5m2."""
+    g_fp8, g_inv = to_float8(g2, E5M2)
+    # NOTE: the second operand must be column-major: W [out, in] laid out as W^T. One copy
+    # per call instead of a stored second layout (the module docstring says why).
+    w_col = weight_fp8.t().contiguous().t()
+    return _mm(g_fp8, g_inv, w_col, weight_inv_scale, g2.dtype, False, emulate)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., features] as a contiguous [tokens, features] (the FP8 products' row-major operand)."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
 class _FrozenFP8Matmul(torch.autograd.Function):
     """x @ W^T with W a constant e4m3 tensor [out, in] and its dequantizing scale; gradient
     for x only."""
@@ -114,11 +139,7 @@ class _FrozenFP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
                 emulate: bool) -> torch.Tensor:
-        # Row-major first operand (the cast keeps its input's strides; a no-op when contiguous).
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        x_fp8, x_inv = to_float8(x2, E4M3)
-        # W [out, in] row-major: its .t() is the column-major [in, out] operand, no copy.
-        out = _mm(x_fp8, x_inv, weight_fp8.t(), weight_inv_scale, x.dtype, True, emulate)
+        out, _, _ = _base_forward(_rows(x), weight_fp8, weight_inv_scale, emulate)
         # Nothing of x is kept: the base product has no weight gradient.
         ctx.save_for_backward(weight_fp8, weight_inv_scale)
         ctx.emulate = emulate
@@ -129,12 +150,7 @@ class _FrozenFP8Matmul(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         weight_fp8, weight_inv_scale = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        g_fp8, g_inv = to_float8(g2, E5M2)
-        # NOTE: the second operand must be column-major: W [out, in] laid out as W^T. One copy
-        # per call instead of a stored second layout (the module docstring says why).
-        w_col = weight_fp8.t().contiguous().t()
-        grad_x = _mm(g_fp8, g_inv, w_col, weight_inv_scale, grad_out.dtype, False, ctx.emulate)
+        grad_x = _base_grad_input(_rows(grad_out), weight_fp8, weight_inv_scale, ctx.emulate)
         return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), None, None, None
 
 
@@ -144,31 +160,30 @@ def frozen_fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scal
     return _FrozenFP8Matmul.apply(x, weight_fp8, weight_inv_scale, emulate)
 
 
-def low_rank_product(a: torch.Tensor, b_weight: torch.Tensor) -> torch.Tensor:
-    """a [tokens, rank] @ b_weight [out, rank]^T: an adapter's second product."""
-    return a @ b_weight.t()
-
-
 class _FrozenFP8LoRAMatmul(torch.autograd.Function):
     """x @ W^T + scale * (x @ A^T) @ B^T: the frozen FP8 base product and a LoRA adapter (A
     [rank, in], B [out, rank]) in one function, so that backward can take the adapter's input
     from the e4m3 copy of x the base product made anyway (``fp8_adapter_inputs``).
 
-    Forward is exactly ``FP8LoRALinear``'s (the adapter computes from x in the training dtype).
+    Forward is ``FP8LoRALinear``'s (the adapter computes from x in the training dtype).
     Backward differs in one place: A's gradient is grad_a^T @ x8, x8 being x rounded to e4m3 with
     one scale per tensor (the base product's operand), instead of grad_a^T @ x. B's gradient
     and the input gradient's adapter term are unchanged. What backward keeps of x is 1 byte an
-    element instead of 2."""
+    element instead of 2.
+
+    NOTE: the adapter's second product stays a cuBLAS rank-r matmul. Computing it inside the
+    kernel that adds it to the base output (a multiply-sum over the rank, no [tokens, out]
+    product in memory) was measured slower under compile: 8.71 ms per 8B layer against 5.61
+    (docs/benchmarks.md, issue #15, session 9)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
                 a_weight: torch.Tensor, b_weight: torch.Tensor, scale: float, emulate: bool
                 ) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        x_fp8, x_inv = to_float8(x2, E4M3)
-        out = _mm(x_fp8, x_inv, weight_fp8.t(), weight_inv_scale, x.dtype, True, emulate)
-        a = x2 @ a_weight.t()
-        out = out + scale * low_rank_product(a, b_weight)
+        x2 = _rows(x)
+        out, x_fp8, x_inv = _base_forward(x2, weight_fp8, weight_inv_scale, emulate)
+        a = x2 @ a_weight.t()  # [tokens, rank]
+        out = out + scale * (a @ b_weight.t())
         # NOTE: x8, not x: the point of the function. Saving x here would undo the saving.
         ctx.save_for_backward(weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a)
         ctx.scale, ctx.emulate, ctx.x_shape = scale, emulate, x.shape
@@ -177,7 +192,7 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        g2 = _rows(grad_out)
         grad_a = ctx.scale * (g2 @ b_weight)  # [tokens, rank]
         grad_x = grad_a_weight = grad_b_weight = None
         if ctx.needs_input_grad[4]:
@@ -186,10 +201,8 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
             x_deq = (x_fp8.to(torch.float32) * x_inv).to(grad_out.dtype)
             grad_a_weight = grad_a.t() @ x_deq
         if ctx.needs_input_grad[0]:
-            g_fp8, g_inv = to_float8(g2, E5M2)
-            w_col = weight_fp8.t().contiguous().t()  # NOTE: column-major operand, as in _FrozenFP8Matmul
-            grad_x = _mm(g_fp8, g_inv, w_col, weight_inv_scale, grad_out.dtype, False, ctx.emulate)
-            grad_x = (grad_x + low_rank_product(grad_a, a_weight.t())).reshape(ctx.x_shape)
+            grad_x = _base_grad_input(g2, weight_fp8, weight_inv_scale, ctx.emulate)
+            grad_x = (grad_x + grad_a @ a_weight).reshape(ctx.x_shape)
         return grad_x, None, None, grad_a_weight, grad_b_weight, None, None
 
 
