@@ -343,14 +343,21 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     """What ``enable_fp8_training`` cannot do with a LoRA model, or None. FP8 LoRA quantizes the
     frozen bf16 base of each LoRALinear once, with one scale per tensor
     (tune_recipes/modules/fp8_lora.py): an NF4 base (QLoRA) has no bf16 base to quantize, DoRA
-    is not implemented, and ``fp8_recipe_name`` can only be ``tensorwise``. The one check both
+    is not implemented, and ``fp8_recipe_name`` can only be ``tensorwise``; ``fp8_adapter_inputs``
+    needs ``enable_fp8_training`` and no LoRA dropout. The one check both
     ``tune validate`` (CROSS_KEY) and the recipe's start (training/setup/fp8.fp8_lora_wanted)
     make; the conversion itself refuses the same layers by type, for builders this cannot
     read."""
-    if cfg.get("fp8_adapter_inputs", False) is True and cfg.get("enable_fp8_training", False) is not True:
-        return ("fp8_adapter_inputs=True needs enable_fp8_training=True: the adapters' inputs are "
-                "taken from the FP8 base product's e4m3 copy; set enable_fp8_training=True or "
-                "fp8_adapter_inputs=False")
+    if cfg.get("fp8_adapter_inputs", False) is True:
+        if cfg.get("enable_fp8_training", False) is not True:
+            return ("fp8_adapter_inputs=True needs enable_fp8_training=True: the adapters' inputs "
+                    "are taken from the FP8 base product's e4m3 copy; set enable_fp8_training=True "
+                    "or fp8_adapter_inputs=False")
+        dropout = _value(cfg, "model.lora_dropout")
+        if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout > 0:
+            return (f"fp8_adapter_inputs=True with model.lora_dropout={dropout}: the adapters' "
+                    "input is then not the base product's; set model.lora_dropout=0.0 or "
+                    "fp8_adapter_inputs=False")
     if cfg.get("enable_fp8_training", False) is not True or not _is_lora_model(cfg):
         return None
     if _model_builder(cfg).startswith("qlora_"):

@@ -37,14 +37,18 @@ needs its input x again in backward (lora_a's gradient is grad_a^T @ x), so plai
 in bf16 for every adapted projection. The base product has already cast x to e4m3 (one scale
 per tensor) for its own forward; with the key set, ``_FrozenFP8LoRAMatmul`` computes base and
 adapter in one function and lora_a's gradient from that e4m3 copy instead, so what backward
-needs of x is 1 byte an element, and under compile the partitioner may recompute it from what
-the layer keeps anyway (measured with per-layer compile: the MLP's SwiGLU output and the
-normed inputs are no longer kept at all). Llama-3.1-8B, batch 2 x 2048, on an H200: 26.73 ->
-21.43 GiB at the same speed. Only lora_a's gradient changes: it sees x rounded to e4m3 (at most
-2^-4 relative per element), as torchao's float8 training does for every weight gradient (there
-with an FP8 output gradient too); the forward, the loss, lora_b's gradient and the input
-gradient are as without the key. LoRA dropout is a ``ConfigError`` with it (the adapter's input
-would not be the base product's).
+needs of x is 1 byte an element. The saving is made by compile: in eager mode each projection
+keeps its own e4m3 copy where plain LoRA shares one bf16 x between siblings (q and v, gate and
+up), so little is saved; under per-layer compile the partitioner recomputes the copies in
+backward from tensors the layer keeps anyway (scripts/saved_bytes_per_layer.py: the MLP's
+SwiGLU output and most of the normed inputs are no longer kept). Llama-3.1-8B, batch 2 x
+2048, compiled, on an H200: 26.73 -> 21.43 GiB at the same speed. Only lora_a's gradient
+changes: it sees x rounded to e4m3 (at most 2^-4 relative per element), as torchao's float8
+training does for every weight gradient (there with an FP8 output gradient too); the forward,
+the loss, lora_b's gradient and the input gradient are the default path's operations in its
+order. LoRA dropout is a ``ConfigError`` with it (the adapter's input would not be the base
+product's). ``fp8_mlp_activations`` replaces the MLP's forward and computes the down
+projection's adapter itself, so with both keys the down adapter follows that key's rules.
 
 Not converted, on purpose: the output projection (as for the full fine-tune: its rounding error
 goes straight into the logits), layers whose in or out
@@ -60,7 +64,7 @@ the real FP8 matmul, which needs a CUDA GPU with compute capability >= 8.9 (chec
 ``training.setup.fp8.fp8_recipe_wanted`` before any model is built).
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -161,15 +165,17 @@ def frozen_fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scal
 
 
 class _FrozenFP8LoRAMatmul(torch.autograd.Function):
-    """x @ W^T + scale * (x @ A^T) @ B^T: the frozen FP8 base product and a LoRA adapter (A
-    [rank, in], B [out, rank]) in one function, so that backward can take the adapter's input
-    from the e4m3 copy of x the base product made anyway (``fp8_adapter_inputs``).
+    """x @ W^T + bias + scale * (x @ A^T) @ B^T: the frozen FP8 base product and a LoRA adapter
+    (A [rank, in], B [out, rank]) in one function, so that backward can take the adapter's
+    input from the e4m3 copy of x the base product made anyway (``fp8_adapter_inputs``).
 
-    Forward is ``FP8LoRALinear``'s (the adapter computes from x in the training dtype).
-    Backward differs in one place: A's gradient is grad_a^T @ x8, x8 being x rounded to e4m3 with
-    one scale per tensor (the base product's operand), instead of grad_a^T @ x. B's gradient
-    and the input gradient's adapter term are unchanged. What backward keeps of x is 1 byte an
-    element instead of 2.
+    Forward and backward run ``FP8LoRALinear``'s default path's operations in its order, but
+    for one: A's gradient is grad_a^T @ x8, x8 being x rounded to e4m3 with one scale per tensor
+    (the base product's operand), instead of grad_a^T @ x. What this function keeps of x is
+    1 byte an element instead of 2. NOTE: per projection; in eager mode sibling projections of
+    one input (q and v, gate and up) each keep their own e4m3 copy where plain LoRA shares one
+    bf16 x, so the saving is small there; under compile (what the recipe runs with FP8) the
+    partitioner recomputes the copies in backward from what the layer keeps anyway.
 
     NOTE: the adapter's second product stays a cuBLAS rank-r matmul. Computing it inside the
     kernel that adds it to the base output (a multiply-sum over the rank, no [tokens, out]
@@ -178,32 +184,40 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
-                a_weight: torch.Tensor, b_weight: torch.Tensor, scale: float, emulate: bool
-                ) -> torch.Tensor:
+                bias: Optional[torch.Tensor], a_weight: torch.Tensor, b_weight: torch.Tensor,
+                scale: float, emulate: bool) -> torch.Tensor:
         x2 = _rows(x)
         out, x_fp8, x_inv = _base_forward(x2, weight_fp8, weight_inv_scale, emulate)
+        if bias is not None:
+            out = out + bias
         a = x2 @ a_weight.t()  # [tokens, rank]
         out = out + scale * (a @ b_weight.t())
         # NOTE: x8, not x: the point of the function. Saving x here would undo the saving.
         ctx.save_for_backward(weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a)
-        ctx.scale, ctx.emulate, ctx.x_shape = scale, emulate, x.shape
+        ctx.scale, ctx.emulate = scale, emulate
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a = ctx.saved_tensors
+        need_x, _, _, need_bias, need_a, need_b, _, _ = ctx.needs_input_grad
         g2 = _rows(grad_out)
-        grad_a = ctx.scale * (g2 @ b_weight)  # [tokens, rank]
-        grad_x = grad_a_weight = grad_b_weight = None
-        if ctx.needs_input_grad[4]:
-            grad_b_weight = ctx.scale * (g2.t() @ a)
-        if ctx.needs_input_grad[3]:
-            x_deq = (x_fp8.to(torch.float32) * x_inv).to(grad_out.dtype)
-            grad_a_weight = grad_a.t() @ x_deq
-        if ctx.needs_input_grad[0]:
-            grad_x = _base_grad_input(g2, weight_fp8, weight_inv_scale, ctx.emulate)
-            grad_x = (grad_x + grad_a @ a_weight).reshape(ctx.x_shape)
-        return grad_x, None, None, grad_a_weight, grad_b_weight, None, None
+        # The gradient reaching lora_b's output, as autograd forms it: scale first.
+        g_scaled = ctx.scale * g2
+        grad_x = grad_bias = grad_a_weight = grad_b_weight = None
+        if need_b:
+            grad_b_weight = g_scaled.t() @ a
+        if need_x or need_a:
+            grad_a = g_scaled @ b_weight  # [tokens, rank]
+            if need_a:
+                # e4m3 values are exact in bf16: multiply the e4m3 copy as is, scale the product.
+                grad_a_weight = (grad_a.t() @ x_fp8.to(grad_a.dtype)) * x_inv
+            if need_x:
+                grad_x = _base_grad_input(g2, weight_fp8, weight_inv_scale, ctx.emulate)
+                grad_x = (grad_x + grad_a @ a_weight).reshape(*grad_out.shape[:-1], grad_x.shape[-1])
+        if need_bias:
+            grad_bias = g2.sum(0)
+        return grad_x, None, None, grad_bias, grad_a_weight, grad_b_weight, None, None
 
 
 class FP8LoRALinear(LoRALinear):
@@ -223,10 +237,6 @@ class FP8LoRALinear(LoRALinear):
     def from_lora_linear(cls, lora: LoRALinear, name: str = "", emulate: bool = False,
                          fp8_adapter_inputs: bool = False) -> "FP8LoRALinear":
         where = f" ({name})" if name else ""
-        if fp8_adapter_inputs and not isinstance(lora.dropout, nn.Identity):
-            raise ConfigError(f"{ADAPTER_INPUTS_KEY}=True with LoRA dropout{where} "
-                              "(model.lora_dropout > 0): the adapter's input is then not the base "
-                              f"product's; set model.lora_dropout=0.0 or {ADAPTER_INPUTS_KEY}=False")
         if getattr(lora, "_quantize_base", False):
             raise ConfigError(
                 f"enable_fp8_training=True with a quantized base{where}: the frozen base is NF4 "
@@ -256,15 +266,19 @@ class FP8LoRALinear(LoRALinear):
         # do not "simplify" it to a dequantized copy: the merged model would change.
         new.weight = nn.Parameter(weight.to("cpu", copy=True), requires_grad=False)
         new.emulate = emulate
-        new.fp8_adapter_inputs = fp8_adapter_inputs
+        if fp8_adapter_inputs:
+            _check_adapter_inputs(new, name)
+            new.fp8_adapter_inputs = True
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_adapter_inputs and not self.disabled:
-            out = _FrozenFP8LoRAMatmul.apply(x, self.weight_fp8, self.weight_inv_scale,
-                                             self.lora_a.weight, self.lora_b.weight,
-                                             self.alpha / self.rank, self.emulate)
-            return out + self.bias if self.bias is not None else out
+            # NOTE: reads lora_a's and lora_b's weights directly (forward hooks on those two
+            # modules do not run) and never calls self.dropout: conversion refuses dropout with
+            # this key. A disabled adapter takes the plain path below (the base product only).
+            return _FrozenFP8LoRAMatmul.apply(x, self.weight_fp8, self.weight_inv_scale, self.bias,
+                                              self.lora_a.weight, self.lora_b.weight,
+                                              self.alpha / self.rank, self.emulate)
         out = frozen_fp8_linear(x, self.weight_fp8, self.weight_inv_scale, self.emulate)
         if self.bias is not None:
             out = out + self.bias
@@ -272,6 +286,15 @@ class FP8LoRALinear(LoRALinear):
             return out
         lora_out = self.lora_a(self.dropout(x))
         return out + (self.alpha / self.rank) * self.lora_b(lora_out)
+
+
+def _check_adapter_inputs(module: LoRALinear, name: str) -> None:
+    """``ConfigError`` where ``fp8_adapter_inputs`` cannot apply to ``module`` (named ``name``)."""
+    if not isinstance(module.dropout, nn.Identity):
+        where = f" ({name})" if name else ""
+        raise ConfigError(f"{ADAPTER_INPUTS_KEY}=True with LoRA dropout{where} "
+                          "(model.lora_dropout > 0): the adapter's input is then not the base "
+                          f"product's; set model.lora_dropout=0.0 or {ADAPTER_INPUTS_KEY}=False")
 
 
 def _eligible(module: LoRALinear, name: str) -> bool:
@@ -299,7 +322,10 @@ def convert_lora_to_fp8(model: nn.Module, emulate: bool = False,
                     "implemented, DoRA's magnitude needs the bf16 base weight's column norms "
                     "at every step; set model.use_dora=False or enable_fp8_training=False")
             if isinstance(child, LoRALinear):
-                if isinstance(child, FP8LoRALinear):  # converted before: left as it is
+                if isinstance(child, FP8LoRALinear):  # converted before: only the key can change
+                    if fp8_adapter_inputs and not child.fp8_adapter_inputs:
+                        _check_adapter_inputs(child, name)
+                        child.fp8_adapter_inputs = True
                     converted.append(name)
                     continue
                 if type(child) is not LoRALinear:

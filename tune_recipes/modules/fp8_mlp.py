@@ -88,6 +88,8 @@ def _adapter(down: nn.Module) -> Optional[LoRALinear]:
 
 def _frozen_base(down: LoRALinear, h: torch.Tensor) -> torch.Tensor:
     """The down projection's frozen base product (and bias), as ``down`` computes it."""
+    # NOTE: an FP8LoRALinear's fp8_adapter_inputs does not apply here: this module saves g and u
+    # in e4m3 and recomputes the adapter's input h from them (its own rounding, per row).
     if isinstance(down, FP8LoRALinear):
         out = frozen_fp8_linear(h, down.weight_fp8, down.weight_inv_scale, down.emulate)
         return out + down.bias if down.bias is not None else out

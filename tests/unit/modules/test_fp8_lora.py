@@ -345,31 +345,37 @@ def _saved_bytes_by_dtype(fn):
     return out, by_dtype
 
 
+def _adapter_pair(dtype=torch.bfloat16, use_bias=True):
+    """The same LoRA layer converted twice: the default FP8 path and fp8_adapter_inputs."""
+    ref = FP8LoRALinear.from_lora_linear(_lora(dtype=dtype, use_bias=use_bias), emulate=True)
+    new = FP8LoRALinear.from_lora_linear(_lora(dtype=dtype, use_bias=use_bias), emulate=True,
+                                         fp8_adapter_inputs=True)
+    return ref, new
+
+
+def _run(m, x, g):
+    xi = x.detach().clone().requires_grad_(x.requires_grad)
+    out = m(xi)
+    out.backward(g)
+    return out, xi.grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adapter_inputs_change_only_lora_a_grad_to_the_e4m3_input(dtype):
-    ref = FP8LoRALinear.from_lora_linear(_lora(dtype=dtype, use_bias=True), emulate=True)
-    new = FP8LoRALinear.from_lora_linear(_lora(dtype=dtype, use_bias=True), emulate=True,
-                                         fp8_adapter_inputs=True)
+    ref, new = _adapter_pair(dtype)
     torch.manual_seed(6)
-    x = torch.randn(2, 48, 512, dtype=dtype)
+    x = torch.randn(2, 48, 512, dtype=dtype, requires_grad=True)
     g = torch.randn(2, 48, 256, dtype=dtype)
-    outs, grads_x = [], []
-    for m in (ref, new):
-        xi = x.clone().requires_grad_(True)
-        out = m(xi)
-        out.backward(g)
-        outs.append(out)
-        grads_x.append(xi.grad)
-    # Forward: the same operations (on [tokens, features] instead of [batch, seq, features]).
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(outs[1], outs[0], **tol)
-    torch.testing.assert_close(grads_x[1], grads_x[0], **tol)
-    torch.testing.assert_close(new.lora_b.weight.grad, ref.lora_b.weight.grad, **tol)
-    # lora_a's gradient: exactly grad_a^T @ x8 (x rounded to e4m3, one scale), computed here in
-    # float64 from the same grad_a; and within e4m3 rounding of the unrounded one, but not equal.
+    (out_ref, gx_ref), (out_new, gx_new) = _run(ref, x, g), _run(new, x, g)
+    # The default path's operations in its order (on [tokens, features] rows): equal results.
+    assert torch.equal(out_new, out_ref)
+    assert torch.equal(gx_new, gx_ref)
+    assert torch.equal(new.lora_b.weight.grad, ref.lora_b.weight.grad)
+    # lora_a's gradient: grad_a^T @ x8 (x rounded to e4m3, one scale), checked in float64 from
+    # the same grad_a; within e4m3 rounding of the unrounded one, but not equal to it.
     scale = new.alpha / new.rank
-    grad_a = scale * (g.reshape(-1, 256).double() @ new.lora_b.weight.double())
-    x8, inv = to_float8(x.reshape(-1, 512), E4M3)
+    grad_a = (scale * g.reshape(-1, 256)).double() @ new.lora_b.weight.double()
+    x8, inv = to_float8(x.detach().reshape(-1, 512), E4M3)
     want = grad_a.t() @ (x8.double() * inv.double())
     got = new.lora_a.weight.grad.double()
     assert _rel(got, want) < (2e-6 if dtype == torch.float32 else 1e-2)
@@ -377,9 +383,27 @@ def test_adapter_inputs_change_only_lora_a_grad_to_the_e4m3_input(dtype):
     assert 1e-3 < rel_to_bf16_input < U4 / math.sqrt(3), rel_to_bf16_input
 
 
+@pytest.mark.parametrize("frozen", ["lora_a", "lora_b"])
+def test_adapter_inputs_with_one_factor_frozen(frozen):
+    ref, new = _adapter_pair(torch.float32)
+    for m in (ref, new):
+        m.get_submodule(frozen).weight.requires_grad_(False)
+    torch.manual_seed(7)
+    x = torch.randn(2, 32, 512, requires_grad=True)
+    g = torch.randn(2, 32, 256)
+    (_, gx_ref), (_, gx_new) = _run(ref, x, g), _run(new, x, g)
+    assert torch.equal(gx_new, gx_ref)
+    assert new.get_submodule(frozen).weight.grad is None
+    trained = "lora_b" if frozen == "lora_a" else "lora_a"
+    got, want = new.get_submodule(trained).weight.grad, ref.get_submodule(trained).weight.grad
+    if trained == "lora_b":
+        assert torch.equal(got, want)
+    else:  # the e4m3 input: close, not equal
+        assert 1e-3 < _rel(got, want) < U4 / math.sqrt(3)
+
+
 def test_adapter_inputs_save_the_input_in_e4m3_not_in_the_training_dtype():
-    ref = FP8LoRALinear.from_lora_linear(_lora(), emulate=True)
-    new = FP8LoRALinear.from_lora_linear(_lora(), emulate=True, fp8_adapter_inputs=True)
+    ref, new = _adapter_pair(use_bias=False)
     x = torch.randn(4, 64, 512, dtype=torch.bfloat16, requires_grad=True)
     _, ref_saved = _saved_bytes_by_dtype(lambda: ref(x))
     _, new_saved = _saved_bytes_by_dtype(lambda: new(x))
@@ -389,11 +413,29 @@ def test_adapter_inputs_save_the_input_in_e4m3_not_in_the_training_dtype():
     assert new_saved[E4M3] == x.numel() + ref_saved[E4M3]  # x8, beside the e4m3 weight both keep
 
 
-def test_adapter_inputs_no_input_grad_skips_the_base_backward():
-    new = FP8LoRALinear.from_lora_linear(_lora(), emulate=True, fp8_adapter_inputs=True)
+def test_adapter_inputs_without_an_input_gradient_skip_the_base_backward(monkeypatch):
+    from tune_recipes.modules import fp8_lora
+
+    ref, new = _adapter_pair()
     x = torch.randn(2, 16, 512, dtype=torch.bfloat16)  # a frozen embedding's output: no grad
-    new(x).sum().backward()
-    assert new.lora_a.weight.grad is not None and new.lora_b.weight.grad is not None
+    g = torch.randn(2, 16, 256, dtype=torch.bfloat16)
+    _run(ref, x, g)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the base product's input gradient was computed for an input without grad")
+
+    monkeypatch.setattr(fp8_lora, "_base_grad_input", refuse)
+    _run(new, x, g)
+    assert torch.equal(new.lora_b.weight.grad, ref.lora_b.weight.grad)
+    assert new.lora_a.weight.grad is not None
+
+
+def test_adapter_inputs_a_disabled_adapter_is_the_base_product_only():
+    ref, new = _adapter_pair()
+    new.disabled = ref.disabled = True
+    x = torch.randn(2, 16, 512, dtype=torch.bfloat16)
+    base = frozen_fp8_linear(x, new.weight_fp8, new.weight_inv_scale, emulate=True) + new.bias
+    assert torch.equal(new(x), base) and torch.equal(ref(x), base)
 
 
 def test_adapter_inputs_refuse_dropout_and_need_fp8():
@@ -402,12 +444,36 @@ def test_adapter_inputs_refuse_dropout_and_need_fp8():
     with pytest.raises(ConfigError, match="fp8_adapter_inputs=True with LoRA dropout"):
         FP8LoRALinear.from_lora_linear(lora, name="layers.0.attn.q_proj", emulate=True,
                                        fp8_adapter_inputs=True)
+    # A model converted before without the key gets it on a second conversion, checked alike.
+    model = nn.Sequential(_lora())
+    convert_lora_to_fp8(model, emulate=True)
+    assert not model[0].fp8_adapter_inputs
+    convert_lora_to_fp8(model, emulate=True, fp8_adapter_inputs=True)
+    assert model[0].fp8_adapter_inputs
     from omegaconf import OmegaConf
 
     from tune_recipes.validation import fp8_lora_problem
 
     cfg = OmegaConf.create({"fp8_adapter_inputs": True, "model": {
-        "_component_": "torchtune.models.llama3_1.lora_llama3_1_8b"}})
+        "_component_": "torchtune.models.llama3_1.lora_llama3_1_8b", "lora_dropout": 0.0}})
     assert "fp8_adapter_inputs=True needs enable_fp8_training=True" in fp8_lora_problem(cfg)
     cfg.enable_fp8_training = True
     assert fp8_lora_problem(cfg) is None
+    cfg.model.lora_dropout = 0.05
+    assert "fp8_adapter_inputs=True with model.lora_dropout=0.05" in fp8_lora_problem(cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_adapter_inputs_scaled_mm_matches_the_emulation():
+    _fp8_gpu()
+    lora = _lora(use_bias=True).cuda()
+    real = FP8LoRALinear.from_lora_linear(copy.deepcopy(lora), fp8_adapter_inputs=True)
+    emul = FP8LoRALinear.from_lora_linear(copy.deepcopy(lora), emulate=True, fp8_adapter_inputs=True)
+    torch.manual_seed(8)
+    x = torch.randn(4, 64, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    g = torch.randn(4, 64, 256, dtype=torch.bfloat16, device="cuda")
+    (out_r, gx_r), (out_e, gx_e) = _run(real, x, g), _run(emul, x, g)
+    # As test_gpu_scaled_mm_matches_the_emulation: only the accumulation and output rounding differ.
+    assert _rel(out_r, out_e) < 2 ** -6 and _rel(gx_r, gx_e) < 2 ** -6
+    for name in ("lora_a.weight", "lora_b.weight"):
+        assert _rel(real.get_parameter(name).grad, emul.get_parameter(name).grad) < 2 ** -6, name

@@ -136,7 +136,9 @@ def _train(convert: bool, fp8_base: bool, steps: int = 25):
     for n, p in model.named_parameters():
         p.requires_grad_("lora" in n)
     if fp8_base:
-        convert_lora_to_fp8(model, emulate=True)
+        # "adapter_inputs": with fp8_adapter_inputs too (the MLP's down adapter then follows
+        # this module's rules; the others take the base product's e4m3 input).
+        convert_lora_to_fp8(model, emulate=True, fp8_adapter_inputs=fp8_base == "adapter_inputs")
     if convert:
         convert_mlps_to_fp8_saved(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
@@ -153,11 +155,13 @@ def _train(convert: bool, fp8_base: bool, steps: int = 25):
     return losses
 
 
-@pytest.mark.parametrize("fp8_base", [False, True])
+@pytest.mark.parametrize("fp8_base", [False, True, "adapter_inputs"])
 def test_a_tiny_lora_model_trains_like_bf16(fp8_base):
-    ref, got = _train(False, fp8_base), _train(True, fp8_base)
+    # The combination with fp8_adapter_inputs is a shorter run (CI time): 10 steps.
+    steps = 10 if fp8_base == "adapter_inputs" else 25
+    ref, got = _train(False, fp8_base, steps), _train(True, fp8_base, steps)
     assert got[0] == ref[0]  # the forward is exact
-    assert ref[-1] < ref[0] - 0.5  # it learns
+    assert ref[-1] < ref[0] - (0.5 if steps == 25 else 0.2)  # it learns
     # bf16 noise plus e4m3 backward: within 2% + 0.02 nats of the same run without it.
     for a, b in zip(ref, got):
         assert abs(a - b) <= 0.02 * a + 0.02, (ref, got)
