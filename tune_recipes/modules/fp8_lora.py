@@ -45,8 +45,7 @@ SwiGLU output and most of the normed inputs are no longer kept). Llama-3.1-8B, b
 2048, compiled, on an H200: 26.73 -> 21.43 GiB at the same speed. Only lora_a's gradient
 changes: it sees x rounded to e4m3 (at most 2^-4 relative per element), as torchao's float8
 training does for every weight gradient (there with an FP8 output gradient too); the forward,
-the loss, lora_b's gradient and the input gradient are the default path's operations in its
-order. LoRA dropout is a ``ConfigError`` with it (the adapter's input would not be the base
+the loss, lora_b's gradient and the input gradient are the default path's up to rounding. LoRA dropout is a ``ConfigError`` with it (the adapter's input would not be the base
 product's). ``fp8_mlp_activations`` replaces the MLP's forward and computes the down
 projection's adapter itself, so with both keys the down adapter follows that key's rules.
 
@@ -169,10 +168,11 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
     (A [rank, in], B [out, rank]) in one function, so that backward can take the adapter's
     input from the e4m3 copy of x the base product made anyway (``fp8_adapter_inputs``).
 
-    Forward and backward run ``FP8LoRALinear``'s default path's operations in its order, but
-    for one: A's gradient is grad_a^T @ x8, x8 being x rounded to e4m3 with one scale per tensor
-    (the base product's operand), instead of grad_a^T @ x. What this function keeps of x is
-    1 byte an element instead of 2. NOTE: per projection; in eager mode sibling projections of
+    Forward runs ``FP8LoRALinear``'s default path's operations in its order; backward computes
+    the same gradients up to rounding (the scale is applied to the small products), but for one:
+    A's gradient is grad_a^T @ x8, x8 being x rounded to e4m3 with one scale per tensor (the
+    base product's operand), instead of grad_a^T @ x. What this function keeps of x is 1 byte an
+    element instead of 2. NOTE: per projection; in eager mode sibling projections of
     one input (q and v, gate and up) each keep their own e4m3 copy where plain LoRA shares one
     bf16 x, so the saving is small there; under compile (what the recipe runs with FP8) the
     partitioner recomputes the copies in backward from what the layer keeps anyway.
@@ -202,13 +202,14 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
         weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a = ctx.saved_tensors
         need_x, _, _, need_bias, need_a, need_b, _, _ = ctx.needs_input_grad
         g2 = _rows(grad_out)
-        # The gradient reaching lora_b's output, as autograd forms it: scale first.
-        g_scaled = ctx.scale * g2
+        # NOTE: the scale multiplies the [.., rank] products, not grad_out: autograd's order
+        # (scale * grad_out first) would write and read a second [tokens, out] tensor per
+        # adapter, ~20 GB a step at 8B. Only rounding differs.
         grad_x = grad_bias = grad_a_weight = grad_b_weight = None
         if need_b:
-            grad_b_weight = g_scaled.t() @ a
+            grad_b_weight = ctx.scale * (g2.t() @ a)
         if need_x or need_a:
-            grad_a = g_scaled @ b_weight  # [tokens, rank]
+            grad_a = ctx.scale * (g2 @ b_weight)  # [tokens, rank]
             if need_a:
                 # e4m3 values are exact in bf16: multiply the e4m3 copy as is, scale the product.
                 grad_a_weight = (grad_a.t() @ x_fp8.to(grad_a.dtype)) * x_inv

@@ -367,10 +367,13 @@ def test_adapter_inputs_change_only_lora_a_grad_to_the_e4m3_input(dtype):
     x = torch.randn(2, 48, 512, dtype=dtype, requires_grad=True)
     g = torch.randn(2, 48, 256, dtype=dtype)
     (out_ref, gx_ref), (out_new, gx_new) = _run(ref, x, g), _run(new, x, g)
-    # The default path's operations in its order (on [tokens, features] rows): equal results.
+    # Forward: the default path's operations in its order (on [tokens, features] rows). The
+    # input and lora_b gradients: the same up to rounding (the scale multiplies the rank-sized
+    # products instead of grad_out), one rounding step of the dtype.
     assert torch.equal(out_new, out_ref)
-    assert torch.equal(gx_new, gx_ref)
-    assert torch.equal(new.lora_b.weight.grad, ref.lora_b.weight.grad)
+    eps = torch.finfo(dtype).eps
+    assert _rel(gx_new, gx_ref) < eps
+    assert _rel(new.lora_b.weight.grad, ref.lora_b.weight.grad) < eps
     # lora_a's gradient: grad_a^T @ x8 (x rounded to e4m3, one scale), checked in float64 from
     # the same grad_a; within e4m3 rounding of the unrounded one, but not equal to it.
     scale = new.alpha / new.rank
@@ -392,12 +395,12 @@ def test_adapter_inputs_with_one_factor_frozen(frozen):
     x = torch.randn(2, 32, 512, requires_grad=True)
     g = torch.randn(2, 32, 256)
     (_, gx_ref), (_, gx_new) = _run(ref, x, g), _run(new, x, g)
-    assert torch.equal(gx_new, gx_ref)
+    assert _rel(gx_new, gx_ref) < 1e-6
     assert new.get_submodule(frozen).weight.grad is None
     trained = "lora_b" if frozen == "lora_a" else "lora_a"
     got, want = new.get_submodule(trained).weight.grad, ref.get_submodule(trained).weight.grad
     if trained == "lora_b":
-        assert torch.equal(got, want)
+        assert _rel(got, want) < 1e-6
     else:  # the e4m3 input: close, not equal
         assert 1e-3 < _rel(got, want) < U4 / math.sqrt(3)
 
@@ -426,7 +429,7 @@ def test_adapter_inputs_without_an_input_gradient_skip_the_base_backward(monkeyp
 
     monkeypatch.setattr(fp8_lora, "_base_grad_input", refuse)
     _run(new, x, g)
-    assert torch.equal(new.lora_b.weight.grad, ref.lora_b.weight.grad)
+    assert _rel(new.lora_b.weight.grad, ref.lora_b.weight.grad) < torch.finfo(torch.bfloat16).eps
     assert new.lora_a.weight.grad is not None
 
 
