@@ -168,7 +168,7 @@ for step in "$@"; do
             # try with 165 s was killed inside the whole-model compile (checkpoint 33 s, then > 130 s).
             timeout 420 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
               --only ours_best_model_profiled --run-timeout 400 --out "$OUT/profiled_full_1b.json" > /tmp/where1b_prof.log 2>&1
-            python3 scripts/trace_summary.py /tmp/bw/prof_ours_best_model > /tmp/where1b_traces.txt 2>&1
+            python3 scripts/trace_summary.py --top 80 /tmp/bw/prof_ours_best_model > /tmp/where1b_traces.txt 2>&1
             tar czf "$OUT/where1b.tgz" /tmp/where1b*.log /tmp/where1b_traces.txt /tmp/bw/full_1b_*profiled*.log 2>/dev/null
             grep -h "rror" /tmp/where1b_prof.log | cut -c1-250; cut -c1-150 /tmp/where1b_traces.txt ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
@@ -176,7 +176,7 @@ for step in "$@"; do
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
               --only stock_best_profiled,ours_fp8_embcpu_profiled --run-timeout 200 \
               --out "$OUT/profiled_lora_8b.json" > /tmp/where8b_prof.log 2>&1
-            python3 scripts/trace_summary.py /tmp/bw/prof_stock_best_8b /tmp/bw/prof_ours_fp8_embcpu_8b > /tmp/where8b_traces.txt 2>&1
+            python3 scripts/trace_summary.py --top 80 /tmp/bw/prof_stock_best_8b /tmp/bw/prof_ours_fp8_embcpu_8b > /tmp/where8b_traces.txt 2>&1
             tar czf "$OUT/where8b.tgz" /tmp/where8b*.log /tmp/where8b_traces.txt /tmp/bw/lora_8b_*profiled*.log 2>/dev/null
             grep -h "rror" /tmp/where8b_prof.log | cut -c1-250; cut -c1-150 /tmp/where8b_traces.txt ;;
     offload) timeout 120 python3 -m tune_recipes run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed \

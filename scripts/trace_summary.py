@@ -1,7 +1,9 @@
 """Where a profiled step's GPU time goes: sums the kernels of a torch.profiler chrome trace
 (``.json`` or ``.json.gz``, as torchtune's profiler writes them) by kind, per profiled step.
 
-    python3 scripts/trace_summary.py /tmp/bw/prof_ours_best [more dirs or files ...]
+    python3 scripts/trace_summary.py [--top N] /tmp/bw/prof_ours_best [more dirs or files ...]
+
+(--top N: list the N kernels with the most time per trace; 12 unless set.)
 
 Kinds are matched on kernel names (first match wins): FP8 GEMMs, other GEMMs, attention,
 Triton kernels (compiled elementwise/reduction code and our fused loss), optimizer, collectives,
@@ -67,12 +69,19 @@ def summarize(path: Path) -> None:
     for k in kernels:
         top[k["name"]] = top.get(k["name"], 0.0) + k["dur"] / 1000
     print("top kernels (ms per step):")
-    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
+    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:TOP]:
         print(f"  {ms / n_steps:7.2f}  {name[:110]}")
 
 
+TOP = 12  # kernels listed per trace; --top N sets it
+
+
 def main():
-    for arg in sys.argv[1:]:
+    global TOP
+    args = sys.argv[1:]
+    if args[:1] == ["--top"]:
+        TOP, args = int(args[1]), args[2:]
+    for arg in args:
         p = Path(arg)
         files = sorted(p.rglob("*.json*")) if p.is_dir() else [p]
         for f in files:
