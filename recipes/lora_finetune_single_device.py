@@ -63,7 +63,7 @@ CONFIG_KEYS = {
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
     "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",
-    "embedding_on_cpu", "fp8_mlp_activations", "fp8_adapter_inputs",
+    "embedding_on_cpu", "fp8_mlp_activations", "fp8_adapter_inputs", "fp8_transposed_weight_layers",
 }
 
 
@@ -94,6 +94,7 @@ class LoRAFinetuneRecipeSingleDevice:
             fp8=self._fp8, embedding_on_cpu=self._embedding_on_cpu,
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
             fp8_adapter_inputs=cfg.get("fp8_adapter_inputs", False),
+            fp8_transposed_weight_layers=cfg.get("fp8_transposed_weight_layers", 0),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

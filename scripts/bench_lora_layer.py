@@ -12,6 +12,8 @@ Variants:
   bf16          torchtune's LoRALinear, bf16 base (what stock runs)
   fp8           enable_fp8_training: frozen base products in FP8 (FP8LoRALinear)
   fp8_inputs    + fp8_adapter_inputs: the adapters' weight gradients from the base's e4m3 input
+  fp8_inputs_t  + every layer's FP8 weights also stored transposed (fp8_transposed_weight_layers):
+                backward's column-major operand without a transpose copy
 
 (Commit 21eff57's version also timed the adapters' second products computed inside the adding
 kernel, a multiply-sum over the rank: 8.71 ms a layer against 5.61 on an H200, 2026-12-01.)
@@ -46,7 +48,8 @@ def build(args, variant: str):
             torch.nn.init.normal_(p, std=0.02)
     if variant != "bf16":
         fp8_lora.convert_lora_to_fp8(model, emulate=args.device == "cpu",
-                                     fp8_adapter_inputs=variant.startswith("fp8_inputs"))
+                                     fp8_adapter_inputs=variant.startswith("fp8_inputs"),
+                                     transposed_weight_layers=args.layers if variant.endswith("_t") else 0)
     layers = list(model.layers)
     for layer in layers:
         layer.compile()
@@ -97,7 +100,7 @@ def run(args, variant: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="bf16,fp8,fp8_inputs")
+    parser.add_argument("--variants", default="bf16,fp8,fp8_inputs,fp8_inputs_t")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=14336)

@@ -249,6 +249,13 @@ CASES = {
             _v("ours_fp8_ain_embcpu", "ours",
                "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", head=True, loss=_FUSED,
                compile=True, enable_fp8_training=True, fp8_adapter_inputs=True, embedding_on_cpu=True),
+            # The memory fp8_adapter_inputs frees, spent on speed: layers 0-19 keep their FP8
+            # weights transposed too (fp8_transposed_weight_layers), no transpose copy in their
+            # backward; ~0.2 GiB a layer at 8B, so ~25.7 GiB (0.74x stock) predicted.
+            _v("ours_fp8_ain_embcpu_t20", "ours",
+               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory + 20 layers' weights also transposed",
+               head=True, loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True,
+               embedding_on_cpu=True, fp8_transposed_weight_layers=20),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
             # Where the time goes at 8B: each side's best under torch.profiler (steps 7-9).

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -171,6 +171,15 @@ for step in "$@"; do
             python3 scripts/trace_summary.py --top 80 /tmp/bw/prof_ours_best_model > /tmp/where1b_traces.txt 2>&1
             tar czf "$OUT/where1b.tgz" /tmp/where1b*.log /tmp/where1b_traces.txt /tmp/bw/full_1b_*profiled*.log 2>/dev/null
             grep -h "rror" /tmp/where1b_prof.log | cut -c1-250; cut -c1-150 /tmp/where1b_traces.txt ;;
+    tw8b)   # Issue #15 next (~9 min): the FP8 weights also stored transposed (fp8_transposed_weight_layers).
+            # The 8B-shaped layers alone (FP8 + adapter inputs, with and without), then 8B LoRA stock /
+            # ours best / ours best + 20 layers transposed, 2 alternating reps.
+            ensure_ckpt8b &
+            timeout 150 python3 scripts/bench_lora_layer.py --layers 2 --reps 2 --variants fp8_inputs,fp8_inputs_t \
+              --out "$OUT/lora_layer_t.json" 2>&1 | grep -v "Warning\|Skipping\|quant_api" | tail -5
+            wait
+            bench_on 0 lora_8b stock_best,ours_fp8_ain_embcpu,ours_fp8_ain_embcpu_t20 2 tw8b_lora_8b; wait
+            finish_bench tw8b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \

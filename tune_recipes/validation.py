@@ -232,6 +232,7 @@ SCHEMA: List[Rule] = [
     Rule("embedding_on_cpu", boolean),
     Rule("fp8_mlp_activations", boolean),
     Rule("fp8_adapter_inputs", boolean),
+    Rule("fp8_transposed_weight_layers", integer(0)),
     Rule("custom_sharded_layers", optional(list_of(text))),
     Rule("collate_fn", text),
     Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),
@@ -344,10 +345,16 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     frozen bf16 base of each LoRALinear once, with one scale per tensor
     (tune_recipes/modules/fp8_lora.py): an NF4 base (QLoRA) has no bf16 base to quantize, DoRA
     is not implemented, and ``fp8_recipe_name`` can only be ``tensorwise``; ``fp8_adapter_inputs``
-    needs ``enable_fp8_training`` and no LoRA dropout. The one check both
+    needs ``enable_fp8_training`` and no LoRA dropout, ``fp8_transposed_weight_layers`` needs
+    ``enable_fp8_training``. The one check both
     ``tune validate`` (CROSS_KEY) and the recipe's start (training/setup/fp8.fp8_lora_wanted)
     make; the conversion itself refuses the same layers by type, for builders this cannot
     read."""
+    layers = cfg.get("fp8_transposed_weight_layers", 0)
+    if layers and cfg.get("enable_fp8_training", False) is not True:
+        return (f"fp8_transposed_weight_layers={layers} needs enable_fp8_training=True: it keeps a "
+                "second layout of the FP8 base weights; set enable_fp8_training=True or "
+                "fp8_transposed_weight_layers=0")
     if cfg.get("fp8_adapter_inputs", False) is True:
         if cfg.get("enable_fp8_training", False) is not True:
             return ("fp8_adapter_inputs=True needs enable_fp8_training=True: the adapters' inputs "

@@ -31,6 +31,9 @@ backward call (``.t().contiguous().t()``, as torchao does for its weight): for t
 6.85 GB read + 6.85 GB written per micro-batch, ~3.5 ms at H200 bandwidth against a ~260 ms
 bf16 step (about 1-2% of an FP8 step), plus one transient weight (at most 59 MB). We store one
 layout: half the base memory for ~2% of the step (an estimate: not yet measured on a GPU).
+``fp8_transposed_weight_layers`` N (``keep_transposed_weight``) stores the second layout for the
+first N transformer layers: memory for speed, where memory is left over (e.g. what
+``fp8_adapter_inputs`` frees).
 
 ``fp8_adapter_inputs`` (opt-in, a precision trade of its own). The adapter's first product
 needs its input x again in backward (lora_a's gradient is grad_a^T @ x), so plain LoRA keeps x
@@ -63,6 +66,7 @@ the real FP8 matmul, which needs a CUDA GPU with compute capability >= 8.9 (chec
 ``training.setup.fp8.fp8_recipe_wanted`` before any model is built).
 """
 
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -121,12 +125,13 @@ def _base_forward(x2: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: 
 
 
 def _base_grad_input(g2: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
-                     emulate: bool) -> torch.Tensor:
-    """g2 [tokens, out] @ W, the base product's input gradient, g2 cast to e5m2."""
+                     emulate: bool, weight_fp8_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """g2 [tokens, out] @ W, the base product's input gradient, g2 cast to e5m2; ``weight_fp8_t``
+    is W's e4m3 copy stored transposed ([in, out], row-major), where the module keeps one."""
     g_fp8, g_inv = to_float8(g2, E5M2)
     # NOTE: the second operand must be column-major: W [out, in] laid out as W^T. One copy
-    # per call instead of a stored second layout (the module docstring says why).
-    w_col = weight_fp8.t().contiguous().t()
+    # per call unless the module stores it (the module docstring says why).
+    w_col = weight_fp8_t.t() if weight_fp8_t is not None else weight_fp8.t().contiguous().t()
     return _mm(g_fp8, g_inv, w_col, weight_inv_scale, g2.dtype, False, emulate)
 
 
@@ -141,26 +146,29 @@ class _FrozenFP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
-                emulate: bool) -> torch.Tensor:
+                emulate: bool, weight_fp8_t: Optional[torch.Tensor]) -> torch.Tensor:
         out, _, _ = _base_forward(_rows(x), weight_fp8, weight_inv_scale, emulate)
         # Nothing of x is kept: the base product has no weight gradient.
-        ctx.save_for_backward(weight_fp8, weight_inv_scale)
+        ctx.save_for_backward(weight_fp8, weight_inv_scale, weight_fp8_t)
         ctx.emulate = emulate
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        weight_fp8, weight_inv_scale = ctx.saved_tensors
-        grad_x = _base_grad_input(_rows(grad_out), weight_fp8, weight_inv_scale, ctx.emulate)
-        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), None, None, None
+            return None, None, None, None, None
+        weight_fp8, weight_inv_scale, weight_fp8_t = ctx.saved_tensors
+        grad_x = _base_grad_input(_rows(grad_out), weight_fp8, weight_inv_scale, ctx.emulate,
+                                  weight_fp8_t)
+        return grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1]), None, None, None, None
 
 
 def frozen_fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
-                      emulate: bool = False) -> torch.Tensor:
-    """``F.linear(x, W)`` for a frozen W given as ``to_float8(W, E4M3)``; differentiable in x."""
-    return _FrozenFP8Matmul.apply(x, weight_fp8, weight_inv_scale, emulate)
+                      emulate: bool = False, weight_fp8_t: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+    """``F.linear(x, W)`` for a frozen W given as ``to_float8(W, E4M3)``; differentiable in x.
+    ``weight_fp8_t``: the same e4m3 values stored transposed, if kept (no transpose in backward)."""
+    return _FrozenFP8Matmul.apply(x, weight_fp8, weight_inv_scale, emulate, weight_fp8_t)
 
 
 class _FrozenFP8LoRAMatmul(torch.autograd.Function):
@@ -185,7 +193,7 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,
                 bias: Optional[torch.Tensor], a_weight: torch.Tensor, b_weight: torch.Tensor,
-                scale: float, emulate: bool) -> torch.Tensor:
+                scale: float, emulate: bool, weight_fp8_t: Optional[torch.Tensor]) -> torch.Tensor:
         x2 = _rows(x)
         out, x_fp8, x_inv = _base_forward(x2, weight_fp8, weight_inv_scale, emulate)
         if bias is not None:
@@ -193,14 +201,15 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
         a = x2 @ a_weight.t()  # [tokens, rank]
         out = out + scale * (a @ b_weight.t())
         # NOTE: x8, not x: the point of the function. Saving x here would undo the saving.
-        ctx.save_for_backward(weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a)
+        ctx.save_for_backward(weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a,
+                              weight_fp8_t)
         ctx.scale, ctx.emulate = scale, emulate
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a = ctx.saved_tensors
-        need_x, _, _, need_bias, need_a, need_b, _, _ = ctx.needs_input_grad
+        weight_fp8, weight_inv_scale, x_fp8, x_inv, a_weight, b_weight, a, weight_fp8_t = ctx.saved_tensors
+        need_x, _, _, need_bias, need_a, need_b, _, _, _ = ctx.needs_input_grad
         g2 = _rows(grad_out)
         # NOTE: the scale multiplies the [.., rank] products, not grad_out: autograd's order
         # (scale * grad_out first) would write and read a second [tokens, out] tensor per
@@ -214,11 +223,11 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
                 # e4m3 values are exact in bf16: multiply the e4m3 copy as is, scale the product.
                 grad_a_weight = (grad_a.t() @ x_fp8.to(grad_a.dtype)) * x_inv
             if need_x:
-                grad_x = _base_grad_input(g2, weight_fp8, weight_inv_scale, ctx.emulate)
+                grad_x = _base_grad_input(g2, weight_fp8, weight_inv_scale, ctx.emulate, weight_fp8_t)
                 grad_x = (grad_x + grad_a @ a_weight).reshape(*grad_out.shape[:-1], grad_x.shape[-1])
         if need_bias:
             grad_bias = g2.sum(0)
-        return grad_x, None, None, grad_bias, grad_a_weight, grad_b_weight, None, None
+        return grad_x, None, None, grad_bias, grad_a_weight, grad_b_weight, None, None, None
 
 
 class FP8LoRALinear(LoRALinear):
@@ -263,6 +272,7 @@ class FP8LoRALinear(LoRALinear):
         # and backward saves this weight.
         new.register_buffer("weight_fp8", nn.Buffer(q, persistent=False), persistent=False)
         new.register_buffer("weight_inv_scale", nn.Buffer(inv, persistent=False), persistent=False)
+        new.register_buffer("weight_fp8_t", None, persistent=False)  # keep_transposed_weight()
         # NOTE: the bf16 original, kept exactly (on CPU) for state_dict() and the merged save;
         # do not "simplify" it to a dequantized copy: the merged model would change.
         new.weight = nn.Parameter(weight.to("cpu", copy=True), requires_grad=False)
@@ -272,6 +282,14 @@ class FP8LoRALinear(LoRALinear):
             new.fp8_adapter_inputs = True
         return new
 
+    def keep_transposed_weight(self) -> None:
+        """Store the e4m3 weight a second time, transposed, for backward's column-major operand:
+        no transpose copy per backward, for as much GPU memory again as ``weight_fp8``."""
+        if self.weight_fp8_t is None:
+            # NOTE: an nn.Buffer for the reason weight_fp8 is one (activation offloading).
+            self.register_buffer("weight_fp8_t", nn.Buffer(self.weight_fp8.t().contiguous(),
+                                                           persistent=False), persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_adapter_inputs and not self.disabled:
             # NOTE: reads lora_a's and lora_b's weights directly (forward hooks on those two
@@ -279,8 +297,9 @@ class FP8LoRALinear(LoRALinear):
             # this key. A disabled adapter takes the plain path below (the base product only).
             return _FrozenFP8LoRAMatmul.apply(x, self.weight_fp8, self.weight_inv_scale, self.bias,
                                               self.lora_a.weight, self.lora_b.weight,
-                                              self.alpha / self.rank, self.emulate)
-        out = frozen_fp8_linear(x, self.weight_fp8, self.weight_inv_scale, self.emulate)
+                                              self.alpha / self.rank, self.emulate, self.weight_fp8_t)
+        out = frozen_fp8_linear(x, self.weight_fp8, self.weight_inv_scale, self.emulate,
+                                self.weight_fp8_t)
         if self.bias is not None:
             out = out + self.bias
         if self.disabled:
@@ -304,13 +323,22 @@ def _eligible(module: LoRALinear, name: str) -> bool:
     return module.in_dim % 16 == 0 and module.out_dim % 16 == 0
 
 
+def layer_index(name: str) -> Optional[int]:
+    """The transformer layer a module belongs to, from its state-dict name (``layers.<i>.``)."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
 def convert_lora_to_fp8(model: nn.Module, emulate: bool = False,
-                        fp8_adapter_inputs: bool = False) -> List[str]:
+                        fp8_adapter_inputs: bool = False,
+                        transposed_weight_layers: int = 0) -> List[str]:
     """Swap every eligible ``LoRALinear`` of ``model`` for an ``FP8LoRALinear``, in place;
     returns the names of the modules that compute in FP8. Call it after the base weights are loaded (they are
     quantized here, once) and before the first forward (compile traces lazily, so a model
-    already marked for compile is fine). A ``ConfigError`` for DoRA, an NF4 base, another
-    ``LoRALinear`` subclass, or a model with nothing to convert."""
+    already marked for compile is fine). With ``transposed_weight_layers`` N, the modules of
+    transformer layers 0..N-1 also keep their e4m3 weight transposed for backward
+    (``FP8LoRALinear.keep_transposed_weight``: memory for speed). A ``ConfigError`` for DoRA,
+    an NF4 base, another ``LoRALinear`` subclass, or a model with nothing to convert."""
     converted: List[str] = []
 
     def swap(parent: nn.Module, prefix: str) -> None:
@@ -344,4 +372,9 @@ def convert_lora_to_fp8(model: nn.Module, emulate: bool = False,
     if not converted:
         raise ConfigError("enable_fp8_training=True, but the model has no LoRALinear whose dims "
                           "are multiples of 16 (the output projection is never converted)")
+    if transposed_weight_layers:
+        for name, module in model.named_modules():
+            index = layer_index(state_dict_key(name))
+            if isinstance(module, FP8LoRALinear) and index is not None and index < transposed_weight_layers:
+                module.keep_transposed_weight()
     return converted

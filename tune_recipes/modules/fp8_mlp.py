@@ -91,7 +91,7 @@ def _frozen_base(down: LoRALinear, h: torch.Tensor) -> torch.Tensor:
     # NOTE: an FP8LoRALinear's fp8_adapter_inputs does not apply here: this module saves g and u
     # in e4m3 and recomputes the adapter's input h from them (its own rounding, per row).
     if isinstance(down, FP8LoRALinear):
-        out = frozen_fp8_linear(h, down.weight_fp8, down.weight_inv_scale, down.emulate)
+        out = frozen_fp8_linear(h, down.weight_fp8, down.weight_inv_scale, down.emulate, down.weight_fp8_t)
         return out + down.bias if down.bias is not None else out
     if getattr(down, "_quantize_base", False):
         from torchao.dtypes.nf4tensor import linear_nf4

@@ -480,3 +480,52 @@ def test_gpu_adapter_inputs_scaled_mm_matches_the_emulation():
     assert _rel(out_r, out_e) < 2 ** -6 and _rel(gx_r, gx_e) < 2 ** -6
     for name in ("lora_a.weight", "lora_b.weight"):
         assert _rel(real.get_parameter(name).grad, emul.get_parameter(name).grad) < 2 ** -6, name
+
+
+# ---------------------------------------------------------------- fp8_transposed_weight_layers
+@pytest.mark.parametrize("adapter_inputs", [False, True])
+def test_a_stored_transposed_weight_gives_the_same_gradients(adapter_inputs):
+    plain = FP8LoRALinear.from_lora_linear(_lora(use_bias=True), emulate=True,
+                                           fp8_adapter_inputs=adapter_inputs)
+    stored = copy.deepcopy(plain)
+    stored.keep_transposed_weight()
+    assert plain.weight_fp8_t is None
+    assert stored.weight_fp8_t.shape == (512, 256) and stored.weight_fp8_t.is_contiguous()
+    assert torch.equal(stored.weight_fp8_t, stored.weight_fp8.t())  # same e4m3 values
+    assert "weight_fp8_t" not in stored.state_dict()  # not persistent, like weight_fp8
+    torch.manual_seed(9)
+    x = torch.randn(2, 32, 512, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(2, 32, 256, dtype=torch.bfloat16)
+    (out_p, gx_p), (out_s, gx_s) = _run(plain, x, g), _run(stored, x, g)
+    assert torch.equal(out_s, out_p) and torch.equal(gx_s, gx_p)
+    for name in ("lora_a.weight", "lora_b.weight"):
+        assert torch.equal(stored.get_parameter(name).grad, plain.get_parameter(name).grad), name
+
+
+def test_the_stored_transposed_weight_meets_scaled_mm_layout_rules():
+    # On the meta device: the stored copy's .t() must be the column-major operand backward needs.
+    q, inv = to_float8(torch.empty(256, 512, dtype=torch.bfloat16, device="meta"), E4M3)
+    x = torch.empty(4, 64, 512, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    out = frozen_fp8_linear(x, q, inv, weight_fp8_t=q.t().contiguous())
+    out.backward(torch.empty_like(out))
+    assert x.grad.shape == x.shape
+
+
+def test_transposed_weight_layers_pick_the_first_layers_and_need_fp8():
+    from tune_recipes.modules.fp8_lora import layer_index
+
+    assert layer_index("layers.3.attn.q_proj") == 3 and layer_index("layers.12.mlp.w1") == 12
+    assert layer_index("output") is None and layer_index("my_layers.1.x") is None
+    model = _tiny_lora().to(torch.bfloat16)
+    converted = convert_lora_to_fp8(model, emulate=True, transposed_weight_layers=1)
+    kept = {n for n in converted if model.get_submodule(n).weight_fp8_t is not None}
+    assert kept and kept == {n for n in converted if n.startswith("layers.0.")}
+    from omegaconf import OmegaConf
+
+    from tune_recipes.validation import fp8_lora_problem
+
+    cfg = OmegaConf.create({"fp8_transposed_weight_layers": 2, "model": {
+        "_component_": "torchtune.models.llama3_1.lora_llama3_1_8b"}})
+    assert "needs enable_fp8_training=True" in fp8_lora_problem(cfg)
+    cfg.enable_fp8_training = True
+    assert fp8_lora_problem(cfg) is None

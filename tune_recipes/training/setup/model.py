@@ -76,7 +76,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      ac_interval: Optional[int] = None,
                      fp8: bool = False, compile_scope: Optional[str] = None,
                      embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False,
-                     fp8_adapter_inputs: bool = False):
+                     fp8_adapter_inputs: bool = False, fp8_transposed_weight_layers: int = 0):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
@@ -87,7 +87,9 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     (``modules.host_embedding``); with ``fp8_mlp_activations`` each MLP keeps its intermediate
     products in FP8 for backward (``modules.fp8_mlp``); with ``fp8_adapter_inputs`` (and ``fp8``)
     the adapters' weight gradients read the FP8 base product's e4m3 input, so backward keeps 1
-    byte of each adapter input instead of 2 (``modules.fp8_lora``). Returns ``(model, LoRASpec)``."""
+    byte of each adapter input instead of 2 (``modules.fp8_lora``); with
+    ``fp8_transposed_weight_layers`` N the first N transformer layers' FP8 weights are also kept
+    transposed, so their backward needs no transpose copy. Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -132,10 +134,13 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         # NOTE: after both loads (each base weight is quantized here, once, from the loaded
         # values) and before the first forward (compile above only marks the layers; they are
         # traced at their first call, with the FP8 modules in place).
-        converted = convert_lora_to_fp8(model, fp8_adapter_inputs=fp8_adapter_inputs)
+        converted = convert_lora_to_fp8(model, fp8_adapter_inputs=fp8_adapter_inputs,
+                                        transposed_weight_layers=fp8_transposed_weight_layers)
         log.info("FP8 LoRA: %d frozen base projections in float8 e4m3 (tensorwise); their bf16 "
-                 "weights are in CPU memory%s", len(converted),
-                 "; the adapters' weight gradients read their e4m3 inputs" if fp8_adapter_inputs else "")
+                 "weights are in CPU memory%s%s", len(converted),
+                 "; the adapters' weight gradients read their e4m3 inputs" if fp8_adapter_inputs else "",
+                 f"; layers 0-{fp8_transposed_weight_layers - 1} also keep them transposed for backward"
+                 if fp8_transposed_weight_layers else "")
     if fp8_mlp_activations:
         # After the FP8 base conversion: the swapped MLPs call their down projection's base
         # product themselves, FP8 or not.
