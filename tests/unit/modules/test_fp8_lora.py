@@ -202,11 +202,13 @@ def test_the_real_fp8_matmul_needs_cuda_and_small_or_odd_layers_stay():
         convert_lora_to_fp8(nn.Sequential(_lora(24, 256)), emulate=True)
 
 
-@pytest.mark.parametrize("adapter_inputs", [False, True])
-def test_compiles_as_one_graph_forward_and_backward(adapter_inputs):
+@pytest.mark.parametrize("adapter_inputs,transposed", [(False, False), (True, False), (True, True)])
+def test_compiles_as_one_graph_forward_and_backward(adapter_inputs, transposed):
     # fullgraph: no .item(), no branch on tensor values (the recipe compiles every layer).
     layer = FP8LoRALinear.from_lora_linear(_lora(use_bias=True), emulate=True,
                                            fp8_adapter_inputs=adapter_inputs)
+    if transposed:
+        layer.keep_transposed_weight()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     torch.manual_seed(6)
     x = torch.randn(2, 48, 512, dtype=torch.bfloat16)
