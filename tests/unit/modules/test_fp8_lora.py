@@ -469,10 +469,13 @@ def test_adapter_inputs_refuse_dropout_and_need_fp8():
 
 
 @pytest.mark.gpu
-def test_gpu_adapter_inputs_scaled_mm_matches_the_emulation():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gpu_adapter_inputs_scaled_mm_matches_the_emulation(transposed):
     _fp8_gpu()
     lora = _lora(use_bias=True).cuda()
     real = FP8LoRALinear.from_lora_linear(copy.deepcopy(lora), fp8_adapter_inputs=True)
+    if transposed:  # fp8_transposed_weight_layers: backward's operand stored, not copied
+        real.keep_transposed_weight()
     emul = FP8LoRALinear.from_lora_linear(copy.deepcopy(lora), emulate=True, fp8_adapter_inputs=True)
     torch.manual_seed(8)
     x = torch.randn(4, 64, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
