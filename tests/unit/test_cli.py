@@ -110,6 +110,18 @@ def test_every_shipped_config_parses_and_validates(capsys):
         assert rc == 0, f"{name}: {err}"
 
 
+def test_validate_finds_the_recipe_from_a_config_file_path(capsys, tmp_path):
+    # A path (the shipped file, or a copy named like it) gets the recipe's key checks too, not
+    # only the component bindings: a key only that recipe refuses must fail.
+    shipped = Path(registry.resolve_config("tiny/lora_single_device").path)
+    copy = tmp_path / "my_lora_single_device.yml"
+    copy.write_text(shipped.read_text())
+    for path in (shipped, copy):
+        assert registry.recipe_for_config(str(path)) == "lora_finetune_single_device"
+        rc, out, err = _run(capsys, "validate", str(path), "fp8_adapter_inputs=True", "--portable")
+        assert rc != 0 and "fp8_adapter_inputs=True needs enable_fp8_training=True" in err, (out, err)
+
+
 def test_installed_tune_script_is_ours():
     exe = Path(sys.executable).parent / "tune"
     if not exe.exists():
