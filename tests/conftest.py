@@ -6,6 +6,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# NOTE: under pytest-xdist (pyproject's -n 2) each worker is a process of its own, and torch
+# gives each as many intra-op threads as the machine has cores: on CI's 2 cores, 2 workers x 2
+# threads oversubscribe them, and a bf16 CPU test ran 53 s there against 15 s alone. Each
+# worker gets its share of the cores. (torchrun's ranks already run with OMP_NUM_THREADS=1.)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
