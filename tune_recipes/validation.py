@@ -340,6 +340,15 @@ def _is_lora_model(cfg: DictConfig) -> bool:
             or _value(cfg, "model.lora_rank") is not _MISSING)
 
 
+# Keys that modify FP8 LoRA only (key, what it does, its off value): an error without
+# enable_fp8_training, not a warning (NO_EFFECT_WITHOUT): a run would silently lose its saving.
+FP8_LORA_ONLY_KEYS = [
+    ("fp8_adapter_inputs", "the adapters' inputs are taken from the FP8 base product's e4m3 copy",
+     "False"),
+    ("fp8_transposed_weight_layers", "it keeps a second layout of the FP8 base weights", "0"),
+]
+
+
 def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     """What ``enable_fp8_training`` cannot do with a LoRA model, or None. FP8 LoRA quantizes the
     frozen bf16 base of each LoRALinear once, with one scale per tensor
@@ -350,16 +359,12 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     ``tune validate`` (CROSS_KEY) and the recipe's start (training/setup/fp8.fp8_lora_wanted)
     make; the conversion itself refuses the same layers by type, for builders this cannot
     read."""
-    layers = cfg.get("fp8_transposed_weight_layers", 0)
-    if layers and cfg.get("enable_fp8_training", False) is not True:
-        return (f"fp8_transposed_weight_layers={layers} needs enable_fp8_training=True: it keeps a "
-                "second layout of the FP8 base weights; set enable_fp8_training=True or "
-                "fp8_transposed_weight_layers=0")
+    if cfg.get("enable_fp8_training", False) is not True:
+        for key, what, off in FP8_LORA_ONLY_KEYS:
+            if cfg.get(key, None):
+                return (f"{key}={_show(cfg.get(key))} needs enable_fp8_training=True: {what}; set "
+                        f"enable_fp8_training=True or {key}={off}")
     if cfg.get("fp8_adapter_inputs", False) is True:
-        if cfg.get("enable_fp8_training", False) is not True:
-            return ("fp8_adapter_inputs=True needs enable_fp8_training=True: the adapters' inputs "
-                    "are taken from the FP8 base product's e4m3 copy; set enable_fp8_training=True "
-                    "or fp8_adapter_inputs=False")
         dropout = _value(cfg, "model.lora_dropout")
         if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout > 0:
             return (f"fp8_adapter_inputs=True with model.lora_dropout={dropout}: the adapters' "

@@ -373,8 +373,13 @@ def convert_lora_to_fp8(model: nn.Module, emulate: bool = False,
         raise ConfigError("enable_fp8_training=True, but the model has no LoRALinear whose dims "
                           "are multiples of 16 (the output projection is never converted)")
     if transposed_weight_layers:
+        kept = 0
         for name, module in model.named_modules():
             index = layer_index(state_dict_key(name))
             if isinstance(module, FP8LoRALinear) and index is not None and index < transposed_weight_layers:
                 module.keep_transposed_weight()
+                kept += 1
+        if not kept:
+            raise ConfigError(f"fp8_transposed_weight_layers={transposed_weight_layers}: no FP8 "
+                              "projection sits under layers.<i> (i below it) in this model; set it to 0")
     return converted

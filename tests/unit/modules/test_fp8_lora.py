@@ -525,6 +525,8 @@ def test_transposed_weight_layers_pick_the_first_layers_and_need_fp8():
     converted = convert_lora_to_fp8(model, emulate=True, transposed_weight_layers=1)
     kept = {n for n in converted if model.get_submodule(n).weight_fp8_t is not None}
     assert kept and kept == {n for n in converted if n.startswith("layers.0.")}
+    with pytest.raises(ConfigError, match="fp8_transposed_weight_layers=2: no FP8 projection"):
+        convert_lora_to_fp8(nn.Sequential(_lora()), emulate=True, transposed_weight_layers=2)
     from omegaconf import OmegaConf
 
     from tune_recipes.validation import fp8_lora_problem
