@@ -332,6 +332,12 @@ CASES = {
                enable_fp8_training=True, fp8_mlp_activations=True),
             _v("ours_fp8_ain", "ours", "ours: FP8 base + FP8 adapter inputs, lr 1e-3",
                loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True),
+            # The same numerics as ours_fp8_ain (the stored transposed weight holds the same
+            # e4m3 values): its curve checks that on the GPU, with the post-review function.
+            _v("ours_fp8_ain_t20", "ours",
+               "ours: FP8 base + FP8 adapter inputs + 20 layers' weights transposed, lr 1e-3",
+               loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True,
+               fp8_transposed_weight_layers=20),
         ],
     ),
 }

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -180,6 +180,25 @@ for step in "$@"; do
             wait
             bench_on 0 lora_8b stock_best,ours_fp8_ain_embcpu,ours_fp8_ain_embcpu_t20 2 tw8b_lora_8b; wait
             finish_bench tw8b ;;
+    s10a)   # Issue #15, session 10 (~9 min): FP8 LoRA's GPU tests (post-review function, transposed
+            # weights), then 8B LoRA stock / ours best / ours best + 20 layers' FP8 weights stored
+            # transposed, 2 alternating reps.
+            ensure_ckpt8b &
+            timeout 110 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA tests/unit/modules/test_fp8_lora.py \
+              2>&1 | grep "passed\|failed\|Error\|assert" | tail -12 | tee "$OUT/s10a_tests.txt"
+            wait
+            bench_on 0 lora_8b stock_best,ours_fp8_ain_embcpu,ours_fp8_ain_embcpu_t20 2 s10a_lora_8b; wait
+            finish_bench s10a ;;
+    s10b)   # Issue #15, session 10 (~8 min): the data path (1B full FT, spread lengths, packed vs padded,
+            # one rep each) while the 8B checkpoint builds, then the 220-step lr-1e-3 curve of
+            # FP8 + adapter inputs + 20 transposed layers (bf16's is session 9's: same checkpoint seed and data).
+            ensure_ckpt8b &
+            timeout 330 python3 scripts/bench_recipes.py --cases data_1b --only stock_best,ours_best,stock_padded,ours_padded \
+              --reps 1 --work /tmp/bw --run-timeout 120 --out "$OUT/s10b_data_1b.json" > /tmp/speed_s10b_data_1b.log 2>&1
+            wait
+            timeout 200 python3 scripts/bench_recipes.py --cases lora_8b_curve --only ours_fp8_ain_t20 --reps 1 \
+              --work /tmp/bw --run-timeout 190 --out "$OUT/s10b_curve.json" > /tmp/speed_s10b_curve.log 2>&1
+            finish_bench s10b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
