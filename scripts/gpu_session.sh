@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -199,6 +199,16 @@ for step in "$@"; do
             timeout 200 python3 scripts/bench_recipes.py --cases lora_8b_curve --only ours_fp8_ain_t20 --reps 1 \
               --work /tmp/bw --run-timeout 190 --out "$OUT/s10b_curve.json" > /tmp/speed_s10b_curve.log 2>&1
             finish_bench s10b ;;
+    s10c)   # Issue #15, session 10 (~7 min): 1B with the whole model compiled, the in-backward optimizer
+            # (session 9's 1.20x) against one fused optimizer step after backward; stock beside, 1 rep.
+            timeout 560 python3 scripts/bench_recipes.py --cases full_1b --only stock_best,ours_best_model,ours_best_model_step \
+              --reps 1 --work /tmp/bw --run-timeout 300 --out "$OUT/s10c_full_1b.json" > /tmp/speed_s10c.log 2>&1
+            finish_bench s10c ;;
+    s10d)   # Issue #15, session 10 (~6 min): the data path alone (1B full FT, spread lengths, packed vs
+            # padded, stock vs ours, one rep each).
+            timeout 560 python3 scripts/bench_recipes.py --cases data_1b --only stock_best,ours_best,stock_padded,ours_padded \
+              --reps 1 --work /tmp/bw --run-timeout 200 --out "$OUT/s10d_data_1b.json" > /tmp/speed_s10d.log 2>&1
+            finish_bench s10d ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
