@@ -164,6 +164,10 @@ CASES = {
             _v("ours_best_model_profiled", "ours", "ours: best, whole model compiled, profiled (not a speed row)",
                steps=10, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
                optimizer_in_bwd=True, profiler=_profiler("ours_best_model")),
+            _v("ours_best_model_step_profiled", "ours",
+               "ours: whole model compiled, one optimizer step, profiled (not a speed row)",
+               steps=10, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
+               profiler=_profiler("ours_best_model_step")),
         ],
     ),
     # FP8 vs bf16 where the loss moves: full_1b's curve at lr 2e-5 falls only 12.19 -> 12.12 in
