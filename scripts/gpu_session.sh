@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -227,6 +227,17 @@ for step in "$@"; do
               --reps 1 --work /tmp/bw --run-timeout 200 --out "$OUT/s10f_data_1b.json" > /tmp/speed_s10f.log 2>&1
             tar czf "$OUT/s10f_metrics.tgz" /tmp/bw/data_1b_*/metrics.jsonl 2>/dev/null
             finish_bench s10f ;;
+    s10g)   # Issue #15, session 10 (~6 min): the optimizer step alone at the 1B shapes (8.5 ms of the 1B step:
+            # fused / foreach / compiled / torchao 8-bit) while the 8B checkpoint builds, then the 220-step
+            # lr-1e-3 curves of FP8 + adapter inputs with and without 20 transposed layers in one run (s10e's
+            # transposed run had a loss excursion at steps 59-73 that no earlier curve showed).
+            ensure_ckpt8b &
+            timeout 150 python3 scripts/bench_optimizer_step.py --out "$OUT/s10g_optimizer_step.json" 2>&1 \
+              | grep -v "Warning\|Skipping\|quant_api\|warn" | tail -7
+            wait
+            timeout 330 python3 scripts/bench_recipes.py --cases lora_8b_curve --only ours_fp8_ain,ours_fp8_ain_t20 --reps 1 \
+              --work /tmp/bw --run-timeout 160 --out "$OUT/s10g_curve.json" > /tmp/speed_s10g_curve.log 2>&1
+            finish_bench s10g ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
