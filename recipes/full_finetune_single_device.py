@@ -64,7 +64,8 @@ class FullFinetuneRecipeSingleDevice:
         self._dtype = training_dtype(cfg, self._runtime.device)
         self._offload_activations = activation_offloading_wanted(
             cfg, self._runtime.device, self._runtime.is_main)
-        self._fp8 = fp8_recipe_wanted(cfg, self._runtime.device, self._runtime.is_main)
+        self._fp8 = fp8_recipe_wanted(cfg, self._runtime.device, self._runtime.is_main,
+                                      has_compile_scope=True)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
         # Reject incompatible flags before any work is done.
         if self._optimizer_in_bwd and cfg.get("clip_grad_norm", None) is not None:

@@ -46,7 +46,8 @@ log = get_logger("INFO")
 SKIPPED_FQNS = ("output",)
 
 
-def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = True) -> Optional[str]:
+def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = True,
+                      has_compile_scope: bool = False) -> Optional[str]:
     """The torchao float8 recipe this run trains with, or None when ``enable_fp8_training`` is
     off. A ConfigError where FP8 cannot run: a non-CUDA device or a GPU without FP8 tensor
     cores (compute capability below 8.9, i.e. before Ada/Hopper)."""
@@ -77,6 +78,17 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
                     "recompiles the FP8 layers with dynamic shapes, which can take minutes per "
                     "recompile (torch 2.11); pack the dataset (dataset.packed=True) or give the "
                     "batches one fixed length")
+    elif (has_compile_scope and is_main and cfg.get("compile_scope", None) in (None, "layers")
+          and _packed(cfg.get("dataset", None))):
+        # Measured on one H200 (2026-12-01, Llama-3.2-1B, spread-length data packed to 2048,
+        # docs/benchmarks.md): per-layer FP8 ran 41,884 and 45,530 label tokens/s, below the same
+        # recipe without FP8 (50,463) and torchtune's (49,257); the whole model compiled as one
+        # graph ran 53,885. On packed data torchtune attends through flex attention, which it
+        # keeps out of the compiled graph, so each layer is cut in two. Not explained further
+        # yet: no profile of the per-layer FP8 run was taken.
+        log.warning("enable_fp8_training with per-layer compile on packed data ran slower than "
+                    "without FP8 on an H200 (Llama-3.2-1B: 41,900-45,500 vs 50,500 tokens/s); "
+                    "compile_scope=model ran 53,900. Set compile_scope=model")
     return name
 
 
@@ -95,6 +107,13 @@ def _unpacked(dataset) -> bool:
     if isinstance(dataset, (list, ListConfig)):
         return any(_unpacked(d) for d in dataset)
     return isinstance(dataset, (dict, DictConfig)) and not dataset.get("packed", False)
+
+
+def _packed(dataset) -> bool:
+    """True when a dataset config (or every one of a list of them) is packed."""
+    if isinstance(dataset, (list, ListConfig)):
+        return bool(dataset) and all(_packed(d) for d in dataset)
+    return isinstance(dataset, (dict, DictConfig)) and bool(dataset.get("packed", False))
 
 
 def should_convert(module: nn.Module, fqn: str) -> bool:

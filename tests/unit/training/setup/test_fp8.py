@@ -139,6 +139,27 @@ def test_fp8_compile_on_unpacked_data_warns_of_dynamic_shape_recompiles(monkeypa
         assert not warnings or "dataset.packed=True" in warnings[0]
 
 
+def test_fp8_per_layer_compile_on_packed_data_warns_to_compile_the_model(monkeypatch):
+    """Per-layer FP8 ran below no FP8 on packed data on an H200; compile_scope=model above both.
+    Only recipes with a compile_scope key (has_compile_scope) are told to set it."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    warnings = []
+    monkeypatch.setattr(fp8_setup.log, "warning", lambda msg, *a: warnings.append(msg % a))
+    packed = {"_component_": "torchtune.datasets.alpaca_dataset", "packed": True}
+    cuda = torch.device("cuda")
+    for extra, has_scope, warns in (({}, True, True), ({"compile_scope": "layers"}, True, True),
+                                    ({"compile_scope": "model"}, True, False), ({}, False, False),
+                                    ({"dataset": [packed, packed]}, True, True)):
+        warnings.clear()
+        cfg = _cfg(compile=True, **{"dataset": packed, **extra})
+        assert fp8_recipe_wanted(cfg, cuda, has_compile_scope=has_scope) == "tensorwise"
+        assert bool(warnings) == warns, (extra, has_scope)
+        assert not warnings or "Set compile_scope=model" in warnings[0]
+    warnings.clear()  # not the main rank: silent
+    fp8_recipe_wanted(_cfg(compile=True, dataset=packed), cuda, is_main=False, has_compile_scope=True)
+    assert not warnings
+
+
 def _lora_cfg(**model):
     return _cfg(model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b",
                        "lora_attn_modules": ["q_proj", "v_proj"], **model})
