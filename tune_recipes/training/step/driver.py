@@ -75,7 +75,10 @@ class StepHook(Protocol):
     def metrics(self) -> Dict[str, Any]:
         """Extra values to log with the step."""
 
-    # Optional: ``close()``, run once by ``StepDriver.close`` (e.g. the profiler writes its trace).
+    # Optional: ``end_epoch()``, run when an epoch's last step is done, before the epoch-end
+    # checks, validation and the recipe's checkpoint (the profiler closes that step's window
+    # there, so saving is not recorded as training); ``close()``, run once by
+    # ``StepDriver.close`` (e.g. the profiler writes its trace).
 
 
 def complete_optimizer_step(normalizer: StepLossNormalizer, parameters: Iterable[torch.nn.Parameter],
@@ -255,6 +258,9 @@ class Epoch:
             yield step
             if not step.finished:
                 raise RuntimeError("a training step ended without step.finish()")
+        for hook in d.hooks:
+            if hasattr(hook, "end_epoch"):
+                hook.end_epoch()
         # Before the recipe saves this epoch: a non-finite step must stop the run first.
         d.check_finite()
         d.validate()

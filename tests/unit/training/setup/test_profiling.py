@@ -52,6 +52,22 @@ def test_hook_starts_before_the_first_step_and_steps_once_per_optimizer_step():
     assert hook.metrics() == {}
 
 
+def test_an_epochs_last_step_ends_with_the_epoch_not_at_the_next_step():
+    """Two epochs of two steps: each step() call closes exactly one optimizer step's window, the
+    last one of each epoch at end_epoch (before the epoch's checkpoint), none twice."""
+    prof = _FakeProfiler()
+    hook = ProfilerHook(prof, "unused")
+    for epoch in range(2):
+        for global_step in (2 * epoch, 2 * epoch + 1):
+            hook.before_step(global_step)
+            prof.calls.append(f"train {global_step}")
+        hook.end_epoch()
+        prof.calls.append("save")
+    hook.close()
+    assert prof.calls == ["start", "train 0", "step", "train 1", "step", "save",
+                          "train 2", "step", "train 3", "step", "save", "stop"]
+
+
 def _trace_events(directory):
     traces = sorted(directory.rglob("*.pt.trace.json.gz"))
     assert len(traces) == 1, traces
