@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -238,6 +238,10 @@ for step in "$@"; do
             timeout 330 python3 scripts/bench_recipes.py --cases lora_8b_curve --only ours_fp8_ain,ours_fp8_ain_t20 --reps 1 \
               --work /tmp/bw --run-timeout 160 --out "$OUT/s10g_curve.json" > /tmp/speed_s10g_curve.log 2>&1
             finish_bench s10g ;;
+    s10h)   # Issue #15, session 10 (~1 min): would an FP8 LM head pay? Its three products in bf16 vs FP8
+            # (casts counted) at the 1B and 8B head shapes, and what FP8 does to logits, loss and gradients.
+            timeout 150 python3 scripts/bench_fp8_head.py --out "$OUT/s10h_fp8_head.json" 2>&1 \
+              | grep -v "Warning\|Skipping\|quant_api" | tail -5 ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
