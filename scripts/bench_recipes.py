@@ -116,8 +116,9 @@ CASES = {
     # Issue #15: Llama-3.2-1B full fine-tune, 4 x 2048 tokens per optimizer step.
     # Stock's best (issue #15's table and docs/benchmarks.md): compile on, AC off (59,334 tok/s
     # at batch 4 vs 44,038 eager; AC only adds recompute, and a larger micro-batch cannot raise
-    # tokens per step here). Ours adds the fused loss, FP8 (tensorwise) and the in-backward
-    # optimizer step (no gradient buffers).
+    # tokens per step here). Ours' best (head row): the fused loss, FP8 (tensorwise) and the
+    # whole model compiled as one graph, with one optimizer step after backward (session 10:
+    # there the in-backward optimizer saves no memory and costs 1%).
     "full_1b": dict(
         recipe="full_finetune_single_device",
         builder="torchtune.models.llama3_2.llama3_2_1b",
@@ -127,9 +128,9 @@ CASES = {
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
+            # Session 9's best (per-layer compile); the head row is now ours_best_model_step.
             _v("ours_best", "ours", "ours: compile + fused CE + FP8 + optimizer in backward",
-               head=True, loss=_FUSED, compile=True, enable_fp8_training=True,
-               optimizer_in_bwd=True),
+               loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True),
             # Levers one at a time; the two 220-step runs are also the FP8 vs bf16 loss curve.
             _v("ours_fused", "ours", "ours: compile + fused CE (bf16)", steps=220,
                loss=_FUSED, compile=True),
@@ -139,7 +140,7 @@ CASES = {
                loss=_FUSED, compile=True, optimizer_in_bwd=True),
             # The one-step logging lag alone: the same as ours_best, but every logged step
             # waits for the device (training/reporting/progress.py), as before 2026-12-01.
-            _v("ours_best_sync", "ours", "ours: best, each logged step waiting for the GPU", head=True,
+            _v("ours_best_sync", "ours", "ours: best, each logged step waiting for the GPU",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
                env={"TUNE_RECIPES_SYNC_LOGGING": "1"}),
             _v("ours_best_model", "ours", "ours: best, the whole model compiled as one graph",
@@ -149,9 +150,10 @@ CASES = {
             # once, so the in-backward optimizer saves no memory there: its ~146 per-parameter
             # steps then run back to back after backward, each a Python call and a small kernel.
             # One fused AdamW step over all parameters instead (same peak, fewer launches).
+            # Ours' best on the H200 since 2026-12-01 (session 10): 1.235x at 0.752x.
             _v("ours_best_model_step", "ours",
                "ours: compile (whole model) + fused CE + FP8, one optimizer step after backward",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
+               head=True, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
             _v("ours_best_ac", "ours", "ours: best + activation checkpointing",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
                enable_activation_checkpointing=True),
@@ -243,7 +245,7 @@ CASES = {
                loss=_FUSED, compile=True, enable_fp8_training=True, ac_mode="selective", ac_option=10),
             # The frozen embedding table in pinned CPU memory (embedding_on_cpu): -0.98 GiB at 8B.
             _v("ours_fused_fp8_embcpu", "ours", "ours: FP8 base projections + embedding in CPU memory",
-               head=True, loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True),
+               loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True),
             _v("ours_fused_fp8_embcpu_sac16", "ours",
                "ours: FP8 base + embedding in CPU memory + checkpointing every 16th layer",
                loss=_FUSED, compile=True, enable_fp8_training=True, embedding_on_cpu=True,
@@ -258,7 +260,7 @@ CASES = {
             # The adapters' weight gradients from the FP8 base product's e4m3 input
             # (fp8_adapter_inputs): backward keeps 1 byte of each adapter input instead of 2.
             _v("ours_fp8_ain_embcpu", "ours",
-               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", head=True, loss=_FUSED,
+               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", loss=_FUSED,
                compile=True, enable_fp8_training=True, fp8_adapter_inputs=True, embedding_on_cpu=True),
             # The memory fp8_adapter_inputs frees, spent on speed: layers 0-19 keep their FP8
             # weights transposed too (fp8_transposed_weight_layers), no transpose copy in their
@@ -296,7 +298,7 @@ CASES = {
             # quantization of the same frozen base, compared at stock QLoRA's tokens and steps.
             _v("ours_fp8_instead", "ours",
                "ours: FP8 base instead of NF4 + FP8 adapter inputs + embedding in CPU memory",
-               loss=_FUSED, compile=True, model=_LORA_8B["model"], enable_fp8_training=True,
+               head=True, loss=_FUSED, compile=True, model=_LORA_8B["model"], enable_fp8_training=True,
                fp8_adapter_inputs=True, embedding_on_cpu=True),
         ],
     ),
@@ -319,15 +321,16 @@ CASES = {
             _v("stock_best", "stock", "stock: compile, packed", head=True, loss=_CHUNKED,
                compile=True, packed=True),
             _v("ours_best", "ours", "ours: compile + fused CE + FP8 + optimizer in backward, packed",
-               head=True, loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
+               loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
                packed=True),
             # Why ours (FP8) ran 0.94x stock packed but 1.14x on fixed-length batches: the same
             # without FP8, and with the whole model compiled.
             _v("ours_packed_nofp8", "ours", "ours: compile + fused CE + optimizer in backward, packed",
                loss=_FUSED, compile=True, optimizer_in_bwd=True, packed=True),
+            # Ours' best packed (session 10: 1.094x; per-layer FP8 0.85-0.94x).
             _v("ours_packed_model", "ours",
                "ours: compile (whole model) + fused CE + FP8, one optimizer step, packed",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True, packed=True),
+               head=True, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True, packed=True),
             _v("stock_padded", "stock", "stock: compile, padded", head=True, loss=_CHUNKED,
                compile=True),
             _v("ours_padded", "ours", "ours: compile + fused CE + optimizer in backward, padded",
