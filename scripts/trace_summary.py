@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
+
 KINDS = [
     # cuBLAS's nvjet kernels name FP8 inputs with a q after the arch (nvjet_sm90_qqtst, _qrtst).
     ("gemm fp8", re.compile(r"e4m3|e5m2|f8f8|fp8|_f8_|nvjet_sm\d+_q", re.I)),
@@ -62,6 +64,14 @@ def summarize(path: Path) -> None:
     total = sum(by_kind.values())
     print(f"\n{path} : {n_steps} profiled steps, per step: wall (median) {wall / n_steps:.1f} ms, "
           f"GPU busy {busy / n_steps:.1f} ms, kernels summed {total / n_steps:.1f} ms")
+    # The recipes mark checkpoint saves: a profiled window that holds one counts the save's
+    # kernels as training.
+    saves = [e for e in events if e.get("name") == CHECKPOINT_SAVE_EVENT and "dur" in e
+             and e.get("cat") != "gpu_user_annotation"]
+    if saves:
+        print(f"NOTE: the trace holds {len(saves)} checkpoint save(s) ({CHECKPOINT_SAVE_EVENT}, "
+              f"{sum(e['dur'] for e in saves) / 1000:.1f} ms on the host): their kernels are in "
+              "the sums above")
     print("| kind | ms per step | share of kernel time |\n|---|---|---|")
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"| {kind} | {ms / n_steps:.1f} | {100 * ms / total:.1f}% |")

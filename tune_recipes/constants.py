@@ -2,3 +2,7 @@
 
 # Label value the loss ignores (padding, masked prompt tokens): torch's and torchtune's default.
 CROSS_ENTROPY_IGNORE_INDEX = -100
+
+# The torch.profiler annotation around a checkpoint save (checkpointing/writer.py), which
+# scripts/trace_summary.py looks for: a profiled window holding one counts the save as training.
+CHECKPOINT_SAVE_EVENT = "tune_recipes.checkpoint_save"

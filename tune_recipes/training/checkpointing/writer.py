@@ -12,6 +12,7 @@ from torch import nn
 from torchtune import training
 
 from tune_recipes.config import positive_int_or_none
+from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
 from tune_recipes.training.checkpointing.io import (
     EPOCH_STATE_FILE,
     RECIPE_STATE_FILE,
@@ -110,7 +111,14 @@ class CheckpointWriter:
     def save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int,
              position: Optional[Position] = None) -> None:
         """The checkpoint at the end of ``epoch``; or, with ``position`` (``driver.position()``,
-        right after a step), the mid-epoch one at that step. A collective when distributed."""
+        right after a step), the mid-epoch one at that step. A collective when distributed.
+        Marked ``CHECKPOINT_SAVE_EVENT`` in a profiler trace (scripts/trace_summary.py flags a
+        trace that holds one: its kernels are not training)."""
+        with torch.profiler.record_function(CHECKPOINT_SAVE_EVENT):
+            self._save(model, optimizer, state, epoch, position)
+
+    def _save(self, model: nn.Module, optimizer, state: RecipeState, epoch: int,
+              position: Optional[Position]) -> None:
         mid_epoch = position is not None
         intermediate = mid_epoch or epoch + 1 < state.total_epochs
         # NOTE: a mid-epoch LoRA checkpoint holds the adapter only: a resume needs nothing else,

@@ -50,7 +50,9 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
                       has_compile_scope: bool = False) -> Optional[str]:
     """The torchao float8 recipe this run trains with, or None when ``enable_fp8_training`` is
     off. A ConfigError where FP8 cannot run: a non-CUDA device or a GPU without FP8 tensor
-    cores (compute capability below 8.9, i.e. before Ada/Hopper)."""
+    cores (compute capability below 8.9, i.e. before Ada/Hopper). Warnings (main rank) for the
+    settings measured slow: no compile; compile on unpacked data; and, for a recipe with a
+    ``compile_scope`` key (``has_compile_scope``), per-layer compile on packed data."""
     if not cfg.get("enable_fp8_training", False):
         return None
     name = cfg.get("fp8_recipe_name", None) or "tensorwise"
@@ -82,13 +84,15 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
           and _packed(cfg.get("dataset", None))):
         # Measured on one H200 (2026-12-01, Llama-3.2-1B, spread-length data packed to 2048,
         # docs/benchmarks.md): per-layer FP8 ran 41,884 and 45,530 label tokens/s, below the same
-        # recipe without FP8 (50,463) and torchtune's (49,257); the whole model compiled as one
-        # graph ran 53,885. On packed data torchtune attends through flex attention, which it
-        # keeps out of the compiled graph, so each layer is cut in two. Not explained further
-        # yet: no profile of the per-layer FP8 run was taken.
+        # recipe without FP8 (50,463) and torchtune's (49,257), all three with the optimizer in
+        # backward; compile_scope=model with one optimizer step after backward ran 53,885 (both
+        # changed in that run). On packed data torchtune attends through flex attention, which
+        # it keeps out of the compiled graph, so every layer's graph is cut at its attention,
+        # whichever the scope. Not explained further yet: no profile of the per-layer FP8 run.
         log.warning("enable_fp8_training with per-layer compile on packed data ran slower than "
                     "without FP8 on an H200 (Llama-3.2-1B: 41,900-45,500 vs 50,500 tokens/s); "
-                    "compile_scope=model ran 53,900. Set compile_scope=model")
+                    "compile_scope=model with optimizer_in_bwd=False ran 53,900. Set "
+                    "compile_scope=model (and optimizer_in_bwd=False)")
     return name
 
 

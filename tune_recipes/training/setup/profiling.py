@@ -25,9 +25,13 @@ The profiler runs as a ``StepHook`` of the step driver, so every recipe gets it 
 ``setup_step_driver`` without a line of its own: it starts before the first step, steps the
 schedule before each later step, and takes its last step and stops when the driver closes.
 An epoch's last step ends when the epoch does (``end_epoch``), not at the next step or at
-close: the epoch-end checks, validation and checkpoint save fall outside it (before this, a
-profile of a run's last steps counted the save's pass over every weight, ~2 ms a step of
-kernels at Llama-3.2-1B, as training).
+close, so the epoch-end checks, validation and checkpoint save are not counted in that step.
+A window that ends with the run's last step (the usual "profile the last steps") then holds no
+save; before this it held the save's pass over every weight, ~2 ms a step of kernels at
+Llama-3.2-1B. NOTE: torch.profiler cannot pause, so where the active window goes on past an
+epoch's end, the epoch-end work lands in the next step's window instead; mid-epoch saves and
+step-interval validation stay inside their step. Saves are marked (``CHECKPOINT_SAVE_EVENT``)
+and scripts/trace_summary.py says when a trace holds one.
 """
 
 from pathlib import Path

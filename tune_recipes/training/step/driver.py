@@ -77,7 +77,7 @@ class StepHook(Protocol):
 
     # Optional: ``end_epoch()``, run when an epoch's last step is done, before the epoch-end
     # checks, validation and the recipe's checkpoint (the profiler closes that step's window
-    # there, so saving is not recorded as training); ``close()``, run once by
+    # there, so that work is not counted in the step); ``close()``, run once by
     # ``StepDriver.close`` (e.g. the profiler writes its trace).
 
 

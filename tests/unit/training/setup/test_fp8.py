@@ -150,11 +150,19 @@ def test_fp8_per_layer_compile_on_packed_data_warns_to_compile_the_model(monkeyp
     for extra, has_scope, warns in (({}, True, True), ({"compile_scope": "layers"}, True, True),
                                     ({"compile_scope": "model"}, True, False), ({}, False, False),
                                     ({"dataset": [packed, packed]}, True, True)):
+        # (a list with an unpacked dataset gets the unpacked warning instead; see above)
         warnings.clear()
         cfg = _cfg(compile=True, **{"dataset": packed, **extra})
         assert fp8_recipe_wanted(cfg, cuda, has_compile_scope=has_scope) == "tensorwise"
         assert bool(warnings) == warns, (extra, has_scope)
         assert not warnings or "Set compile_scope=model" in warnings[0]
+    warnings.clear()  # without compile: only the no-compile warning
+    fp8_recipe_wanted(_cfg(compile=False, dataset=packed), cuda, has_compile_scope=True)
+    assert len(warnings) == 1 and "set compile=True" in warnings[0]
+    warnings.clear()  # a list with an unpacked dataset: the unpacked warning, not this one
+    fp8_recipe_wanted(_cfg(compile=True, dataset=[packed, {"_component_": "x"}]), cuda,
+                      has_compile_scope=True)
+    assert len(warnings) == 1 and "dataset.packed=True" in warnings[0]
     warnings.clear()  # not the main rank: silent
     fp8_recipe_wanted(_cfg(compile=True, dataset=packed), cuda, is_main=False, has_compile_scope=True)
     assert not warnings
