@@ -14,6 +14,8 @@ Every parameter trains. Features, each a config key:
   selective checkpointing, e.g. ``selective``/``2`` recomputes every 2nd transformer layer.
 - ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune: one
   graph per transformer layer, quick to compile) or ``model`` (the whole forward, one graph).
+- ``compile_optimizer_step``: the optimizer step (torch's Adam/AdamW) runs through
+  torch.compile (tune_recipes.training.step.optim.CompiledOptimizerStep).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
   FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile).
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
@@ -48,7 +50,8 @@ CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
     "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
-    "clip_grad_norm", "compile", "compile_scope", "device", "dtype", "enable_activation_checkpointing",
+    "clip_grad_norm", "compile", "compile_scope", "compile_optimizer_step", "device", "dtype",
+    "enable_activation_checkpointing",
     "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
@@ -93,6 +96,7 @@ class FullFinetuneRecipeSingleDevice:
         self._optimizer = build_optimizer(
             cfg.optimizer, self._model, self._optimizer_in_bwd,
             state_dict=resume.optimizer if resume else None,
+            compile_step=cfg.get("compile_optimizer_step", False),
         )
         self._loss_fn = tt_config.instantiate(cfg.loss)
         offload_activations(self._model, self._offload_activations)

@@ -229,6 +229,7 @@ SCHEMA: List[Rule] = [
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
     Rule("compile_scope", optional(one_of("layers", "model"))),
+    Rule("compile_optimizer_step", boolean),
     Rule("embedding_on_cpu", boolean),
     Rule("fp8_mlp_activations", boolean),
     Rule("fp8_adapter_inputs", boolean),
@@ -310,6 +311,31 @@ def skip_in_backward_problem(on_nonfinite: Any, optimizer_in_bwd: bool) -> Optio
     if on_nonfinite == "skip" and optimizer_in_bwd:
         return ("on_nonfinite=skip needs to drop a step before the optimizer runs, but "
                 "optimizer_in_bwd=True steps inside backward: use on_nonfinite=raise")
+    return None
+
+
+# The optimizers whose step ``compile_optimizer_step`` compiles (their capturable foreach
+# implementation takes the learning rate as a tensor, so a changing rate does not recompile).
+COMPILED_STEP_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
+
+
+def compiled_step_problem(cfg: DictConfig) -> Optional[str]:
+    """What rules out ``compile_optimizer_step: True``: the in-backward optimizer (one optimizer
+    per parameter, stepped inside backward: there is no one step to compile) or an optimizer
+    other than torch's Adam/AdamW. Checked by ``tune validate`` (CROSS_KEY) and by
+    ``build_optimizer`` at the recipe's start."""
+    if cfg.get("compile_optimizer_step", False) is not True:
+        return None
+    if cfg.get("optimizer_in_bwd", False) is True:
+        return ("compile_optimizer_step=True with optimizer_in_bwd=True: the in-backward optimizer "
+                "steps each parameter inside backward, so there is no one optimizer step to "
+                "compile; set one of them False")
+    optimizer = cfg.get("optimizer", None)
+    name = optimizer.get("_component_", None) if isinstance(optimizer, DictConfig) else None
+    if name not in COMPILED_STEP_OPTIMIZERS:
+        return (f"compile_optimizer_step=True with optimizer._component_={_show(name)}: only "
+                f"{' and '.join(COMPILED_STEP_OPTIMIZERS)} are supported (their step takes the "
+                "learning rate as a tensor); set compile_optimizer_step=False")
     return None
 
 
@@ -535,6 +561,7 @@ def fsdp_offload_problem(cfg: DictConfig) -> Optional[str]:
 CROSS_KEY: List[tuple] = [
     (("tensor_parallel_dim",), _tensor_parallel_rules),
     (("optimizer_in_bwd",), _in_backward_rules),
+    (("compile_optimizer_step", "optimizer"), compiled_step_problem),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("enable_fp8_training", "model"), fp8_lora_problem),

@@ -39,22 +39,28 @@ def lora_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "micro_batch_size, gradient_accumulation_steps, optimizer_in_bwd",
-    [(8, 1, False), (2, 4, False), (8, 1, True)],
+    "micro_batch_size, gradient_accumulation_steps, optimizer_in_bwd, compile_step",
+    [(8, 1, False, False), (2, 4, False, False), (8, 1, True, False),
+     (8, 1, False, True)],  # compile_optimizer_step: the same training, one compiled step
 )
 def test_full_same_effective_batch_same_training(
-    tmp_path, full_reference, micro_batch_size, gradient_accumulation_steps, optimizer_in_bwd
+    tmp_path, full_reference, micro_batch_size, gradient_accumulation_steps, optimizer_in_bwd,
+    compile_step
 ):
     overrides = [*STEPS, f"batch_size={micro_batch_size}",
                  f"gradient_accumulation_steps={gradient_accumulation_steps}",
-                 f"optimizer_in_bwd={optimizer_in_bwd}"]
+                 f"optimizer_in_bwd={optimizer_in_bwd}", f"compile_optimizer_step={compile_step}"]
     if optimizer_in_bwd:
         overrides.append("clip_grad_norm=null")
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, overrides)
     ref, got = losses(full_reference), losses(tmp_path)
     assert len(got) == 6
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
-    assert_same_weights(weights(tmp_path), weights(full_reference), rtol=1e-4, atol=1e-6)
+    # The compiled step orders Adam's operations differently from the default one: on weights
+    # whose second moment is near zero (rare tokens' embedding rows) Adam scales that rounding
+    # up to a fraction of the lr (3e-3): 1.7e-5 seen, so 1% of the lr there.
+    atol = 3e-5 if compile_step else 1e-6
+    assert_same_weights(weights(tmp_path), weights(full_reference), rtol=1e-4, atol=atol)
     assert got[-1] < got[0]
 
 
@@ -123,12 +129,13 @@ def test_default_lora_run_leaves_checkpoint_adapter_and_metrics(lora_reference):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-@pytest.mark.parametrize("recipe, config", [
-    ("full_finetune_single_device", "tiny/full_single_device"),
-    ("lora_finetune_single_device", "tiny/lora_single_device"),
+@pytest.mark.parametrize("recipe, config, extra", [
+    ("full_finetune_single_device", "tiny/full_single_device", []),
+    ("full_finetune_single_device", "tiny/full_single_device", ["compile_optimizer_step=True"]),
+    ("lora_finetune_single_device", "tiny/lora_single_device", []),
 ])
-def test_resume_equals_uninterrupted(tmp_path, recipe, config):
-    steps = ["max_steps_per_epoch=3", "epochs=2", "lr_scheduler.num_warmup_steps=1"]
+def test_resume_equals_uninterrupted(tmp_path, recipe, config, extra):
+    steps = ["max_steps_per_epoch=3", "epochs=2", "lr_scheduler.num_warmup_steps=1", *extra]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_recipe(recipe, config, straight, steps)
     # Simulate a crash after epoch 0: only epoch_0 and its recipe state remain.
