@@ -332,7 +332,8 @@ def compiled_step_problem(cfg: DictConfig) -> Optional[str]:
                 "compile; set one of them False")
     optimizer = cfg.get("optimizer", None)
     name = optimizer.get("_component_", None) if isinstance(optimizer, DictConfig) else None
-    if name not in COMPILED_STEP_OPTIMIZERS:
+    # By the class, as build_optimizer checks it: torch.optim.adamw.AdamW is torch.optim.AdamW.
+    if _resolves_to(name) not in [_resolves_to(n) for n in COMPILED_STEP_OPTIMIZERS]:
         return (f"compile_optimizer_step=True with optimizer._component_={_show(name)}: only "
                 f"{' and '.join(COMPILED_STEP_OPTIMIZERS)} are supported (their step takes the "
                 "learning rate as a tensor); set compile_optimizer_step=False")

@@ -165,9 +165,39 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         elif distributed:
             training.load_from_full_optimizer_state_dict(model, opt, state_dict, device)
+        elif isinstance(opt, OptimizerInBackward):
+            opt.load_state_dict(state_dict)  # per-parameter optimizers, one config: same flags
         else:
-            opt.load_state_dict(state_dict)
+            load_keeping_implementation(opt, state_dict)
     return opt
+
+
+# The param-group entries that pick an optimizer's implementation, not its training settings.
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable")
+
+
+def load_keeping_implementation(opt: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+    """``opt.load_state_dict(state_dict)``, keeping the implementation this run chose.
+
+    torch's ``load_state_dict`` replaces each param group with the saved one, implementation
+    flags included, and places ``state["step"]`` by the saved flags. So a checkpoint of a
+    ``compile_optimizer_step`` run (foreach, capturable) would make a plain resume run the
+    slow eager foreach + capturable update (on the CPU: fail at its first step), and a plain
+    fused checkpoint would turn a compiled resume's step back into fused AdamW, silently.
+    NOTE: keep this; ``Optimizer.load_state_dict`` alone does not keep them.
+    The flags are put back and each ``step`` moved where this run's implementation keeps it:
+    float32 on the parameter's device for fused or capturable, the CPU otherwise."""
+    chosen = [{k: g[k] for k in IMPLEMENTATION_FLAGS if k in g} for g in opt.param_groups]
+    opt.load_state_dict(state_dict)
+    for group, flags in zip(opt.param_groups, chosen):
+        group.update(flags)
+        on_device = bool(flags.get("fused")) or bool(flags.get("capturable"))
+        for p in group["params"]:
+            state = opt.state.get(p)
+            step = state.get("step") if state else None
+            if isinstance(step, torch.Tensor):
+                state["step"] = (step.to(device=p.device, dtype=torch.float32) if on_device
+                                 else step.to(device="cpu"))
 
 
 class CompiledOptimizerStep:
@@ -185,8 +215,11 @@ class CompiledOptimizerStep:
     NOTE: keep the swap back; a tensor left in ``param_groups`` would make every read of the
     rate (logging) a device sync and change what the checkpoint holds.
 
-    The first call compiles, the second recompiles once (the state, created lazily by the
-    first step, changes the traced code); later calls reuse it.
+    The first call compiles (~45 s at Llama-3.2-1B's shapes on the H200, the benchmark's
+    warm-up; torch 2.13 on the CPU traces the lazily created state in that one compile). A
+    parameter whose gradient is None on some steps and not on others recompiles for each new
+    pattern. Optimizer step hooks, if any were registered, run inside the compiled call and
+    see the tensor rate; the profiler's ``Optimizer.step`` range is not recorded there.
     """
 
     SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)

@@ -1,6 +1,9 @@
 """tune_recipes.training.step.optim: optimizer construction, the in-backward optimizer, the LR
 schedule."""
 
+import copy
+import sys
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -188,29 +191,52 @@ def test_compiled_step_follows_the_fused_adamw_and_keeps_float_rates(monkeypatch
     plain, compiled, ref = _mlp(), _mlp(), _mlp().double()
     opt_plain = build_optimizer(FUSED_ADAMW, plain)
     opt_compiled = build_optimizer(FUSED_ADAMW, compiled, compile_step=True)
-    assert opt_compiled.param_groups[0]["capturable"] and not opt_compiled.param_groups[0]["fused"]
+    flags = opt_compiled.param_groups[0]
+    assert flags["capturable"] and flags["foreach"] and not flags["fused"]
     rates_plain = _train_with_schedule(plain, opt_plain, 6)
     rates_compiled = _train_with_schedule(compiled, opt_compiled, 6)
     assert rates_plain == rates_compiled and len(set(rates_plain)) > 3
     opt_ref = build_optimizer(OmegaConf.merge(FUSED_ADAMW, {"fused": False}), ref)
-    monkeypatch.setattr(__import__(__name__), "_step", _step64)
+    monkeypatch.setattr(sys.modules[__name__], "_step", _step64)
     _train_with_schedule(ref, opt_ref, 6)
     for a, b, r in zip(plain.parameters(), compiled.parameters(), ref.parameters()):
         err_fused, err_compiled = (a.double() - r).abs().max(), (b.double() - r).abs().max()
         bound = 1e-6 * r.abs().max()
         assert err_fused < bound and err_compiled < bound, (err_compiled, err_fused, bound)
     assert all(type(g["lr"]) is float for g in opt_compiled.param_groups)
-    # Checkpoints cross over: the compiled run's state resumes a plain optimizer and back.
-    resumed = build_optimizer(FUSED_ADAMW, _mlp(), state_dict=opt_compiled.state_dict())
-    build_optimizer(FUSED_ADAMW, _mlp(), state_dict=opt_plain.state_dict(), compile_step=True)
-    assert resumed.state_dict()["param_groups"][0]["lr"] == opt_compiled.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("saved_compiled", [True, False])
+def test_a_checkpoint_resumes_with_or_without_the_compiled_step(saved_compiled):
+    """torch's load_state_dict takes the saved param groups' implementation flags: a compiled
+    run's checkpoint would make a plain resume capturable (on the CPU its first step fails) and a
+    fused checkpoint would quietly turn a compiled resume back into fused AdamW. Resuming
+    across keeps this run's implementation, and the step goes on as it would have."""
+    saver = _mlp()
+    opt = build_optimizer(FUSED_ADAMW, saver, compile_step=saved_compiled)
+    for i in range(3):
+        _step(saver, opt, seed=i)
+    resumed_model = _mlp()
+    resumed_model.load_state_dict(saver.state_dict())
+    # A deep copy, as from disk: a live state_dict shares its tensors with ``opt``.
+    resumed = build_optimizer(FUSED_ADAMW, resumed_model, state_dict=copy.deepcopy(opt.state_dict()),
+                              compile_step=not saved_compiled)
+    flags = resumed.param_groups[0]
+    assert (flags["capturable"], flags["fused"]) == ((True, False) if not saved_compiled
+                                                     else (False, True))
+    step = resumed.state[next(iter(resumed.state))]["step"]
+    assert float(step) == 3.0 and step.dtype == torch.float32
+    _step(saver, opt, seed=3)
+    _step(resumed_model, resumed, seed=3)  # runs (no capturable assertion), and the same update
+    for a, b in zip(saver.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_step_does_not_recompile_when_the_rate_changes(monkeypatch):
     """The rate is handed to the compiled step as a tensor: a changing rate must not recompile,
     even where Dynamo makes Python floats constants of the compiled code (specialize_float=True;
     torch 2.13's default, False, would hide a float rate's recompiles). Two compiles are
-    expected (the first step creates the optimizer state)."""
+    expected at most (torch 2.13 on the CPU traces the lazily created state in one)."""
     from torch._dynamo.testing import CompileCounter
 
     monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
@@ -222,7 +248,7 @@ def test_compiled_step_does_not_recompile_when_the_rate_changes(monkeypatch):
     opt = build_optimizer(ADAMW, model, compile_step=True)
     rates = _train_with_schedule(model, opt, 8)
     assert len(set(rates)) > 4
-    assert counter.frame_count <= 2, counter.frame_count
+    assert 1 <= counter.frame_count <= 2, counter.frame_count
 
 
 def test_compiled_step_is_refused_with_in_backward_or_other_optimizers():
