@@ -131,7 +131,6 @@ def test_default_lora_run_leaves_checkpoint_adapter_and_metrics(lora_reference):
 
 @pytest.mark.parametrize("recipe, config, extra", [
     ("full_finetune_single_device", "tiny/full_single_device", []),
-    ("full_finetune_single_device", "tiny/full_single_device", ["compile_optimizer_step=True"]),
     ("lora_finetune_single_device", "tiny/lora_single_device", []),
 ])
 def test_resume_equals_uninterrupted(tmp_path, recipe, config, extra):
