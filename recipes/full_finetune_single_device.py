@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
-from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
@@ -44,7 +44,7 @@ from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_drive
 from tune_recipes.training.setup.runtime import single_device
 from tune_recipes.training.step.driver import Position, Step
 from tune_recipes.training.step.normalization import normalization_path
-from tune_recipes.training.step.optim import build_optimizer
+from tune_recipes.training.step.optim import build_optimizer, optimizer_in_bwd_flag
 
 CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
@@ -69,13 +69,8 @@ class FullFinetuneRecipeSingleDevice:
             cfg, self._runtime.device, self._runtime.is_main)
         self._fp8 = fp8_recipe_wanted(cfg, self._runtime.device, self._runtime.is_main,
                                       has_compile_scope=True)
-        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
-        # Reject incompatible flags before any work is done.
-        if self._optimizer_in_bwd and cfg.get("clip_grad_norm", None) is not None:
-            raise ConfigError(
-                "clip_grad_norm needs every gradient at once, but optimizer_in_bwd=True frees "
-                "each one inside backward: set clip_grad_norm=null or optimizer_in_bwd=False"
-            )
+        # Rejects optimizer_in_bwd with clipping before any work is done.
+        self._optimizer_in_bwd = optimizer_in_bwd_flag(cfg)
         # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
         self._path = normalization_path(
             distributed=False, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),

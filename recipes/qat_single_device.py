@@ -37,7 +37,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
-from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
@@ -48,7 +48,7 @@ from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_drive
 from tune_recipes.training.setup.runtime import single_device
 from tune_recipes.training.step.driver import Position, Step
 from tune_recipes.training.step.normalization import normalization_path
-from tune_recipes.training.step.optim import build_optimizer
+from tune_recipes.training.step.optim import build_optimizer, optimizer_in_bwd_flag
 
 CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
@@ -68,14 +68,9 @@ class QATRecipeSingleDevice:
         check_known_keys(cfg, CONFIG_KEYS, "qat_single_device")
         self._runtime = single_device(cfg.get("device", "cuda"))
         self._dtype = training_dtype(cfg, self._runtime.device)
-        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # Rejects optimizer_in_bwd with clipping before any work is done.
+        self._optimizer_in_bwd = optimizer_in_bwd_flag(cfg)
         self._quantizer, self._quantizer_mode = build_quantizer(cfg.get("quantizer"), self._dtype)
-        # Reject incompatible flags before any work is done.
-        if self._optimizer_in_bwd and cfg.get("clip_grad_norm", None) is not None:
-            raise ConfigError(
-                "clip_grad_norm needs every gradient at once, but optimizer_in_bwd=True frees "
-                "each one inside backward: set clip_grad_norm=null or optimizer_in_bwd=False"
-            )
         # One device, GA 1: SKIP (no token multiply, no scale_grads: they cancel); else RESCALE.
         self._path = normalization_path(
             distributed=False, gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),

@@ -320,23 +320,29 @@ COMPILED_STEP_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
 
 
 def compiled_step_problem(cfg: DictConfig) -> Optional[str]:
-    """What rules out ``compile_optimizer_step: True``: the in-backward optimizer (one optimizer
-    per parameter, stepped inside backward: there is no one step to compile) or an optimizer
-    other than torch's Adam/AdamW. Checked by ``tune validate`` (CROSS_KEY) and by
-    ``build_optimizer`` at the recipe's start."""
+    """What rules out ``compile_optimizer_step: True`` in a config (``compiled_step_refusal``);
+    ``tune validate`` and the recipe's start check it (CROSS_KEY)."""
     if cfg.get("compile_optimizer_step", False) is not True:
         return None
-    if cfg.get("optimizer_in_bwd", False) is True:
+    optimizer = cfg.get("optimizer", None)
+    name = optimizer.get("_component_", None) if isinstance(optimizer, DictConfig) else None
+    return compiled_step_refusal(cfg.get("optimizer_in_bwd", False) is True, name)
+
+
+def compiled_step_refusal(optimizer_in_bwd: bool, optimizer_component: Any) -> Optional[str]:
+    """Why the optimizer step cannot be compiled, or None: the in-backward optimizer (one
+    optimizer per parameter, stepped inside backward: there is no one step to compile) or an
+    optimizer other than torch's Adam/AdamW. The one check of the config rule above and of
+    ``training/step/optim.build_optimizer``."""
+    if optimizer_in_bwd:
         return ("compile_optimizer_step=True with optimizer_in_bwd=True: the in-backward optimizer "
                 "steps each parameter inside backward, so there is no one optimizer step to "
                 "compile; set one of them False")
-    optimizer = cfg.get("optimizer", None)
-    name = optimizer.get("_component_", None) if isinstance(optimizer, DictConfig) else None
-    # By the class, as build_optimizer checks it: torch.optim.adamw.AdamW is torch.optim.AdamW.
-    if _resolves_to(name) not in [_resolves_to(n) for n in COMPILED_STEP_OPTIMIZERS]:
-        return (f"compile_optimizer_step=True with optimizer._component_={_show(name)}: only "
-                f"{' and '.join(COMPILED_STEP_OPTIMIZERS)} are supported (their step takes the "
-                "learning rate as a tensor); set compile_optimizer_step=False")
+    # By the class: torch.optim.adamw.AdamW is torch.optim.AdamW.
+    if _resolves_to(optimizer_component) not in [_resolves_to(n) for n in COMPILED_STEP_OPTIMIZERS]:
+        return (f"compile_optimizer_step=True with optimizer._component_={_show(optimizer_component)}: "
+                f"only {' and '.join(COMPILED_STEP_OPTIMIZERS)} are supported (their step takes "
+                "the learning rate as a tensor); set compile_optimizer_step=False")
     return None
 
 

@@ -115,9 +115,8 @@ def _unpacked(dataset) -> bool:
 
 def _packed(dataset) -> bool:
     """True when a dataset config (or every one of a list of them) is packed."""
-    if isinstance(dataset, (list, ListConfig)):
-        return bool(dataset) and all(_packed(d) for d in dataset)
-    return isinstance(dataset, (dict, DictConfig)) and bool(dataset.get("packed", False))
+    return isinstance(dataset, (dict, DictConfig, list, ListConfig)) and bool(dataset) \
+        and not _unpacked(dataset)
 
 
 def should_convert(module: nn.Module, fqn: str) -> bool:

@@ -9,6 +9,7 @@ from torch import nn
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError, resolve_component
+from tune_recipes.validation import compiled_step_refusal
 from tune_recipes.modules.peft import state_dict_key
 
 
@@ -133,11 +134,10 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
     ``compile_step`` (``compile_optimizer_step``): its ``step()`` runs compiled
     (``CompiledOptimizerStep``; torch's Adam/AdamW only, not with ``optimizer_in_bwd``).
     """
-    if compile_step and optimizer_in_bwd:
-        raise ConfigError("compile_optimizer_step=True with optimizer_in_bwd=True: set one of "
-                          "them False")
     if compile_step:
-        CompiledOptimizerStep.check(resolve_component(cfg_optimizer.get("_component_"), "optimizer"))
+        problem = compiled_step_refusal(optimizer_in_bwd, cfg_optimizer.get("_component_"))
+        if problem:
+            raise ConfigError(problem)
     if optimizer_in_bwd:
         opt = OptimizerInBackward(cfg_optimizer, model)
     else:
@@ -222,17 +222,11 @@ class CompiledOptimizerStep:
     see the tensor rate; the profiler's ``Optimizer.step`` range is not recorded there.
     """
 
-    SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
-
-    @classmethod
-    def check(cls, optimizer_class) -> None:
-        if optimizer_class not in cls.SUPPORTED:
-            name = getattr(optimizer_class, "__name__", optimizer_class)
-            raise ConfigError(f"compile_optimizer_step=True with {name}: only torch.optim.Adam "
-                              "and AdamW are supported (set compile_optimizer_step=False)")
-
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.check(type(optimizer))
+        cls = type(optimizer)
+        problem = compiled_step_refusal(False, f"{cls.__module__}.{cls.__qualname__}")
+        if problem:
+            raise ConfigError(problem)
         self.optimizer = optimizer
         self._step = torch.compile(optimizer.step)  # the class's step, bound: no recursion
         self._lr = [torch.zeros((), dtype=torch.float32, device=g["params"][0].device)

@@ -254,5 +254,5 @@ def test_compiled_step_does_not_recompile_when_the_rate_changes(monkeypatch):
 def test_compiled_step_is_refused_with_in_backward_or_other_optimizers():
     with pytest.raises(ConfigError, match="optimizer_in_bwd=True"):
         build_optimizer(ADAMW, _mlp(), optimizer_in_bwd=True, compile_step=True)
-    with pytest.raises(ConfigError, match="SGD: only torch.optim.Adam and AdamW"):
+    with pytest.raises(ConfigError, match="torch.optim.SGD: only torch.optim.Adam and torch.optim.AdamW"):
         build_optimizer(SGD, _mlp(), compile_step=True)
