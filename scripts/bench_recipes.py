@@ -159,6 +159,19 @@ CASES = {
                "ours: compile (whole model) + fused CE + FP8, one compiled optimizer step",
                head=True, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
                compile_optimizer_step=True),
+            # Session 11 levers on top of it: inductor's coordinate-descent tuning of its Triton
+            # kernels (31.6 ms a step in session 10's profile, the FP8 casts included), and the
+            # fused loss in half-size chunks (80 MiB of logits instead of 160: the peak was
+            # 0.04 GiB over 0.75x stock's, and a chunk's logits are part of it if the peak falls
+            # in the loss).
+            _v("ours_best_model_cstep_cdt", "ours",
+               "ours: whole model + compiled optimizer step, coordinate-descent tuning",
+               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
+               compile_optimizer_step=True, env={"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}),
+            _v("ours_best_model_cstep_c328", "ours",
+               "ours: whole model + compiled optimizer step, loss chunks of 328 rows",
+               loss={**_FUSED, "chunk_size": 328}, compile=True, compile_scope="model",
+               enable_fp8_training=True, compile_optimizer_step=True),
             _v("ours_best_ac", "ours", "ours: best + activation checkpointing",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
                enable_activation_checkpointing=True),
