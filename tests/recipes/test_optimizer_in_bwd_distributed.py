@@ -47,7 +47,7 @@ def test_full_in_bwd_distributed_resume_equals_uninterrupted(tmp_path):
     steps = ["optimizer_in_bwd=True", "clip_grad_norm=null", "max_steps_per_epoch=2", "epochs=2",
              "lr_scheduler.num_warmup_steps=1"]
     run_dist(2, "full_finetune_distributed", "tiny/full_distributed", tmp_path / "straight", steps)
-    run_dist(2, "full_finetune_distributed", "tiny/full_distributed", tmp_path / "resumed", steps)
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")  # a crash after epoch 0
     shutil.rmtree(tmp_path / "resumed" / "epoch_1")
     run_dist(2, "full_finetune_distributed", "tiny/full_distributed", tmp_path / "resumed",
              [*steps, "resume_from_checkpoint=True"])
