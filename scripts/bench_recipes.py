@@ -184,6 +184,13 @@ CASES = {
                "ours: whole model + compiled optimizer step, FP8 off the small k/v projections",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
                compile_optimizer_step=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_AUTO_FILTER": "1"}),
+            # Where its peak memory is (not a speed row): every CUDA allocation recorded, the
+            # snapshot replayed by scripts/memory_peak.py.
+            _v("ours_best_model_cstep_memsnap", "ours",
+               "ours: whole model + compiled optimizer step, allocations recorded (not a speed row)",
+               steps=8, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
+               compile_optimizer_step=True,
+               env={"BENCH_HOOKS": "1", "BENCH_MEMORY_SNAPSHOT": "/tmp/bw/memsnap_1b"}),
             _v("ours_best_ac", "ours", "ours: best + activation checkpointing",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
                enable_activation_checkpointing=True),

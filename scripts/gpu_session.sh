@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -260,6 +260,13 @@ for step in "$@"; do
               --only stock_best,ours_best_model_cstep,ours_best_model_cstep_amb90,ours_best_model_cstep_autofilter \
               --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s11b_full_1b.json" > /tmp/speed_s11b.log 2>&1
             finish_bench s11b ;;
+    s11c)   # Session 11 (~4 min): where ours' 1B peak memory is (every allocation recorded, replayed).
+            rm -f /tmp/bw/memsnap_1b.*
+            timeout 400 python3 scripts/bench_recipes.py --cases full_1b --only ours_best_model_cstep_memsnap \
+              --reps 1 --work /tmp/bw --run-timeout 380 --out "$OUT/s11c_full_1b.json" > /tmp/speed_s11c.log 2>&1
+            for f in $(ls -S /tmp/bw/memsnap_1b.* | grep -v max_allocated | head -1); do
+              python3 scripts/memory_peak.py "$f" --top 40 | tee "$OUT/s11c_memory_peak.txt"; done
+            finish_bench s11c ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \

@@ -5,15 +5,37 @@ that name one (``_HOOKS``), so only their runs see it.
 - BENCH_ACTIVATION_MEMORY_BUDGET=0.9: torch.compile's partitioner keeps at most that fraction of
   the activations it would save, recomputing the cheapest ops in backward instead
   (torch._functorch.config.activation_memory_budget; torchtitan's "memory_budget" mode).
+- BENCH_MEMORY_SNAPSHOT=PATH: the recipe's process records every CUDA allocation from its
+  start and writes torch's memory snapshot to PATH.<pid> at exit, for scripts/memory_peak.py.
 - BENCH_FP8_AUTO_FILTER=1: FP8 only where torchao's tensorwise heuristic expects a gain (it
   leaves layers with K <= 4096 and N <= 1024 in bf16: the 1B's k_proj and v_proj).
 """
 import os
+import sys
 
 if os.environ.get("BENCH_ACTIVATION_MEMORY_BUDGET"):
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = float(os.environ["BENCH_ACTIVATION_MEMORY_BUDGET"])
+
+# Only the recipe's process (``python -m tune_recipes run``), not inductor's compile workers.
+_IS_RECIPE = "tune_recipes" in " ".join(getattr(sys, "orig_argv", []))
+
+if os.environ.get("BENCH_MEMORY_SNAPSHOT") and _IS_RECIPE:
+    import atexit
+
+    import torch
+
+    # From the start, so that replaying the trace sees every live block (scripts/memory_peak.py).
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                             max_entries=2_000_000)
+
+    def _dump(path=f"{os.environ['BENCH_MEMORY_SNAPSHOT']}.{os.getpid()}"):
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path + ".max_allocated", "w") as f:
+            f.write(str(torch.cuda.max_memory_allocated()))
+
+    atexit.register(_dump)
 
 if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1":
     try:
