@@ -14,6 +14,8 @@ Every parameter trains. Features, each a config key:
   selective checkpointing, e.g. ``selective``/``2`` recomputes every 2nd transformer layer.
 - ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune: one
   graph per transformer layer, quick to compile) or ``model`` (the whole forward, one graph).
+- ``activation_memory_budget`` (with ``compile``): the compiled graphs keep at most this
+  fraction of their activations for backward and recompute the cheapest ops instead.
 - ``compile_optimizer_step``: the optimizer step (torch's Adam/AdamW) runs through
   torch.compile (tune_recipes.training.step.optim.CompiledOptimizerStep).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
@@ -50,7 +52,8 @@ CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset",
     "seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch",
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
-    "clip_grad_norm", "compile", "compile_scope", "compile_optimizer_step", "device", "dtype",
+    "clip_grad_norm", "compile", "compile_scope", "activation_memory_budget",
+    "compile_optimizer_step", "device", "dtype",
     "enable_activation_checkpointing",
     "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
@@ -84,6 +87,7 @@ class FullFinetuneRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
             compile_scope=cfg.get("compile_scope", None),
+            activation_memory_budget=cfg.get("activation_memory_budget", None),
             ac_interval=ac_interval(cfg),
             fp8_recipe=self._fp8,
         )

@@ -22,7 +22,9 @@ is a device without FP8 tensor cores (CUDA, compute capability >= 8.9); use it w
 ``compile: True`` (tune_recipes/modules/fp8_lora.py).
 
 ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune) or
-``model`` (the whole forward as one graph).
+``model`` (the whole forward as one graph); ``activation_memory_budget`` (with ``compile``):
+the compiled graphs keep at most this fraction of their activations for backward and recompute
+the cheapest ops instead.
 
 Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
@@ -57,7 +59,8 @@ CONFIG_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint",
     "save_adapter_weights_only", "dataset", "seed", "shuffle", "batch_size", "epochs",
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
-    "clip_grad_norm", "compile", "compile_scope", "device", "dtype", "enable_activation_checkpointing",
+    "clip_grad_norm", "compile", "compile_scope", "activation_memory_budget", "device", "dtype",
+    "enable_activation_checkpointing",
     "ac_mode", "ac_option",
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
@@ -95,6 +98,7 @@ class LoRAFinetuneRecipeSingleDevice:
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
             fp8_adapter_inputs=cfg.get("fp8_adapter_inputs", False),
             fp8_transposed_weight_layers=cfg.get("fp8_transposed_weight_layers", 0),
+            activation_memory_budget=cfg.get("activation_memory_budget", None),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

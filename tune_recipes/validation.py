@@ -229,6 +229,7 @@ SCHEMA: List[Rule] = [
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
     Rule("compile_scope", optional(one_of("layers", "model"))),
+    Rule("activation_memory_budget", optional(number(0, exclusive=True, maximum=1))),
     Rule("compile_optimizer_step", boolean),
     Rule("embedding_on_cpu", boolean),
     Rule("fp8_mlp_activations", boolean),
@@ -586,6 +587,7 @@ NO_EFFECT_WITHOUT: List[tuple] = [
      "(epoch_<n>/ folders are all kept)"),
     ("fp8_recipe_name", "enable_fp8_training", "picks the recipe FP8 training uses"),
     ("compile_scope", "compile", "picks what compile=True compiles"),
+    ("activation_memory_budget", "compile", "limits what the compiled graphs keep for backward"),
     # torchtune ignores it too for any other ac_mode.
     ("ac_option", "ac_mode=selective", "picks the transformer layers selective activation "
      "checkpointing recomputes"),

@@ -39,12 +39,16 @@ def test_lora_adapted_head_is_named_in_the_error(tmp_path):
     assert "model.output is LoRALinear" in proc.stderr and "apply_lora_to_output=False" in proc.stderr
 
 
-@pytest.mark.parametrize("scope", [None, "model"])
-def test_fused_loss_under_torch_compile_matches_eager_plain(tmp_path, scope):
+# The whole-model case also runs under activation_memory_budget (recomputing in backward must
+# not change the losses; that it saves less: tests/unit/training/setup/test_model.py).
+@pytest.mark.parametrize("scope,budget", [(None, None), ("model", 0.5)])
+def test_fused_loss_under_torch_compile_matches_eager_plain(tmp_path, scope, budget):
     common = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1"]
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "plain", common)
-    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "compiled",
-               [*common, FUSED, "compile=True", *([f"compile_scope={scope}"] if scope else [])])
+    proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "compiled",
+                      [*common, FUSED, "compile=True", *([f"compile_scope={scope}"] if scope else []),
+                       *([f"activation_memory_budget={budget}"] if budget else [])])
+    assert (f"activation memory budget {budget}" in proc.stdout + proc.stderr) == bool(budget)
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")),
                                torch.tensor(losses(tmp_path / "plain")), rtol=1e-5, atol=0)
 

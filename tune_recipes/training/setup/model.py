@@ -24,7 +24,8 @@ log = get_logger("INFO")
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
                      compile_model: bool = False, ac_interval: Optional[int] = None,
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
-                     fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None) -> nn.Module:
+                     fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None,
+                     activation_memory_budget: Optional[float] = None) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
@@ -33,7 +34,8 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     strictly.
     ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
     ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
-    instead of one per layer, fusion across layer boundaries, a longer first compile)."""
+    instead of one per layer, fusion across layer boundaries, a longer first compile).
+    ``activation_memory_budget``: see ``set_activation_memory_budget`` (compile only)."""
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg_model)
     if before_load is not None:
@@ -42,15 +44,38 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     # are unchanged, so the strict load below also checks the swap).
     convert_to_fp8(model, fp8_recipe)
     if compile_model:
-        compile_layers_or_model(model, compile_scope)
+        compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
     model.load_state_dict(state_dict)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
 
 
-def compile_layers_or_model(model: nn.Module, scope: Optional[str]) -> None:
-    """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model."""
+def set_activation_memory_budget(budget: Optional[float]) -> None:
+    """``activation_memory_budget``: the fraction of the activations a compiled graph would save
+    for backward that it may keep (torch._functorch.config.activation_memory_budget; None or 1.0:
+    all, torch's default). Below 1, torch.compile's partitioner recomputes the ops it estimates
+    cheapest (by FLOPs: pointwise ops first, matrix products last) in backward instead of saving
+    their outputs. Process-wide; read when a graph is first traced, so set before the first step.
+
+    Measured on an H200 (Llama-3.2-1B full, whole model compiled, FP8; docs/benchmarks.md,
+    session 11): 0.9 took the peak from 15.12 to 14.51 GiB for 2.4% of the speed."""
+    import torch._functorch.config as functorch_config
+
+    value = 1.0 if budget is None else float(budget)
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"activation_memory_budget={budget}: expected a number > 0 and <= 1")
+    functorch_config.activation_memory_budget = value
+    if value < 1.0:
+        log.info("activation memory budget %g: compiled graphs keep at most that fraction of "
+                 "their activations and recompute the cheapest ops in backward", value)
+
+
+def compile_layers_or_model(model: nn.Module, scope: Optional[str],
+                            activation_memory_budget: Optional[float] = None) -> None:
+    """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model,
+    under ``activation_memory_budget`` (``set_activation_memory_budget``)."""
+    set_activation_memory_budget(activation_memory_budget)
     if scope in (None, "layers"):
         training.compile_model(model)
     elif scope == "model":
@@ -76,7 +101,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      ac_interval: Optional[int] = None,
                      fp8: bool = False, compile_scope: Optional[str] = None,
                      embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False,
-                     fp8_adapter_inputs: bool = False, fp8_transposed_weight_layers: int = 0):
+                     fp8_adapter_inputs: bool = False, fp8_transposed_weight_layers: int = 0,
+                     activation_memory_budget: Optional[float] = None):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
@@ -89,7 +115,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     the adapters' weight gradients read the FP8 base product's e4m3 input, so backward keeps 1
     byte of each adapter input instead of 2 (``modules.fp8_lora``); with
     ``fp8_transposed_weight_layers`` N the first N transformer layers' FP8 weights are also kept
-    transposed, so their backward needs no transpose copy. Returns ``(model, LoRASpec)``."""
+    transposed, so their backward needs no transpose copy; ``activation_memory_budget`` as in
+    ``setup_full_model``. Returns ``(model, LoRASpec)``."""
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
@@ -108,7 +135,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
     set_trainable_params(model, adapter_params)
     if compile_model:
-        compile_layers_or_model(model, compile_scope)
+        compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
     base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
     if not lora_state_dict:

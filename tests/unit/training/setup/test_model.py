@@ -113,3 +113,59 @@ def test_full_model_loads_strictly_after_before_load():
     with pytest.raises(RuntimeError, match="Missing key"):
         setup_full_model(cfg, dtype=torch.float32, device=torch.device("cpu"),
                          state_dict={k: v for k, v in base.items() if "output" not in k})
+
+
+@pytest.fixture
+def restore_activation_memory_budget():
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.activation_memory_budget
+    yield
+    functorch_config.activation_memory_budget = before
+
+
+def _compiled_saved_bytes(budget):
+    """Bytes a compiled 3-block MLP saves for backward under ``budget``, and x's gradient.
+    aot_eager_decomp_partition: the same partitioner as inductor's (the budget is its input),
+    without generating kernels."""
+    from tune_recipes.training.setup.model import set_activation_memory_budget
+
+    torch._dynamo.reset()  # a fresh trace: the budget is read when a graph is partitioned
+    set_activation_memory_budget(budget)
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64)) for _ in range(3)])
+    model = torch.compile(blocks, backend="aot_eager_decomp_partition")
+    x = torch.randn(32, 64, requires_grad=True)
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).square().sum()
+    loss.backward()
+    torch._dynamo.reset()
+    return saved, x.grad
+
+
+def test_activation_memory_budget_makes_compiled_graphs_save_less_for_the_same_gradients(
+        restore_activation_memory_budget):
+    full, grad_full = _compiled_saved_bytes(None)
+    half, grad_half = _compiled_saved_bytes(0.5)
+    # The weights are saved at any budget; what goes is activations, recomputed in backward.
+    assert half < full
+    torch.testing.assert_close(grad_half, grad_full, rtol=1e-6, atol=0)
+    import torch._functorch.config as functorch_config
+
+    assert functorch_config.activation_memory_budget == 0.5
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, -0.1])
+def test_activation_memory_budget_out_of_range_is_named(bad, restore_activation_memory_budget):
+    from tune_recipes.training.setup.model import set_activation_memory_budget
+
+    with pytest.raises(ConfigError, match=f"activation_memory_budget={bad}"):
+        set_activation_memory_budget(bad)
