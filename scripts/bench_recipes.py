@@ -172,14 +172,13 @@ CASES = {
                "ours: whole model + compiled optimizer step, loss chunks of 328 rows",
                loss={**_FUSED, "chunk_size": 328}, compile=True, compile_scope="model",
                enable_fp8_training=True, compile_optimizer_step=True),
-            # Measured through scripts/bench_hooks before any becomes a key (session 11): the
-            # compiled graph's activations held to 90% (recompute the cheapest ops), and FP8
-            # left off the 1B's small k/v projections (torchao's tensorwise heuristic).
+            # Session 11: the compiled graph's activations held to 90% (recompute the cheapest
+            # ops; measured through scripts/bench_hooks, now the key activation_memory_budget),
+            # and FP8 left off the 1B's small k/v projections (torchao's tensorwise heuristic).
             _v("ours_best_model_cstep_amb90", "ours",
                "ours: whole model + compiled optimizer step, activation memory budget 0.9",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True,
-               env={"BENCH_HOOKS": "1", "BENCH_ACTIVATION_MEMORY_BUDGET": "0.9"}),
+               compile_optimizer_step=True, activation_memory_budget=0.9),
             _v("ours_best_model_cstep_autofilter", "ours",
                "ours: whole model + compiled optimizer step, FP8 off the small k/v projections",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,

@@ -1,10 +1,8 @@
 """Levers measured before any of them becomes a config key: set from the environment when a
 Python process starts. bench_recipes.py puts this folder first on PYTHONPATH for the variants
-that name one (``_HOOKS``), so only their runs see it.
+that set BENCH_HOOKS, so only their runs see it. (Session 11's activation memory budget was
+measured this way; it is now the key ``activation_memory_budget``.)
 
-- BENCH_ACTIVATION_MEMORY_BUDGET=0.9: torch.compile's partitioner keeps at most that fraction of
-  the activations it would save, recomputing the cheapest ops in backward instead
-  (torch._functorch.config.activation_memory_budget; torchtitan's "memory_budget" mode).
 - BENCH_MEMORY_SNAPSHOT=PATH: the recipe's process records every CUDA allocation from its
   start and writes torch's memory snapshot to PATH.<pid> at exit, for scripts/memory_peak.py.
 - BENCH_FP8_AUTO_FILTER=1: FP8 only where torchao's tensorwise heuristic expects a gain (it
@@ -12,11 +10,6 @@ that name one (``_HOOKS``), so only their runs see it.
 """
 import os
 import sys
-
-if os.environ.get("BENCH_ACTIVATION_MEMORY_BUDGET"):
-    import torch._functorch.config as functorch_config
-
-    functorch_config.activation_memory_budget = float(os.environ["BENCH_ACTIVATION_MEMORY_BUDGET"])
 
 # Only the recipe's process (``python -m tune_recipes run``), not inductor's compile workers.
 _IS_RECIPE = "tune_recipes" in " ".join(getattr(sys, "orig_argv", []))
@@ -37,18 +30,15 @@ if os.environ.get("BENCH_MEMORY_SNAPSHOT") and _IS_RECIPE:
 
     atexit.register(_dump)
 
-if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1":
-    try:
-        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1" and _IS_RECIPE:
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
-        from tune_recipes.training.setup import fp8
-    except ImportError:  # a process that is not a recipe run (the stock side never sets this)
-        pass
-    else:
-        _auto = _auto_filter_for_recipe("tensorwise", filter_fqns=[])
+    from tune_recipes.training.setup import fp8
 
-        def _keep(module, fqn):
-            return fp8.should_convert(module, fqn) and _auto(module, fqn)
+    _auto = _auto_filter_for_recipe("tensorwise", filter_fqns=[])
 
-        # model.py imported convert_to_fp8 by name: its default filter is what it calls.
-        fp8.convert_to_fp8.__defaults__ = (_keep,)
+    def _keep(module, fqn):
+        return fp8.should_convert(module, fqn) and _auto(module, fqn)
+
+    # model.py imported convert_to_fp8 by name: its default filter is what it calls.
+    fp8.convert_to_fp8.__defaults__ = (_keep,)
