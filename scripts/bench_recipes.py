@@ -369,6 +369,14 @@ CASES = {
                head=True, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True, packed=True),
             _v("stock_padded", "stock", "stock: compile, padded", head=True, loss=_CHUNKED,
                compile=True),
+            # Why per-layer FP8 ran below no FP8 on packed data (163 vs 129 ms a step, session
+            # 10): both under the profiler, steps 8-10 (not speed rows).
+            _v("ours_best_profiled", "ours", "ours: per-layer FP8, packed, profiled (not a speed row)",
+               steps=10, loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
+               packed=True, profiler=_profiler("data_ours_best")),
+            _v("ours_packed_nofp8_profiled", "ours", "ours: no FP8, packed, profiled (not a speed row)",
+               steps=10, loss=_FUSED, compile=True, optimizer_in_bwd=True, packed=True,
+               profiler=_profiler("data_ours_packed_nofp8")),
             _v("ours_padded", "ours", "ours: compile + fused CE + optimizer in backward, padded",
                head=True, loss=_FUSED, compile=True, optimizer_in_bwd=True),
         ],

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -273,6 +273,15 @@ for step in "$@"; do
             timeout 470 python3 scripts/bench_recipes.py --cases qlora_8b --only stock_best,ours_fp8_instead \
               --reps 2 --work /tmp/bw --run-timeout 150 --out "$OUT/s11d_qlora_8b.json" > /tmp/speed_s11d.log 2>&1
             finish_bench s11d ;;
+    s12a)   # Next (~5 min): per-layer FP8 vs no FP8 on packed data under the profiler (the unexplained
+            # 163 vs 129 ms step of session 10), summed by kernel kind.
+            timeout 480 python3 scripts/bench_recipes.py --cases data_1b --reps 1 --work /tmp/bw \
+              --only ours_best_profiled,ours_packed_nofp8_profiled --run-timeout 230 \
+              --out "$OUT/s12a_data_1b.json" > /tmp/s12a_prof.log 2>&1
+            python3 scripts/trace_summary.py --top 60 /tmp/bw/prof_data_ours_best /tmp/bw/prof_data_ours_packed_nofp8 \
+              > /tmp/s12a_traces.txt 2>&1
+            tar czf "$OUT/s12a.tgz" /tmp/s12a*.log /tmp/s12a_traces.txt /tmp/bw/data_1b_*profiled*.log 2>/dev/null
+            grep -h "rror" /tmp/s12a_prof.log | cut -c1-250; cut -c1-150 /tmp/s12a_traces.txt ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
