@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -282,6 +282,13 @@ for step in "$@"; do
               > /tmp/s12a_traces.txt 2>&1
             tar czf "$OUT/s12a.tgz" /tmp/s12a*.log /tmp/s12a_traces.txt /tmp/bw/data_1b_*profiled*.log 2>/dev/null
             grep -h "rror" /tmp/s12a_prof.log | cut -c1-250; cut -c1-150 /tmp/s12a_traces.txt ;;
+    s12b)   # Next (~10 min): the compiled optimizer step against the plain one in the same run (sessions
+            # 10 and 11 compared across machines), 2 alternating reps with stock; then once each the
+            # activation memory budgets 0.98 and 0.95 (0.9 cost 2.4% for 0.61 GiB; 0.04 GiB is needed).
+            timeout 590 python3 scripts/bench_recipes.py --cases full_1b \
+              --only stock_best,ours_best_model_step,ours_best_model_cstep,ours_best_model_cstep_amb98,ours_best_model_cstep_amb95 \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s12b_full_1b.json" > /tmp/speed_s12b.log 2>&1
+            finish_bench s12b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
