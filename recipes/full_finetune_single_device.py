@@ -14,8 +14,9 @@ Every parameter trains. Features, each a config key:
   selective checkpointing, e.g. ``selective``/``2`` recomputes every 2nd transformer layer.
 - ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune: one
   graph per transformer layer, quick to compile) or ``model`` (the whole forward, one graph).
-- ``activation_memory_budget`` (with ``compile``): the compiled graphs keep at most this
-  fraction of their activations for backward and recompute the cheapest ops instead.
+- ``activation_memory_budget`` (with ``compile``): from 0 to 1, how much of their activations
+  the compiled graphs save for backward (0: the least, recomputing all they can; 1: torch's
+  default); below 1 they recompute the cheapest ops in backward instead.
 - ``compile_optimizer_step``: the optimizer step (torch's Adam/AdamW) runs through
   torch.compile (tune_recipes.training.step.optim.CompiledOptimizerStep).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in

@@ -22,9 +22,9 @@ is a device without FP8 tensor cores (CUDA, compute capability >= 8.9); use it w
 ``compile: True`` (tune_recipes/modules/fp8_lora.py).
 
 ``compile_scope``: what ``compile: True`` compiles: ``layers`` (default, as torchtune) or
-``model`` (the whole forward as one graph); ``activation_memory_budget`` (with ``compile``):
-the compiled graphs keep at most this fraction of their activations for backward and recompute
-the cheapest ops instead.
+``model`` (the whole forward as one graph); ``activation_memory_budget`` (with ``compile``),
+from 0 to 1: how much of their activations the compiled graphs save for backward (0: the least,
+recomputing all they can; 1: torch's default); below 1 they recompute the cheapest ops instead.
 
 Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT

@@ -744,7 +744,8 @@ def main():
                 if case.get("nproc"):
                     cmd[4:4] = ["--nproc_per_node", str(case["nproc"])]
             row = {"case": name, "variant": variant["name"], "label": variant["label"], "rep": rep,
-                   "side": variant["side"], "overrides": {k: v for k, v in variant["cfg"].items()}}
+                   "side": variant["side"], "overrides": {k: v for k, v in variant["cfg"].items()},
+                   "env": variant.get("env", {})}  # a lever set from the environment shows here
             try:
                 wall = run(cmd, work / f"{tag}.log", args.run_timeout, variant.get("env"))
                 row.update(wall_s=round(wall, 1),
@@ -752,7 +753,7 @@ def main():
             except RuntimeError as e:
                 row["error"] = str(e)[-1500:]
             result["rows"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "overrides")}),
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "overrides", "env")}),
                   flush=True)
             out.write_text(json.dumps(result, indent=1))  # after every run: a timeout keeps rows
         result["summary"] += aggregate(name, case, [r for r in result["rows"] if r["case"] == name])

@@ -249,7 +249,8 @@ for step in "$@"; do
               --reps 2 --work /tmp/bw --run-timeout 300 --out "$OUT/next1b_full_1b.json" > /tmp/speed_next1b.log 2>&1
             finish_bench next1b ;;
     s11a)   # Session 11 (~8 min): stock vs ours + compiled optimizer step, 2 alternating reps; then
-            # once each: coordinate-descent tuning, half-size loss chunks (the 0.04 GiB over).
+            # once each: coordinate-descent tuning, half-size loss chunks (the 0.04 GiB over). On a
+            # fresh machine only the first rep fit: the tuning run took its 240 s without a step.
             timeout 570 python3 scripts/bench_recipes.py --cases full_1b \
               --only stock_best,ours_best_model_cstep,ours_best_model_cstep_cdt,ours_best_model_cstep_c328 \
               --reps 2 --work /tmp/bw --run-timeout 240 --out "$OUT/s11a_full_1b.json" > /tmp/speed_s11a.log 2>&1
@@ -264,7 +265,7 @@ for step in "$@"; do
             rm -f /tmp/bw/memsnap_1b.*
             timeout 400 python3 scripts/bench_recipes.py --cases full_1b --only ours_best_model_cstep_memsnap \
               --reps 1 --work /tmp/bw --run-timeout 380 --out "$OUT/s11c_full_1b.json" > /tmp/speed_s11c.log 2>&1
-            for f in $(ls -S /tmp/bw/memsnap_1b.* | grep -v max_allocated | head -1); do
+            for f in $(ls -S /tmp/bw/memsnap_1b.* | grep -v peaks.json | head -1); do
               python3 scripts/memory_peak.py "$f" --top 40 | tee "$OUT/s11c_memory_peak.txt"; done
             finish_bench s11c ;;
     s11d)   # Session 11 (~7 min): 8B QLoRA stock vs ours' FP8 base instead of NF4, 2 alternating reps

@@ -10,6 +10,7 @@ whose text is printed when the file is still there, as on the machine that ran i
 """
 import argparse
 import collections
+import json
 import linecache
 import os
 import pickle
@@ -26,15 +27,26 @@ def _where(frames):
 
 
 def replay(trace):
-    """(peak bytes, index of the event that reached it, {addr: event} live then)."""
+    """(peak bytes, index of the event that reached it, {addr: event} live then).
+
+    The trace's sizes are the requested bytes (torch's ``requested_bytes`` statistic), not the
+    rounded blocks ``max_memory_allocated`` counts: the replayed peak is a little lower than
+    that. A trace whose ring buffer wrapped starts mid-run: its frees of blocks allocated
+    before it are counted in ``unmatched_frees`` (the peak is then not the run's)."""
     cur = peak = 0
     peak_at = -1
+    seen = set()
+    replay.unmatched_frees = 0
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
+            seen.add(e["addr"])
             cur += e["size"]
             if cur > peak:
                 peak, peak_at = cur, i
-        elif e["action"] == "free_requested":  # the allocated-bytes statistic drops here
+        elif e["action"] == "free_requested":  # the allocator's statistics drop here
+            if e["addr"] not in seen:
+                replay.unmatched_frees += 1
+            seen.discard(e["addr"])
             cur -= e["size"]
     live = {}
     for e in trace[:peak_at + 1]:
@@ -54,14 +66,21 @@ def main():
     with open(args.snapshot, "rb") as f:
         snap = pickle.load(f)
     trace = snap["device_traces"][args.device]
+    if not any(e["action"] == "alloc" for e in trace):
+        raise SystemExit(f"{args.snapshot}: no allocation in the trace of device {args.device}")
     peak, peak_at, live = replay(trace)
     gib = 2 ** 30
     print(f"{args.snapshot}: {len(trace)} events; replayed peak {peak / gib:.3f} GiB at event {peak_at}")
+    if replay.unmatched_frees:
+        print(f"WARNING: {replay.unmatched_frees} frees of blocks allocated before the trace starts: "
+              "it does not hold the whole run (raise max_entries), so this peak may not be the run's")
     try:
-        with open(args.snapshot + ".max_allocated") as f:
-            print(f"torch.cuda.max_memory_allocated: {int(f.read()) / gib:.3f} GiB "
-                  "(equal to the replayed peak when the trace holds every event)")
-    except OSError:
+        with open(args.snapshot + ".peaks.json") as f:
+            peaks = json.load(f)
+        print(f"the process's own peaks: requested {peaks['requested_bytes_peak'] / gib:.3f} GiB "
+              f"(what the replay sums: equal when the trace holds the whole run), allocated "
+              f"{peaks['allocated_bytes_peak'] / gib:.3f} GiB (rounded blocks: max_memory_allocated)")
+    except (OSError, KeyError, TypeError):
         pass
     groups = collections.defaultdict(lambda: [0, 0])
     for e in live.values():

@@ -201,6 +201,11 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 _bf16_or_fp32 = one_of("bf16", "fp32", hint="fp16 needs loss scaling, which no recipe does")
 
+# torch._functorch.config.activation_memory_budget: 0 (the least memory the partitioner can
+# reach, recomputing all it can) to 1 (torch's default plan). Also checked by the library
+# function that sets it (training/setup/model.py), for callers that skip the config check.
+activation_memory_budget_value = optional(number(0, maximum=1))
+
 # NOTE: one table for every recipe. A rule applies when its top-level key is in the recipe's
 # CONFIG_KEYS and the key is present in the config; defaults live in the recipes.
 SCHEMA: List[Rule] = [
@@ -229,7 +234,7 @@ SCHEMA: List[Rule] = [
     Rule("optimizer_in_bwd", boolean),
     Rule("compile", no_dict("torchtune's per-part compile dict")),
     Rule("compile_scope", optional(one_of("layers", "model"))),
-    Rule("activation_memory_budget", optional(number(0, exclusive=True, maximum=1))),
+    Rule("activation_memory_budget", activation_memory_budget_value),
     Rule("compile_optimizer_step", boolean),
     Rule("embedding_on_cpu", boolean),
     Rule("fp8_mlp_activations", boolean),

@@ -24,9 +24,13 @@ if os.environ.get("BENCH_MEMORY_SNAPSHOT") and _IS_RECIPE:
                                              max_entries=2_000_000)
 
     def _dump(path=f"{os.environ['BENCH_MEMORY_SNAPSHOT']}.{os.getpid()}"):
+        import json
+
         torch.cuda.memory._dump_snapshot(path)
-        with open(path + ".max_allocated", "w") as f:
-            f.write(str(torch.cuda.max_memory_allocated()))
+        stats = torch.cuda.memory_stats()
+        with open(path + ".peaks.json", "w") as f:  # what memory_peak.py checks its replay against
+            json.dump({"requested_bytes_peak": stats.get("requested_bytes.all.peak"),
+                       "allocated_bytes_peak": stats.get("allocated_bytes.all.peak")}, f)
 
     atexit.register(_dump)
 

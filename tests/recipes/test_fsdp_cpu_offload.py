@@ -16,8 +16,9 @@ def test_fsdp_cpu_offload_on_cpu_runs_as_off(tmp_path):
     for name, override in (("off", "fsdp_cpu_offload=False"), ("flat", "fsdp_cpu_offload=True"),
                            ("section", "fsdp.cpu_offload=True")):
         out = tmp_path / name
-        # One rank: the offload is a no-op on the CPU at any world size, and the key's reading
-        # is all this checks (two ranks read the fsdp section in the test below).
+        # One rank: the offload is a no-op on the CPU at any world size, and reading the key is
+        # all this checks. Two ranks read the fsdp section in the test below, for the full and
+        # KD recipes; all three read it through the same library function (fsdp_options).
         proc = tune("run", "--nproc_per_node", "1", "lora_finetune_distributed", "--config",
                     "tiny/lora_distributed", f"output_dir={out}", "max_steps_per_epoch=2",
                     *([override] if name != "section" else ["fsdp_cpu_offload=null", override]))

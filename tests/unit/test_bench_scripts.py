@@ -72,3 +72,23 @@ def test_memory_peak_replays_to_the_peak_and_groups_the_live_blocks(tmp_path, ca
     # Grouped by the innermost frame outside torch, largest first.
     lines = [l for l in out.splitlines() if l.strip().startswith("0.")]
     assert [l.split()[2] for l in lines[:3]] == ["loss.py:30", "optim.py:10", "model.py:20"]
+
+
+def test_memory_peak_says_when_the_trace_does_not_hold_the_whole_run(tmp_path, capsys):
+    mib = 2 ** 20
+    # The ring buffer wrapped: block 9 was allocated before the first recorded event.
+    trace = [_event("free_requested", 9, 10 * mib), _event("alloc", 1, 20 * mib, "/work/a.py", 1)]
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [trace], "segments": []}))
+    (tmp_path / "snap.pickle.peaks.json").write_text(
+        '{"requested_bytes_peak": 31457280, "allocated_bytes_peak": 33554432}')
+    import sys
+
+    argv, sys.argv = sys.argv, ["memory_peak.py", str(path)]
+    try:
+        _module("memory_peak").main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "WARNING: 1 frees of blocks allocated before the trace starts" in out
+    assert "requested 0.029 GiB" in out and "allocated 0.031 GiB" in out

@@ -17,6 +17,7 @@ from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_m
 from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
 from tune_recipes.training.setup.fp8 import convert_to_fp8
+from tune_recipes.validation import activation_memory_budget_value
 
 log = get_logger("INFO")
 
@@ -52,23 +53,30 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
 
 
 def set_activation_memory_budget(budget: Optional[float]) -> None:
-    """``activation_memory_budget``: the fraction of the activations a compiled graph would save
-    for backward that it may keep (torch._functorch.config.activation_memory_budget; None or 1.0:
-    all, torch's default). Below 1, torch.compile's partitioner recomputes the ops it estimates
-    cheapest (by FLOPs: pointwise ops first, matrix products last) in backward instead of saving
-    their outputs. Process-wide; read when a graph is first traced, so set before the first step.
+    """``activation_memory_budget``: how much of the activations a compiled graph saves for
+    backward (torch._functorch.config.activation_memory_budget), from 0 (the least its
+    partitioner can reach: it recomputes everything it can, as if the graph were checkpointed)
+    to 1 (None here; torch's default plan). In between, the partitioner recomputes the ops it
+    estimates cheapest (by FLOPs: pointwise ops first, matrix products last) in backward
+    instead of saving their outputs. Measured: docs/benchmarks.md (issue #15, session 11).
 
-    Measured on an H200 (Llama-3.2-1B full, whole model compiled, FP8; docs/benchmarks.md,
-    session 11): 0.9 took the peak from 15.12 to 14.51 GiB for 2.4% of the speed."""
+    NOTE: the setting is process-wide and read when a graph is traced, and torch.compile reuses
+    a graph it already traced for another instance of the same module class without checking
+    it. So a change of value clears dynamo's compiled code (torch._dynamo.reset()); a recipe
+    calls this before its first compile, where that clears nothing."""
+    import torch._dynamo
     import torch._functorch.config as functorch_config
 
+    problem = activation_memory_budget_value(budget)
+    if problem:
+        raise ConfigError(f"activation_memory_budget={budget}: {problem}")
     value = 1.0 if budget is None else float(budget)
-    if not 0.0 < value <= 1.0:
-        raise ConfigError(f"activation_memory_budget={budget}: expected a number > 0 and <= 1")
-    functorch_config.activation_memory_budget = value
+    if value != functorch_config.activation_memory_budget:
+        torch._dynamo.reset()
+        functorch_config.activation_memory_budget = value
     if value < 1.0:
-        log.info("activation memory budget %g: compiled graphs keep at most that fraction of "
-                 "their activations and recompute the cheapest ops in backward", value)
+        log.info("activation memory budget %g: compiled graphs recompute the cheapest ops in "
+                 "backward instead of saving them (0: all they can, 1: torch's default)", value)
 
 
 def compile_layers_or_model(model: nn.Module, scope: Optional[str],

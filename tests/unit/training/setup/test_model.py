@@ -153,17 +153,51 @@ def _compiled_saved_bytes(budget):
 
 def test_activation_memory_budget_makes_compiled_graphs_save_less_for_the_same_gradients(
         restore_activation_memory_budget):
+    import torch._functorch.config as functorch_config
+
     full, grad_full = _compiled_saved_bytes(None)
     half, grad_half = _compiled_saved_bytes(0.5)
     # The weights are saved at any budget; what goes is activations, recomputed in backward.
     assert half < full
     torch.testing.assert_close(grad_half, grad_full, rtol=1e-6, atol=0)
-    import torch._functorch.config as functorch_config
-
     assert functorch_config.activation_memory_budget == 0.5
+    # And back: None is torch's default again, and the graphs traced under 0.5 are not reused.
+    again, _ = _compiled_saved_bytes(None)
+    assert functorch_config.activation_memory_budget == 1.0 and again == full
 
 
-@pytest.mark.parametrize("bad", [0, 1.5, -0.1])
+def test_a_changed_budget_is_not_ignored_by_an_already_compiled_module_class(
+        restore_activation_memory_budget):
+    """torch.compile reuses the code it traced for one instance of a module class for the next
+    one, without looking at the budget: set_activation_memory_budget clears it on a change."""
+    from tune_recipes.training.setup.model import set_activation_memory_budget
+
+    def saved_by_a_new_instance(budget):
+        set_activation_memory_budget(budget)  # no dynamo reset here: the function's own
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64),
+                                    torch.nn.SiLU(), torch.nn.Linear(64, 64))
+        model = torch.compile(block, backend="aot_eager_decomp_partition")
+        saved = 0
+
+        def pack(t):
+            nonlocal saved
+            saved += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randn(32, 64, requires_grad=True)).square().sum().backward()
+        return saved
+
+    torch._dynamo.reset()
+    try:
+        full = saved_by_a_new_instance(None)
+        assert saved_by_a_new_instance(0.0) < full
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, "half"])
 def test_activation_memory_budget_out_of_range_is_named(bad, restore_activation_memory_budget):
     from tune_recipes.training.setup.model import set_activation_memory_budget
 
