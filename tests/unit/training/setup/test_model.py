@@ -124,6 +124,21 @@ def restore_activation_memory_budget():
     functorch_config.activation_memory_budget = before
 
 
+def _saved_bytes_of_a_step(module, x):
+    """Bytes ``module``'s forward saves for backward, after which the backward runs."""
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = module(x).square().sum()
+    loss.backward()
+    return saved
+
+
 def _compiled_saved_bytes(budget):
     """Bytes a compiled 3-block MLP saves for backward under ``budget``, and x's gradient.
     aot_eager_decomp_partition: the same partitioner as inductor's (the budget is its input),
@@ -135,18 +150,8 @@ def _compiled_saved_bytes(budget):
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64)) for _ in range(3)])
-    model = torch.compile(blocks, backend="aot_eager_decomp_partition")
     x = torch.randn(32, 64, requires_grad=True)
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x).square().sum()
-    loss.backward()
+    saved = _saved_bytes_of_a_step(torch.compile(blocks, backend="aot_eager_decomp_partition"), x)
     torch._dynamo.reset()
     return saved, x.grad
 
@@ -177,17 +182,8 @@ def test_a_changed_budget_is_not_ignored_by_an_already_compiled_module_class(
         torch.manual_seed(0)
         block = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64),
                                     torch.nn.SiLU(), torch.nn.Linear(64, 64))
-        model = torch.compile(block, backend="aot_eager_decomp_partition")
-        saved = 0
-
-        def pack(t):
-            nonlocal saved
-            saved += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randn(32, 64, requires_grad=True)).square().sum().backward()
-        return saved
+        return _saved_bytes_of_a_step(torch.compile(block, backend="aot_eager_decomp_partition"),
+                                      torch.randn(32, 64, requires_grad=True))
 
     torch._dynamo.reset()
     try:
