@@ -239,14 +239,19 @@ def test_compiled_step_does_not_recompile_when_the_rate_changes(monkeypatch):
     expected at most (torch 2.13 on the CPU traces the lazily created state in one)."""
     from torch._dynamo.testing import CompileCounter
 
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
     counter = CompileCounter()
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn: real_compile(fn, backend=counter))
     torch._dynamo.reset()
-    model = _mlp()
-    opt = build_optimizer(ADAMW, model, compile_step=True)
-    rates = _train_with_schedule(model, opt, 8)
+    # NOTE: the config's own patch, not monkeypatch: monkeypatch's undo deletes an attribute
+    # the module's __dict__ did not hold, and a deleted dynamo config entry is hidden for the
+    # rest of the process ("torch._dynamo.config.specialize_float does not exist" at the next
+    # compile of any later test in the same worker).
+    with torch._dynamo.config.patch(specialize_float=True):
+        model = _mlp()
+        opt = build_optimizer(ADAMW, model, compile_step=True)
+        rates = _train_with_schedule(model, opt, 8)
+    torch._dynamo.reset()
     assert len(set(rates)) > 4
     assert 1 <= counter.frame_count <= 2, counter.frame_count
 
