@@ -172,8 +172,8 @@ CASES = {
                "ours: whole model + compiled optimizer step, loss chunks of 328 rows",
                loss={**_FUSED, "chunk_size": 328}, compile=True, compile_scope="model",
                enable_fp8_training=True, compile_optimizer_step=True),
-            # Session 11: the compiled graph's activations held to 90% (recompute the cheapest
-            # ops; measured through scripts/bench_hooks, now the key activation_memory_budget),
+            # Session 11: activation memory budget 0.9 (recompute the cheapest ops in backward;
+            # measured through scripts/bench_hooks, now the key activation_memory_budget),
             # and FP8 left off the 1B's small k/v projections (torchao's tensorwise heuristic).
             _v("ours_best_model_cstep_amb90", "ours",
                "ours: whole model + compiled optimizer step, activation memory budget 0.9",
