@@ -56,9 +56,11 @@ def set_activation_memory_budget(budget: Optional[float]) -> None:
     """``activation_memory_budget``: how much of the activations a compiled graph saves for
     backward (torch._functorch.config.activation_memory_budget), from 0 (the least its
     partitioner can reach: it recomputes everything it can, as if the graph were checkpointed)
-    to 1 (None here; torch's default plan). In between, the partitioner recomputes the ops it
-    estimates cheapest (by FLOPs: pointwise ops first, matrix products last) in backward
-    instead of saving their outputs. Measured: docs/benchmarks.md (issue #15, session 11).
+    to 1 (torch's default plan). In between, the partitioner recomputes the ops it estimates
+    cheapest (by FLOPs: pointwise ops first, matrix products last) in backward instead of
+    saving their outputs. None leaves torch's setting as it is (as ``cudnn_deterministic_mode:
+    null`` does), so a caller that set it in its own code keeps it. Measured:
+    docs/benchmarks.md (issue #15, session 11).
 
     NOTE: the setting is process-wide and read when a graph is traced, and torch.compile reuses
     a graph it already traced for another instance of the same module class without checking
@@ -70,7 +72,9 @@ def set_activation_memory_budget(budget: Optional[float]) -> None:
     problem = activation_memory_budget_value(budget)
     if problem:
         raise ConfigError(f"activation_memory_budget={budget}: {problem}")
-    value = 1.0 if budget is None else float(budget)
+    if budget is None:
+        return
+    value = float(budget)
     if value != functorch_config.activation_memory_budget:
         torch._dynamo.reset()
         functorch_config.activation_memory_budget = value

@@ -160,14 +160,17 @@ def test_activation_memory_budget_makes_compiled_graphs_save_less_for_the_same_g
         restore_activation_memory_budget):
     import torch._functorch.config as functorch_config
 
-    full, grad_full = _compiled_saved_bytes(None)
+    full, grad_full = _compiled_saved_bytes(1.0)
     half, grad_half = _compiled_saved_bytes(0.5)
     # The weights are saved at any budget; what goes is activations, recomputed in backward.
     assert half < full
     torch.testing.assert_close(grad_half, grad_full, rtol=1e-6, atol=0)
     assert functorch_config.activation_memory_budget == 0.5
-    # And back: None is torch's default again, and the graphs traced under 0.5 are not reused.
-    again, _ = _compiled_saved_bytes(None)
+    # None leaves the setting alone; 1.0 is torch's default again, and the graphs traced
+    # under 0.5 are not reused.
+    still, _ = _compiled_saved_bytes(None)
+    assert functorch_config.activation_memory_budget == 0.5 and still == half
+    again, _ = _compiled_saved_bytes(1.0)
     assert functorch_config.activation_memory_budget == 1.0 and again == full
 
 
@@ -187,7 +190,7 @@ def test_a_changed_budget_is_not_ignored_by_an_already_compiled_module_class(
 
     torch._dynamo.reset()
     try:
-        full = saved_by_a_new_instance(None)
+        full = saved_by_a_new_instance(1.0)
         assert saved_by_a_new_instance(0.0) < full
     finally:
         torch._dynamo.reset()
