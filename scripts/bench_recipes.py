@@ -79,6 +79,11 @@ _LORA_8B = dict(
     extra={"enable_activation_checkpointing": False, "save_adapter_weights_only": True},
 )
 
+# Ours' 1B settings since session 11: the whole model compiled + fused CE + FP8 + the optimizer
+# step compiled (full_1b's levers vary one thing on top of it).
+_CSTEP_1B = dict(loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
+                 compile_optimizer_step=True)
+
 CASES = {
     # A CPU dry run of the whole pipeline (checks configs and both CLIs; numbers meaningless).
     "tiny_cpu": dict(
@@ -157,8 +162,7 @@ CASES = {
             # The optimizer step compiled too (compile_optimizer_step): 4.52 vs 6.44 ms alone.
             _v("ours_best_model_cstep", "ours",
                "ours: compile (whole model) + fused CE + FP8, one compiled optimizer step",
-               head=True, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True),
+               head=True, **_CSTEP_1B),
             # Session 11 levers on top of it: inductor's coordinate-descent tuning of its Triton
             # kernels (31.6 ms a step in session 10's profile, the FP8 casts included), and the
             # fused loss in half-size chunks (80 MiB of logits instead of 160: the peak was
@@ -166,39 +170,25 @@ CASES = {
             # in the loss).
             _v("ours_best_model_cstep_cdt", "ours",
                "ours: whole model + compiled optimizer step, coordinate-descent tuning",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True, env={"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}),
+               **_CSTEP_1B, env={"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}),
             _v("ours_best_model_cstep_c328", "ours",
                "ours: whole model + compiled optimizer step, loss chunks of 328 rows",
-               loss={**_FUSED, "chunk_size": 328}, compile=True, compile_scope="model",
-               enable_fp8_training=True, compile_optimizer_step=True),
-            # Session 11: activation memory budget 0.9 (recompute the cheapest ops in backward;
-            # measured through scripts/bench_hooks, now the key activation_memory_budget),
-            # and FP8 left off the 1B's small k/v projections (torchao's tensorwise heuristic).
-            _v("ours_best_model_cstep_amb90", "ours",
-               "ours: whole model + compiled optimizer step, activation memory budget 0.9",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True, activation_memory_budget=0.9),
-            # The 0.04 GiB over needs far less than 0.9's 0.61 GiB: the smallest recompute that
-            # gets under 0.75x stock, at what speed (next session).
-            _v("ours_best_model_cstep_amb98", "ours",
-               "ours: whole model + compiled optimizer step, activation memory budget 0.98",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True, activation_memory_budget=0.98),
-            _v("ours_best_model_cstep_amb95", "ours",
-               "ours: whole model + compiled optimizer step, activation memory budget 0.95",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True, activation_memory_budget=0.95),
+               **{**_CSTEP_1B, "loss": {**_FUSED, "chunk_size": 328}}),
+            # Activation memory budgets. 0.9 (session 11; measured through scripts/bench_hooks,
+            # now the key activation_memory_budget) took 0.61 GiB off; the 0.04 GiB over needs far
+            # less: 0.98 and 0.95, the smallest recompute under 0.75x stock, at what speed (next).
+            *[_v(f"ours_best_model_cstep_amb{round(budget * 100)}", "ours",
+                 f"ours: whole model + compiled optimizer step, activation memory budget {budget}",
+                 **_CSTEP_1B, activation_memory_budget=budget) for budget in (0.9, 0.98, 0.95)],
+            # FP8 left off the 1B's small k/v projections (torchao's tensorwise heuristic).
             _v("ours_best_model_cstep_autofilter", "ours",
                "ours: whole model + compiled optimizer step, FP8 off the small k/v projections",
-               loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_AUTO_FILTER": "1"}),
+               **_CSTEP_1B, env={"BENCH_HOOKS": "1", "BENCH_FP8_AUTO_FILTER": "1"}),
             # Where its peak memory is (not a speed row): every CUDA allocation recorded, the
             # snapshot replayed by scripts/memory_peak.py.
             _v("ours_best_model_cstep_memsnap", "ours",
                "ours: whole model + compiled optimizer step, allocations recorded (not a speed row)",
-               steps=8, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
-               compile_optimizer_step=True,
+               steps=8, **_CSTEP_1B,
                env={"BENCH_HOOKS": "1", "BENCH_MEMORY_SNAPSHOT": "/tmp/bw/memsnap_1b"}),
             _v("ours_best_ac", "ours", "ours: best + activation checkpointing",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,

@@ -45,3 +45,22 @@ def one_rank():
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def saved_bytes():
+    """``saved_bytes(fn)`` -> (``fn()``'s result, bytes of the tensors autograd saved for
+    backward while it ran: numel x element size of each save, shared storage counted again)."""
+    def measure(fn):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return out, total
+
+    return measure

@@ -9,8 +9,8 @@ from torch import nn
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError, resolve_component
-from tune_recipes.validation import compiled_step_refusal
 from tune_recipes.modules.peft import state_dict_key
+from tune_recipes.validation import compiled_step_refusal
 
 
 def optimizer_in_bwd_flag(cfg) -> bool:

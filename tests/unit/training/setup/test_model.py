@@ -124,22 +124,14 @@ def restore_activation_memory_budget():
     functorch_config.activation_memory_budget = before
 
 
-def _saved_bytes_of_a_step(module, x):
+def _saved_bytes_of_a_step(saved_bytes, module, x):
     """Bytes ``module``'s forward saves for backward, after which the backward runs."""
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = module(x).square().sum()
+    loss, saved = saved_bytes(lambda: module(x).square().sum())
     loss.backward()
     return saved
 
 
-def _compiled_saved_bytes(budget):
+def _compiled_saved_bytes(saved_bytes, budget):
     """Bytes a compiled 3-block MLP saves for backward under ``budget``, and x's gradient.
     aot_eager_decomp_partition: the same partitioner as inductor's (the budget is its input),
     without generating kernels."""
@@ -151,31 +143,32 @@ def _compiled_saved_bytes(budget):
     blocks = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64)) for _ in range(3)])
     x = torch.randn(32, 64, requires_grad=True)
-    saved = _saved_bytes_of_a_step(torch.compile(blocks, backend="aot_eager_decomp_partition"), x)
+    compiled = torch.compile(blocks, backend="aot_eager_decomp_partition")
+    saved = _saved_bytes_of_a_step(saved_bytes, compiled, x)
     torch._dynamo.reset()
     return saved, x.grad
 
 
 def test_activation_memory_budget_makes_compiled_graphs_save_less_for_the_same_gradients(
-        restore_activation_memory_budget):
+        restore_activation_memory_budget, saved_bytes):
     import torch._functorch.config as functorch_config
 
-    full, grad_full = _compiled_saved_bytes(1.0)
-    half, grad_half = _compiled_saved_bytes(0.5)
+    full, grad_full = _compiled_saved_bytes(saved_bytes, 1.0)
+    half, grad_half = _compiled_saved_bytes(saved_bytes, 0.5)
     # The weights are saved at any budget; what goes is activations, recomputed in backward.
     assert half < full
     torch.testing.assert_close(grad_half, grad_full, rtol=1e-6, atol=0)
     assert functorch_config.activation_memory_budget == 0.5
     # None leaves the setting alone; 1.0 is torch's default again, and the graphs traced
     # under 0.5 are not reused.
-    still, _ = _compiled_saved_bytes(None)
+    still, _ = _compiled_saved_bytes(saved_bytes, None)
     assert functorch_config.activation_memory_budget == 0.5 and still == half
-    again, _ = _compiled_saved_bytes(1.0)
+    again, _ = _compiled_saved_bytes(saved_bytes, 1.0)
     assert functorch_config.activation_memory_budget == 1.0 and again == full
 
 
 def test_a_changed_budget_is_not_ignored_by_an_already_compiled_module_class(
-        restore_activation_memory_budget):
+        restore_activation_memory_budget, saved_bytes):
     """torch.compile reuses the code it traced for one instance of a module class for the next
     one, without looking at the budget: set_activation_memory_budget clears it on a change."""
     from tune_recipes.training.setup.model import set_activation_memory_budget
@@ -185,8 +178,8 @@ def test_a_changed_budget_is_not_ignored_by_an_already_compiled_module_class(
         torch.manual_seed(0)
         block = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64),
                                     torch.nn.SiLU(), torch.nn.Linear(64, 64))
-        return _saved_bytes_of_a_step(torch.compile(block, backend="aot_eager_decomp_partition"),
-                                      torch.randn(32, 64, requires_grad=True))
+        compiled = torch.compile(block, backend="aot_eager_decomp_partition")
+        return _saved_bytes_of_a_step(saved_bytes, compiled, torch.randn(32, 64, requires_grad=True))
 
     torch._dynamo.reset()
     try:
