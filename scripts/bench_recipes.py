@@ -184,6 +184,15 @@ CASES = {
             _v("ours_best_model_cstep_autofilter", "ours",
                "ours: whole model + compiled optimizer step, FP8 off the small k/v projections",
                **_CSTEP_1B, env={"BENCH_HOOKS": "1", "BENCH_FP8_AUTO_FILTER": "1"}),
+            # Session 12: the backward FP8 products with cuBLAS's fast accumulation too (torchao
+            # uses it only forward; scripts/bench_fp8_accum.py), and loss chunks of twice the
+            # default (half the chunks: each re-reads the [V, D] weight and its gradient).
+            _v("ours_best_model_cstep_fastacc", "ours",
+               "ours: whole model + compiled optimizer step, FP8 fast accumulation in backward too",
+               **_CSTEP_1B, env={"BENCH_HOOKS": "1", "BENCH_FP8_FAST_ACCUM": "1"}),
+            _v("ours_best_model_cstep_c1312", "ours",
+               "ours: whole model + compiled optimizer step, loss chunks of 1312 rows",
+               **{**_CSTEP_1B, "loss": {**_FUSED, "chunk_size": 1312}}),
             # Where its peak memory is (not a speed row): every CUDA allocation recorded, the
             # snapshot replayed by scripts/memory_peak.py.
             _v("ours_best_model_cstep_memsnap", "ours",
@@ -221,6 +230,10 @@ CASES = {
             _v("ours_fused", "ours", "ours: compile + fused CE (bf16), lr 3e-4", loss=_FUSED, compile=True),
             _v("ours_fused_fp8", "ours", "ours: compile + fused CE + FP8, lr 3e-4", loss=_FUSED,
                compile=True, enable_fp8_training=True),
+            _v("ours_fused_fp8_fastacc", "ours",
+               "ours: compile + fused CE + FP8, fast accumulation in backward too, lr 3e-4",
+               loss=_FUSED, compile=True, enable_fp8_training=True,
+               env={"BENCH_HOOKS": "1", "BENCH_FP8_FAST_ACCUM": "1"}),
         ],
     ),
     # torchtune's shipped 1B config steps inside backward; same here, for both recipes.

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -290,6 +290,21 @@ for step in "$@"; do
               --only stock_best,ours_best_model_step,ours_best_model_cstep,ours_best_model_cstep_amb98,ours_best_model_cstep_amb95 \
               --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s12b_full_1b.json" > /tmp/speed_s12b.log 2>&1
             finish_bench s12b ;;
+    s12c)   # Session 12 (~9 min): FP8 fast accumulation in the backward products: the products alone
+            # at the 1B and 8B shapes (time and error), then in the recipe (one run) beside stock and
+            # ours' best (2 alternating reps), and loss chunks of twice the default (one run).
+            timeout 100 python3 scripts/bench_fp8_accum.py --out "$OUT/s12c_fp8_accum.json" 2>&1 \
+              | tee /tmp/s12c_accum.log | tail -9
+            timeout 480 python3 scripts/bench_recipes.py --cases full_1b \
+              --only stock_best,ours_best_model_cstep,ours_best_model_cstep_fastacc,ours_best_model_cstep_c1312 \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s12c_full_1b.json" > /tmp/speed_s12c.log 2>&1
+            finish_bench s12c ;;
+    s12d)   # Session 12 (~8 min): the 220-step 1B loss curve (lr 3e-4, per-layer compile): bf16, FP8 as
+            # shipped, FP8 with fast accumulation in backward too.
+            timeout 590 python3 scripts/bench_recipes.py --cases full_1b_curve \
+              --only ours_fused,ours_fused_fp8,ours_fused_fp8_fastacc --reps 1 --work /tmp/bw \
+              --run-timeout 250 --out "$OUT/s12d_full_1b_curve.json" > /tmp/speed_s12d.log 2>&1
+            finish_bench s12d ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \

@@ -7,6 +7,9 @@ measured this way; it is now the key ``activation_memory_budget``.)
   start and writes torch's memory snapshot to PATH.<pid> at exit, for scripts/memory_peak.py.
 - BENCH_FP8_AUTO_FILTER=1: FP8 only where torchao's tensorwise heuristic expects a gain (it
   leaves layers with K <= 4096 and N <= 1024 in bf16: the 1B's k_proj and v_proj).
+- BENCH_FP8_FAST_ACCUM=1: the backward FP8 products (input and weight gradients) also use
+  cuBLAS's fast accumulation, which torchao turns on only for the forward product
+  (scripts/bench_fp8_accum.py times and measures both settings alone).
 """
 import os
 import sys
@@ -46,3 +49,19 @@ if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1" and _IS_RECIPE:
 
     # model.py imported convert_to_fp8 by name: its default filter is what it calls.
     fp8.convert_to_fp8.__defaults__ = (_keep,)
+
+if os.environ.get("BENCH_FP8_FAST_ACCUM") == "1" and _IS_RECIPE:
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
+
+    _from_recipe_name = Float8LinearConfig.from_recipe_name
+
+    def _fast_everywhere(recipe_name):
+        fast = Float8GemmConfig(use_fast_accum=True)
+        return dataclasses.replace(_from_recipe_name(recipe_name), gemm_config_output=fast,
+                                   gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+
+    # fp8.convert_to_fp8 imports Float8LinearConfig when it runs: the class's method is what it calls.
+    Float8LinearConfig.from_recipe_name = staticmethod(_fast_everywhere)
