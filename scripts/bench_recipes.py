@@ -84,6 +84,9 @@ _LORA_8B = dict(
 _CSTEP_1B = dict(loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
                  compile_optimizer_step=True)
 
+_FAST_1B = dict(**{**_CSTEP_1B, "loss": {**_FUSED, "chunk_size": 1312}},
+                env={"BENCH_HOOKS": "1", "BENCH_FP8_FAST_ACCUM": "1"})
+
 CASES = {
     # A CPU dry run of the whole pipeline (checks configs and both CLIs; numbers meaningless).
     "tiny_cpu": dict(
@@ -193,6 +196,13 @@ CASES = {
             _v("ours_best_model_cstep_c1312", "ours",
                "ours: whole model + compiled optimizer step, loss chunks of 1312 rows",
                **{**_CSTEP_1B, "loss": {**_FUSED, "chunk_size": 1312}}),
+            # Both (s12c: +3.1% and +0.8%, one run each) as a head row, and with the smallest
+            # activation memory budget planned (0.95; the key's first run on a GPU).
+            _v("ours_best_model_fast", "ours",
+               "ours: whole model + compiled optimizer step + FP8 fast accumulation + loss chunks of 1312",
+               head=True, **_FAST_1B),
+            _v("ours_best_model_fast_amb95", "ours",
+               "ours: the same, activation memory budget 0.95", **_FAST_1B, activation_memory_budget=0.95),
             # Where its peak memory is (not a speed row): every CUDA allocation recorded, the
             # snapshot replayed by scripts/memory_peak.py.
             _v("ours_best_model_cstep_memsnap", "ours",
