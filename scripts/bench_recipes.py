@@ -201,8 +201,9 @@ CASES = {
             _v("ours_best_model_fast", "ours",
                "ours: whole model + compiled optimizer step + FP8 fast accumulation + loss chunks of 1312",
                head=True, **_FAST_1B),
-            _v("ours_best_model_fast_amb95", "ours",
-               "ours: the same, activation memory budget 0.95", **_FAST_1B, activation_memory_budget=0.95),
+            *[_v(f"ours_best_model_fast_amb{round(budget * 100)}", "ours",
+                 f"ours: the same, activation memory budget {budget}", **_FAST_1B,
+                 activation_memory_budget=budget) for budget in (0.95, 0.99, 0.98)],
             # Where its peak memory is (not a speed row): every CUDA allocation recorded, the
             # snapshot replayed by scripts/memory_peak.py.
             _v("ours_best_model_cstep_memsnap", "ours",
