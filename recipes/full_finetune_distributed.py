@@ -53,7 +53,7 @@ CONFIG_KEYS = {
     "collate_fn", "log_level", "dataset_val", "batch_size_val", "run_val_every_n_steps",
     "on_nonfinite", "profiler", "enable_activation_offloading", "fsdp_cpu_offload", "fsdp",
     "save_every_n_steps", "keep_last_n_checkpoints",
-    "enable_fp8_training", "fp8_recipe_name",
+    "enable_fp8_training", "fp8_recipe_name", "fp8_fast_accum_backward",
     "tensor_parallel_dim", "tensor_parallel_plan",
 }
 
@@ -88,7 +88,9 @@ class FullFinetuneRecipeDistributed:
             world_size=self._runtime.world_size, full_state_dict=ckpt[training.MODEL_KEY],
             # FP8 linears are swapped in on the meta model, before fully_shard; FSDP2 then
             # all-gathers their weights in bf16 (torchao's float8 all-gather is not enabled).
-            before_shard=lambda meta_model: convert_to_fp8(meta_model, self._fp8),
+            before_shard=lambda meta_model: convert_to_fp8(
+                meta_model, self._fp8,
+                fast_accum_backward=cfg.get("fp8_fast_accum_backward", False)),
             **fsdp_options(cfg), **tensor_parallel_options(cfg, self._runtime),
         )
         if cfg.get("compile", False):

@@ -20,7 +20,9 @@ Every parameter trains. Features, each a config key:
 - ``compile_optimizer_step``: the optimizer step (torch's Adam/AdamW) runs through
   torch.compile (tune_recipes.training.step.optim.CompiledOptimizerStep).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
-  FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile).
+  FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile);
+  ``fp8_fast_accum_backward: True`` also gives the backward products cuBLAS's fast
+  accumulation (opt-in; speed and loss curve in docs/benchmarks.md).
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
   same optimizer state, data order and schedule (the result equals an uninterrupted run).
 
@@ -60,7 +62,7 @@ CONFIG_KEYS = {
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
-    "save_every_n_steps", "keep_last_n_checkpoints",
+    "fp8_fast_accum_backward", "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
 
@@ -91,6 +93,7 @@ class FullFinetuneRecipeSingleDevice:
             activation_memory_budget=cfg.get("activation_memory_budget", None),
             ac_interval=ac_interval(cfg),
             fp8_recipe=self._fp8,
+            fp8_fast_accum_backward=cfg.get("fp8_fast_accum_backward", False),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

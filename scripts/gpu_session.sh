@@ -36,7 +36,7 @@ for step in "$@"; do
   echo "=== $step"
   case $step in
     tests)  python3 -m pytest -q -p no:cacheprovider tests/unit/test_fused_loss_gpu.py tests/unit/test_fused_loss.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
-    gputests) { files="tests/unit/training/setup/test_fp8.py tests/recipes/test_activation_offloading.py tests/unit/training/setup/test_offloading.py"
+    gputests) { files="tests/unit/training/setup/test_fp8.py tests/recipes/test_fp8_full_recipe.py tests/recipes/test_activation_offloading.py tests/unit/training/setup/test_offloading.py"
               [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && files="$files tests/recipes/test_fsdp_cpu_offload.py"
               timeout 300 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -rA $files 2>&1 | grep -v "Warning\|warn" | tail -25; } \
               | tee "$OUT/gpu_tests.txt" ;;

@@ -270,6 +270,7 @@ SCHEMA: List[Rule] = [
     Rule("kd_ratio", number(0, maximum=1)),
     Rule("enable_fp8_training", boolean),
     Rule("fp8_recipe_name", optional(one_of(*FP8_RECIPES))),
+    Rule("fp8_fast_accum_backward", boolean),
     Rule("tensor_parallel_dim", integer(1)),
     Rule("tensor_parallel_plan", optional(component)),
     Rule("low_cpu_ram", boolean),
@@ -591,6 +592,7 @@ NO_EFFECT_WITHOUT: List[tuple] = [
      "limits the mid-epoch step_<n>/ checkpoints, which only save_every_n_steps writes "
      "(epoch_<n>/ folders are all kept)"),
     ("fp8_recipe_name", "enable_fp8_training", "picks the recipe FP8 training uses"),
+    ("fp8_fast_accum_backward", "enable_fp8_training", "changes how FP8 products accumulate"),
     ("compile_scope", "compile", "picks what compile=True compiles"),
     ("activation_memory_budget", "compile", "limits what the compiled graphs keep for backward"),
     # torchtune ignores it too for any other ac_mode.

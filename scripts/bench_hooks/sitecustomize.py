@@ -1,15 +1,14 @@
 """Levers measured before any of them becomes a config key: set from the environment when a
 Python process starts. bench_recipes.py puts this folder first on PYTHONPATH for the variants
 that set BENCH_HOOKS, so only their runs see it. (Session 11's activation memory budget was
-measured this way; it is now the key ``activation_memory_budget``.)
+measured this way; it is now the key ``activation_memory_budget``; session 12's
+BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the key
+``fp8_fast_accum_backward``.)
 
 - BENCH_MEMORY_SNAPSHOT=PATH: the recipe's process records every CUDA allocation from its
   start and writes torch's memory snapshot to PATH.<pid> at exit, for scripts/memory_peak.py.
 - BENCH_FP8_AUTO_FILTER=1: FP8 only where torchao's tensorwise heuristic expects a gain (it
   leaves layers with K <= 4096 and N <= 1024 in bf16: the 1B's k_proj and v_proj).
-- BENCH_FP8_FAST_ACCUM=1: the backward FP8 products (input and weight gradients) also use
-  cuBLAS's fast accumulation, which torchao turns on only for the forward product
-  (scripts/bench_fp8_accum.py times and measures both settings alone).
 """
 import os
 import sys
@@ -47,21 +46,7 @@ if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1" and _IS_RECIPE:
     def _keep(module, fqn):
         return fp8.should_convert(module, fqn) and _auto(module, fqn)
 
-    # model.py imported convert_to_fp8 by name: its default filter is what it calls.
-    fp8.convert_to_fp8.__defaults__ = (_keep,)
+    # model.py imported convert_to_fp8 by name: its default filter is what it calls (the
+    # first of its defaults; the others stay).
+    fp8.convert_to_fp8.__defaults__ = (_keep, *fp8.convert_to_fp8.__defaults__[1:])
 
-if os.environ.get("BENCH_FP8_FAST_ACCUM") == "1" and _IS_RECIPE:
-    import dataclasses
-
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.config import Float8GemmConfig
-
-    _from_recipe_name = Float8LinearConfig.from_recipe_name
-
-    def _fast_everywhere(recipe_name):
-        fast = Float8GemmConfig(use_fast_accum=True)
-        return dataclasses.replace(_from_recipe_name(recipe_name), gemm_config_output=fast,
-                                   gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-
-    # fp8.convert_to_fp8 imports Float8LinearConfig when it runs: the class's method is what it calls.
-    Float8LinearConfig.from_recipe_name = staticmethod(_fast_everywhere)

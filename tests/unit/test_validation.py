@@ -62,6 +62,7 @@ CASES = [
      "optimizer_in_bwd=True with on_nonfinite=skip"),
     ("tiny/full_single_device", ["optimizer_in_bwd=on_step"], "optimizer_in_bwd=on_step: expected True or False"),
     ("tiny/full_single_device", ["compile_optimizer_step=often"], "compile_optimizer_step=often: expected True or False"),
+    ("tiny/full_distributed", ["fp8_fast_accum_backward=always"], "fp8_fast_accum_backward=always: expected True or False"),
     ("tiny/lora_single_device", ["compile=True", "activation_memory_budget=1.5"],
      "activation_memory_budget=1.5: expected a number >= 0 and <= 1"),
     ("tiny/full_single_device", ["compile=True", "activation_memory_budget=-0.1"],
@@ -437,6 +438,8 @@ def test_a_renamed_copy_of_a_distributed_recipe_may_use_several_processes(tmp_pa
      "fp8_recipe_name=rowwise has no effect without enable_fp8_training", None),
     ("tiny/full_single_device", ["activation_memory_budget=0.9"],
      "activation_memory_budget=0.9 has no effect without compile", "compile=True"),
+    ("tiny/full_single_device", ["fp8_fast_accum_backward=True"],
+     "fp8_fast_accum_backward=True has no effect without enable_fp8_training", None),
     ("tiny/qat_single_device", ["ac_option=2"],
      "ac_option=2 has no effect without ac_mode=selective", "ac_mode=selective"),
     # torchtune ignores ac_option for ac_mode full (and none) too

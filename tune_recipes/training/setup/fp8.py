@@ -139,10 +139,18 @@ def should_convert(module: nn.Module, fqn: str) -> bool:
 
 
 def convert_to_fp8(model: nn.Module, recipe_name: Optional[str],
-                   module_filter: Callable[[nn.Module, str], bool] = should_convert) -> List[str]:
+                   module_filter: Callable[[nn.Module, str], bool] = should_convert,
+                   fast_accum_backward: bool = False) -> List[str]:
     """Swap the model's eligible ``nn.Linear`` modules for torchao's ``Float8Linear`` in place
     (``recipe_name`` None: nothing). Returns the converted modules' names. Call it before
-    compile, FSDP sharding and loading the state dict (parameter names are unchanged)."""
+    compile, FSDP sharding and loading the state dict (parameter names are unchanged).
+
+    ``fast_accum_backward`` (the key ``fp8_fast_accum_backward``): the two backward products
+    (input and weight gradients) also use cuBLAS's fast FP8 accumulation, which torchao's
+    recipes turn on for the forward product only. On Hopper the precise mode promotes the
+    tensor cores' partial sums to fp32 at intervals; fast mode keeps them in the tensor cores'
+    narrower accumulator. Its error is far below the e5m2 rounding the output gradient already
+    has (docs/benchmarks.md: measured per product and as a 220-step loss curve)."""
     if recipe_name is None:
         return []
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -161,10 +169,15 @@ def convert_to_fp8(model: nn.Module, recipe_name: Optional[str],
     # real data rarely are. torchao pads such operands with zeros (a no-op in value) instead of
     # failing mid-run; at aligned sizes the pad is empty.
     config = dataclasses.replace(config, pad_inner_dim=True)
+    if fast_accum_backward:
+        from torchao.float8.config import Float8GemmConfig
+
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     convert_to_float8_training(model, module_filter_fn=keep, config=config)
     if not converted:
         raise ConfigError("enable_fp8_training=True, but the model has no nn.Linear whose "
                           "dims are multiples of 16 (the output projection is never converted)")
-    log.info("FP8 training (torchao float8, %s): %d linear layers converted", recipe_name,
-             len(converted))
+    log.info("FP8 training (torchao float8, %s%s): %d linear layers converted", recipe_name,
+             ", fast accumulation in backward too" if fast_accum_backward else "", len(converted))
     return converted

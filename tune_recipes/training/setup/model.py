@@ -26,7 +26,8 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
                      compile_model: bool = False, ac_interval: Optional[int] = None,
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
                      fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None,
-                     activation_memory_budget: Optional[float] = None) -> nn.Module:
+                     activation_memory_budget: Optional[float] = None,
+                     fp8_fast_accum_backward: bool = False) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
@@ -36,14 +37,15 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
     ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
     instead of one per layer, fusion across layer boundaries, a longer first compile).
-    ``activation_memory_budget``: see ``set_activation_memory_budget`` (compile only)."""
+    ``activation_memory_budget``: see ``set_activation_memory_budget`` (compile only).
+    ``fp8_fast_accum_backward``: see ``setup.fp8.convert_to_fp8`` (FP8 only)."""
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg_model)
     if before_load is not None:
         model = before_load(model)
     # Before compile (which must trace the Float8Linear forward) and before the load (names
     # are unchanged, so the strict load below also checks the swap).
-    convert_to_fp8(model, fp8_recipe)
+    convert_to_fp8(model, fp8_recipe, fast_accum_backward=fp8_fast_accum_backward)
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)

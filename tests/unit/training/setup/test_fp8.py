@@ -81,6 +81,36 @@ def test_setup_full_model_loads_the_same_state_dict_into_the_fp8_model():
     assert torch.equal(model.layers[1].mlp.w2.weight, base["layers.1.mlp.w2.weight"])
 
 
+def _accumulation(module):
+    """(forward, input gradient, weight gradient): whether each product of a Float8Linear asks
+    torch._scaled_mm for fast accumulation (the config its float8 matmuls read)."""
+    mm = module.linear_mm_config
+    return mm.output.use_fast_accum, mm.grad_input.use_fast_accum, mm.grad_weight.use_fast_accum
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fast_accum_backward_reaches_both_backward_products_of_every_layer(recipe):
+    default, fast = _tiny(), _tiny()
+    convert_to_fp8(default, recipe)
+    converted = convert_to_fp8(fast, recipe, fast_accum_backward=True)
+    for name in converted:
+        assert _accumulation(default.get_submodule(name)) == (True, False, False), name  # torchao's
+        assert _accumulation(fast.get_submodule(name)) == (True, True, True), name
+    # Nothing else of the recipe changes: its casts and the padding stay as they were.
+    layer, fast_layer = default.layers[0].attn.q_proj, fast.layers[0].attn.q_proj
+    assert fast_layer.config.cast_config_input == layer.config.cast_config_input
+    assert fast_layer.config.cast_config_grad_output == layer.config.cast_config_grad_output
+    assert fast_layer.config.pad_inner_dim
+
+
+def test_setup_full_model_passes_fast_accum_backward_on():
+    cfg = OmegaConf.create({"_component_": "tune_recipes.models.tiny_llama3"})
+    model = setup_full_model(cfg, dtype=torch.float32, device=torch.device("cpu"),
+                             state_dict=_tiny().state_dict(), fp8_recipe="tensorwise",
+                             fp8_fast_accum_backward=True)
+    assert _accumulation(model.layers[1].mlp.w2) == (True, True, True)
+
+
 def test_meta_model_converts_before_sharding():
     # The distributed recipe swaps on the meta model (before fully_shard).
     with torch.device("meta"):
@@ -194,7 +224,7 @@ def test_fp8_lora_wanted_refuses_qlora_dora_other_recipes_and_cpu(monkeypatch):
         fp8_lora_wanted(_lora_cfg(), torch.device("cpu"))
 
 
-def _train_losses(recipe, steps=8):
+def _train_losses(recipe, steps=8, fast_accum_backward=False):
     """Losses of ``steps`` AdamW steps of a small Llama (dims multiples of 16) in bf16, on one
     fixed batch, with the linear layers in FP8 when ``recipe`` names one."""
     from torchtune.models.llama3 import llama3
@@ -203,7 +233,7 @@ def _train_losses(recipe, steps=8):
     with torch.device("cuda"):
         model = llama3(vocab_size=4096, num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=512,
                        intermediate_dim=1536, max_seq_len=512).to(torch.bfloat16)
-    convert_to_fp8(model, recipe)
+    convert_to_fp8(model, recipe, fast_accum_backward=fast_accum_backward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(1)
     # 4 x 250 = 1000 tokens per step: not a multiple of 16 (the padded inner dim is exercised).
@@ -220,12 +250,12 @@ def _train_losses(recipe, steps=8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_loss_follows_bf16(recipe):
+@pytest.mark.parametrize("recipe, fast", [("tensorwise", False), ("rowwise", False), ("tensorwise", True)])
+def test_fp8_loss_follows_bf16(recipe, fast):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     bf16 = _train_losses(None)
-    fp8 = _train_losses(recipe)
+    fp8 = _train_losses(recipe, fast_accum_backward=fast)
     # Over 8 steps of memorizing one batch the loss falls from ~8.45 to ~0.66. Measured on an
     # H200 (torch 2.11, torchao 0.15; docs/results/2026-11-30_fp8_numerics_h200.txt): largest
     # per-step gap 1.6% (tensorwise) / 1.9% (rowwise) of the bf16 loss, 0.02-0.04 nats.
