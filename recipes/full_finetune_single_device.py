@@ -23,6 +23,8 @@ Every parameter trains. Features, each a config key:
   FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile);
   ``fp8_fast_accum_backward: True`` also gives the backward products cuBLAS's fast
   accumulation (opt-in; speed and loss curve in docs/benchmarks.md).
+- ``fp8_mlp_activations``: each MLP keeps its gate and up products in float8 e4m3 for backward
+  (half its saved bytes; tune_recipes/modules/fp8_mlp.py), FP8 training or not.
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
   same optimizer state, data order and schedule (the result equals an uninterrupted run).
 
@@ -62,7 +64,7 @@ CONFIG_KEYS = {
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
-    "fp8_fast_accum_backward", "save_every_n_steps", "keep_last_n_checkpoints",
+    "fp8_fast_accum_backward", "fp8_mlp_activations", "save_every_n_steps", "keep_last_n_checkpoints",
 }
 
 
@@ -94,6 +96,7 @@ class FullFinetuneRecipeSingleDevice:
             ac_interval=ac_interval(cfg),
             fp8_recipe=self._fp8,
             fp8_fast_accum_backward=cfg.get("fp8_fast_accum_backward", False),
+            fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -202,6 +202,11 @@ CASES = {
             _v("ours_best_model_fast", "ours",
                "ours: whole model + compiled optimizer step + FP8 fast accumulation + loss chunks of 1312",
                head=True, **_FAST_1B),
+            # Next: the MLP's gate/up outputs saved in e4m3 (4.0 GiB of the peak in bf16; the key
+            # fp8_mlp_activations, CPU-tested, not yet run on a GPU).
+            _v("ours_best_model_fast_mlp8", "ours",
+               "ours: the same + the MLP's gate/up products kept in e4m3 for backward",
+               head=True, **_FAST_1B, fp8_mlp_activations=True),
             *[_v(f"ours_best_model_fast_amb{round(budget * 100)}", "ours",
                  f"ours: the same, activation memory budget {budget}", **_FAST_1B,
                  activation_memory_budget=budget) for budget in (0.95, 0.99, 0.98)],
@@ -245,6 +250,10 @@ CASES = {
             _v("ours_fused_fp8_fastacc", "ours",
                "ours: compile + fused CE + FP8, fast accumulation in backward too, lr 3e-4",
                loss=_FUSED, compile=True, enable_fp8_training=True, fp8_fast_accum_backward=True),
+            _v("ours_fused_fp8_fastacc_mlp8", "ours",
+               "ours: compile + fused CE + FP8 + fast accumulation + MLP gate/up kept in e4m3, lr 3e-4",
+               loss=_FUSED, compile=True, enable_fp8_training=True, fp8_fast_accum_backward=True,
+               fp8_mlp_activations=True),
         ],
     ),
     # torchtune's shipped 1B config steps inside backward; same here, for both recipes.

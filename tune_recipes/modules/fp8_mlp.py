@@ -1,4 +1,5 @@
-"""The MLP's intermediate products kept in FP8 for backward: ``fp8_mlp_activations`` (LoRA).
+"""The MLP's intermediate products kept in FP8 for backward: ``fp8_mlp_activations`` (LoRA and
+the single-device full fine-tune).
 
 A Llama/Qwen MLP computes ``h = silu(g) * u`` with ``g = gate(x)``, ``u = up(x)``, then
 ``down(h)``. Backward needs ``g`` and ``u`` (for the SwiGLU's gradient) and, when the down
@@ -16,9 +17,23 @@ in backward only: the SwiGLU's gradient and the down adapter's weight gradient s
 e5m2 rounding (2^-3) of the output gradients that ``enable_fp8_training``'s frozen FP8 base
 products already apply. The forward, the loss and the weights' dtypes are unchanged.
 
+In a full fine-tune the down projection trains, and its weight gradient needs ``h`` too: in
+bf16 the compiled graph keeps ``g`` and ``u`` (recomputing ``h``), 4.0 GiB at Llama-3.2-1B
+batch 4 x 2048 (docs/benchmarks.md, issue #15: the largest share of its peak). There the
+module runs the down product itself (``_SwiGLUTrainedDown``): the forward is unchanged (``h``
+from the exact ``g`` and ``u``), backward recomputes ``h`` from the e4m3 ``g`` and ``u`` for
+the down weight's gradient. With ``enable_fp8_training`` (the down projection a torchao
+``Float8Linear``, ``tensorwise``) its three products are FP8 as torchao computes them (``h``
+and the weight in e4m3 with one scale each, the output gradient in e5m2, fast accumulation
+forward, and in backward as the layer's ``fp8_fast_accum_backward`` says); the one
+difference is the weight gradient's ``h``, e4m3(h recomputed from e4m3 g and u) instead of
+e4m3(h). Half the MLP's saved bytes: ~2.0 GiB less at that 1B shape.
+
 Supported: ``FeedForward`` with ``nn.SiLU`` and an up projection (Llama, Qwen2.5), whose down
-projection is a plain frozen linear or a ``LoRALinear`` (bf16, NF4 or FP8 base) with no dropout.
-DoRA (its magnitude needs the adapted weight's norm) and LoRA dropout are ``ConfigError``s.
+projection is a plain frozen linear or a ``LoRALinear`` (bf16, NF4 or FP8 base) with no dropout,
+or, in a full fine-tune, a trainable ``nn.Linear`` or tensorwise ``Float8Linear`` without bias.
+DoRA (its magnitude needs the adapted weight's norm), LoRA dropout and a LoRA model whose base
+weights train are ``ConfigError``s.
 """
 
 from typing import List, Optional, Tuple
@@ -30,7 +45,7 @@ from torchtune.modules import FeedForward
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
 from tune_recipes.config import ConfigError
-from tune_recipes.modules.fp8_lora import E4M3, FP8LoRALinear, frozen_fp8_linear, to_float8
+from tune_recipes.modules.fp8_lora import E4M3, E5M2, FP8LoRALinear, _mm, _rows, frozen_fp8_linear, to_float8
 from tune_recipes.modules.peft import state_dict_key
 
 KEY = "fp8_mlp_activations"
@@ -81,6 +96,64 @@ class _SwiGLUSavedInFP8(torch.autograd.Function):
         return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_a_weight
 
 
+class _SwiGLUTrainedDown(torch.autograd.Function):
+    """out = (silu(g) * u) @ W^T for a trained down projection W [dim, hidden]: saves g and u in
+    e4m3 (per row) and W, recomputes h from them in backward for W's gradient (module
+    docstring). ``fp8``: the three products in FP8 (tensorwise, torchao's arithmetic: e4m3 h
+    and W, e5m2 output gradient; fast accumulation forward, ``fast_accum_backward`` for the
+    other two); else in the training dtype, as ``F.linear``. ``emulate``: the FP8 products
+    dequantized and multiplied in fp32 (CPU tests)."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, fp8: bool,
+                fast_accum_backward: bool, emulate: bool) -> torch.Tensor:
+        h2 = _rows(F.silu(g) * u)
+        if fp8:
+            h8, h_inv = to_float8(h2, E4M3)
+            w8, w_inv = to_float8(weight, E4M3)
+            out = _mm(h8, h_inv, w8.t(), w_inv, g.dtype, True, emulate)
+        else:
+            out = F.linear(h2, weight)
+        g8, g_inv = to_float8_rows(g)
+        u8, u_inv = to_float8_rows(u)
+        ctx.save_for_backward(g8, g_inv, u8, u_inv, weight)
+        ctx.dtype, ctx.fp8, ctx.fast, ctx.emulate = g.dtype, fp8, fast_accum_backward, emulate
+        return out.reshape(*g.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        g8, g_inv, u8, u_inv, weight = ctx.saved_tensors
+        g = g8.to(torch.float32) * g_inv
+        u = u8.to(torch.float32) * u_inv
+        h2 = _rows((F.silu(g) * u).to(ctx.dtype))
+        go2 = _rows(grad_out)
+        if ctx.fp8:
+            go8, go_inv = to_float8(go2, E5M2)
+            w8, w_inv = to_float8(weight, E4M3)
+            h8, h_inv = to_float8(h2, E4M3)
+            # Second operands column-major, first row-major (torch._scaled_mm's layouts).
+            grad_h = _mm(go8, go_inv, w8.t().contiguous().t(), w_inv, ctx.dtype, ctx.fast, ctx.emulate)
+            grad_w = _mm(go8.t().contiguous(), go_inv, h8.t().contiguous().t(), h_inv, weight.dtype,
+                         ctx.fast, ctx.emulate)
+        else:
+            grad_h = go2 @ weight
+            grad_w = (go2.t() @ h2).to(weight.dtype)
+        grad_g, grad_u = _swiglu_grads(grad_h.to(torch.float32).reshape(g.shape), g, u)
+        grad_w = grad_w if ctx.needs_input_grad[2] else None
+        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_w, None, None, None
+
+
+def _trained_down(down: nn.Module) -> Optional[Tuple[bool, bool, bool]]:
+    """For a down projection whose own weight trains (a full fine-tune): (its product in FP8,
+    fast accumulation in backward, emulated); None for a frozen or LoRA one."""
+    if isinstance(down, LoRALinear) or not down.weight.requires_grad:
+        return None
+    mm = getattr(down, "linear_mm_config", None)  # a torchao Float8Linear's products
+    if mm is None:
+        return False, False, False
+    return True, mm.grad_input.use_fast_accum, bool(down.config.emulate)
+
+
 def _adapter(down: nn.Module) -> Optional[LoRALinear]:
     """The down projection as a LoRALinear whose adapter is active, else None."""
     return down if isinstance(down, LoRALinear) and not down.disabled else None
@@ -111,6 +184,9 @@ class FP8SavedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.w1(x), self.w3(x)
+        trained = _trained_down(self.w2)
+        if trained is not None:
+            return _SwiGLUTrainedDown.apply(g, u, self.w2.weight, *trained)
         down = _adapter(self.w2)
         if down is None:
             h, _ = _SwiGLUSavedInFP8.apply(g, u, None)
@@ -132,9 +208,20 @@ def _check(ff: FeedForward, name: str) -> None:
             raise ConfigError(f"{KEY}=True with LoRA dropout ({name}.{child_name}; "
                               f"model.lora_dropout > 0): not implemented; set model.lora_dropout=0.0 "
                               f"or {KEY}=False")
-    if any(p.requires_grad for n, p in ff.named_parameters() if "lora" not in n and "magnitude" not in n):
-        raise ConfigError(f"{KEY}=True: {name} has trainable base weights; it is for LoRA "
-                          "(frozen base projections) only")
+    has_lora = any(isinstance(getattr(ff, c), LoRALinear) for c in ("w1", "w2", "w3"))
+    base_trains = any(p.requires_grad for n, p in ff.named_parameters()
+                      if "lora" not in n and "magnitude" not in n)
+    if has_lora and base_trains:
+        raise ConfigError(f"{KEY}=True: {name} has trainable base weights beside LoRA adapters; "
+                          "it is for LoRA (frozen base projections) or a full fine-tune")
+    if not has_lora and ff.w2.weight.requires_grad:  # a full fine-tune: this module's own product
+        if ff.w2.bias is not None:
+            raise ConfigError(f"{KEY}=True: {name}.w2 has a bias: not implemented for a trained "
+                              f"down projection; set {KEY}=False")
+        config = getattr(ff.w2, "config", None)  # torchao Float8Linear
+        if config is not None and config.cast_config_input.scaling_granularity.value != "tensorwise":
+            raise ConfigError(f"{KEY}=True with fp8_recipe_name other than tensorwise ({name}.w2): "
+                              f"not implemented; set fp8_recipe_name=tensorwise or {KEY}=False")
 
 
 def convert_mlps_to_fp8_saved(model: nn.Module) -> List[str]:

@@ -27,7 +27,8 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
                      fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None,
                      activation_memory_budget: Optional[float] = None,
-                     fp8_fast_accum_backward: bool = False) -> nn.Module:
+                     fp8_fast_accum_backward: bool = False,
+                     fp8_mlp_activations: bool = False) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
@@ -38,7 +39,9 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
     instead of one per layer, fusion across layer boundaries, a longer first compile).
     ``activation_memory_budget``: see ``set_activation_memory_budget`` (compile only).
-    ``fp8_fast_accum_backward``: see ``setup.fp8.convert_to_fp8`` (FP8 only)."""
+    ``fp8_fast_accum_backward``: see ``setup.fp8.convert_to_fp8`` (FP8 only).
+    ``fp8_mlp_activations``: each MLP keeps its gate and up products in float8 e4m3 for
+    backward and runs its down product itself (``modules.fp8_mlp``; FP8 or not)."""
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg_model)
     if before_load is not None:
@@ -46,6 +49,11 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     # Before compile (which must trace the Float8Linear forward) and before the load (names
     # are unchanged, so the strict load below also checks the swap).
     convert_to_fp8(model, fp8_recipe, fast_accum_backward=fp8_fast_accum_backward)
+    if fp8_mlp_activations:
+        # After the FP8 swap (the MLP reads its down projection's FP8 settings), before compile.
+        mlps = convert_mlps_to_fp8_saved(model)
+        log.info("fp8_mlp_activations: %d MLPs keep their gate and up products in float8 e4m3 "
+                 "for backward", len(mlps))
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
