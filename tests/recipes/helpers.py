@@ -69,6 +69,16 @@ def run_recipe(recipe: str, config: str, output_dir: Path, overrides: Sequence[s
                 check=check)
 
 
+def run_on_gpu(recipe: str, config: str, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A tiny config on the GPU in bf16 for 4 steps, checked.
+    NOTE: python -m tune_recipes, not the warm test launcher (a forked server and CUDA) or a
+    `tune` script (on the GPU machine that may be torchtune's)."""
+    cmd = [sys.executable, "-m", "tune_recipes", "run", recipe, "--config", config,
+           f"output_dir={output_dir}", "device=cuda", "dtype=bf16", "max_steps_per_epoch=4", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return _checked(cmd[3:], proc.returncode, proc.stdout, proc.stderr, True)
+
+
 def run_dist(nproc: int, recipe: str, config: str, out: Path, overrides: Sequence[str] = (),
              check: bool = True):
     return tune("run", "--nproc_per_node", str(nproc), recipe, "--config", config,

@@ -9,13 +9,10 @@ backward products and with ``fp8_mlp_activations``, next to the same run in bf16
 names what ran. The modules are unit-tested in tests/unit/training/setup/test_fp8.py and
 tests/unit/modules/test_fp8_mlp.py."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import losses, run_recipe, tune, weights
+from helpers import losses, run_on_gpu, run_recipe, tune, weights
 
 pytestmark = pytest.mark.integration
 
@@ -30,12 +27,7 @@ def test_fp8_full_on_cpu_is_refused_naming_the_key(tmp_path):
 
 
 def _run(out, *extra):
-    # NOTE: python -m tune_recipes (on the GPU machine a `tune` script may be torchtune's).
-    cmd = [sys.executable, "-m", "tune_recipes", "run", "full_finetune_single_device", "--config",
-           "tiny/full_single_device", f"output_dir={out}", "device=cuda", "dtype=bf16",
-           "max_steps_per_epoch=4", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_on_gpu("full_finetune_single_device", "tiny/full_single_device", out, *extra)
     return proc.stdout + proc.stderr
 
 

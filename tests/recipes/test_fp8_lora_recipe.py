@@ -6,13 +6,10 @@ bf16, and saves the same checkpoint files (adapter and merged model, same keys a
 The module's numerics and its compiled path are tested in tests/unit/modules/test_fp8_lora.py.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import losses, tune, weights
+from helpers import losses, run_on_gpu, tune, weights
 
 pytestmark = pytest.mark.integration
 
@@ -26,14 +23,8 @@ def test_fp8_lora_on_cpu_is_refused_naming_the_keys(tmp_path):
 
 
 def _run(out, *extra):
-    # NOTE: python -m tune_recipes, not the warm test launcher (a forked server and CUDA) or
-    # a `tune` script (on the GPU machine that may be torchtune's).
-    cmd = [sys.executable, "-m", "tune_recipes", "run", "lora_finetune_single_device", "--config",
-           "tiny/lora_single_device", f"output_dir={out}", "device=cuda", "dtype=bf16",
-           "max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run_on_gpu("lora_finetune_single_device", "tiny/lora_single_device", out,
+                      "lr_scheduler.num_warmup_steps=1", *extra)
 
 
 @pytest.mark.gpu

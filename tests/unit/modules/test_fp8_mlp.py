@@ -121,17 +121,9 @@ def test_state_dict_unchanged_and_refusals_name_the_key():
         convert_mlps_to_fp8_saved(full)
 
 
-def _train(convert: bool, fp8_base: bool, steps: int = 25):
-    torch.manual_seed(0)
-    model = lora_tiny_llama3(["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True).bfloat16()
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora" in n)
-    if fp8_base:
-        # "adapter_inputs": with fp8_adapter_inputs too (the MLP's down adapter then follows
-        # this module's rules; the others take the base product's e4m3 input).
-        convert_lora_to_fp8(model, emulate=True, fp8_adapter_inputs=fp8_base == "adapter_inputs")
-    if convert:
-        convert_mlps_to_fp8_saved(model)
+def _losses(model, steps):
+    """Losses of ``steps`` AdamW steps (lr 3e-3) of ``model``'s trainable parameters on one fixed
+    batch of the tiny vocabulary."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     g = torch.Generator().manual_seed(1)
     seq = torch.randint(0, 64, (4, 33), generator=g)
@@ -144,6 +136,20 @@ def _train(convert: bool, fp8_base: bool, steps: int = 25):
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _train(convert: bool, fp8_base: bool, steps: int = 25):
+    torch.manual_seed(0)
+    model = lora_tiny_llama3(["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True).bfloat16()
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora" in n)
+    if fp8_base:
+        # "adapter_inputs": with fp8_adapter_inputs too (the MLP's down adapter then follows
+        # this module's rules; the others take the base product's e4m3 input).
+        convert_lora_to_fp8(model, emulate=True, fp8_adapter_inputs=fp8_base == "adapter_inputs")
+    if convert:
+        convert_mlps_to_fp8_saved(model)
+    return _losses(model, steps)
 
 
 @pytest.mark.parametrize("fp8_base", [False, True, "adapter_inputs"])
@@ -268,18 +274,7 @@ def _train_full(convert: bool, steps: int = 20):
     model = tiny_llama3().bfloat16()
     if convert:
         assert convert_mlps_to_fp8_saved(model) == ["layers.0.mlp", "layers.1.mlp"]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1)
-    seq = torch.randint(0, 64, (4, 33), generator=g)
-    losses = []
-    for _ in range(steps):
-        logits = model(seq[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _losses(model, steps)
 
 
 def test_a_tiny_model_fully_fine_tuned_trains_like_bf16():
