@@ -197,7 +197,7 @@ CASES = {
             _v("ours_best_model_cstep_c1312", "ours",
                "ours: whole model + compiled optimizer step, loss chunks of 1312 rows",
                **{**_CSTEP_1B, "loss": {**_FUSED, "chunk_size": 1312}}),
-            # Both (s12c: +3.1% and +0.8%, one run each) as a head row, and with the smallest
+            # Both (s12c: +3.2% and +0.8%, one run each) as a head row, and with the smallest
             # activation memory budget planned (0.95; the key's first run on a GPU).
             _v("ours_best_model_fast", "ours",
                "ours: whole model + compiled optimizer step + FP8 fast accumulation + loss chunks of 1312",

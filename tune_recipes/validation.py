@@ -431,6 +431,22 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def fp8_mlp_problem(cfg: DictConfig) -> Optional[str]:
+    """``fp8_mlp_activations`` in a full fine-tune with FP8 training runs the down projection's
+    products itself (tune_recipes/modules/fp8_mlp.py, ``_SwiGLUTrainedDown``) with one scale
+    per tensor: only the ``tensorwise`` recipe is implemented. (LoRA models: fp8_lora_problem.)
+    Checked by ``tune validate`` and, by the layers' types, where the MLPs are swapped."""
+    if cfg.get("fp8_mlp_activations", False) is not True or cfg.get("enable_fp8_training", False) is not True \
+            or _is_lora_model(cfg):
+        return None
+    recipe = cfg.get("fp8_recipe_name", None)
+    if recipe is not None and recipe != "tensorwise":
+        return (f"fp8_mlp_activations=True with fp8_recipe_name={recipe}: the MLP's down product "
+                "is computed with one scale per tensor, so only tensorwise is implemented; set "
+                "fp8_recipe_name=tensorwise (or null) or fp8_mlp_activations=False")
+    return None
+
+
 def _resolves_to(dotted: Any) -> Any:
     """The object a ``_component_`` path names, or None when it does not import (that is
     reported, naming the key, by the component check)."""
@@ -579,6 +595,7 @@ CROSS_KEY: List[tuple] = [
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("enable_fp8_training", "model"), fp8_lora_problem),
+    (("fp8_mlp_activations", "enable_fp8_training"), fp8_mlp_problem),
     (("enable_activation_offloading",), activation_offloading_problem),
     (("ac_mode",), activation_checkpointing_problem),
     (("fsdp",), fsdp_offload_problem),
@@ -779,7 +796,9 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
                 raise ConfigError("dtype=bf16: this GPU does not support bf16; set dtype=fp32")
     for key, needs, what in NO_EFFECT_WITHOUT:
-        if (keys is None or key in keys) and cfg.get(key, None) is not None \
+        # An explicit False (or null) asks for nothing, so it cannot be without effect.
+        value = cfg.get(key, None)
+        if (keys is None or key in keys) and value is not None and value is not False \
                 and _feature_off(cfg, needs):
             # A warning, not an error: a config may set both and a command line turn one off.
             _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")

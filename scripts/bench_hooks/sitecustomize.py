@@ -49,4 +49,3 @@ if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1" and _IS_RECIPE:
     # model.py imported convert_to_fp8 by name: its default filter is what it calls (the
     # first of its defaults; the others stay).
     fp8.convert_to_fp8.__defaults__ = (_keep, *fp8.convert_to_fp8.__defaults__[1:])
-

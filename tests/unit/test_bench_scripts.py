@@ -92,4 +92,3 @@ def test_memory_peak_says_when_the_trace_does_not_hold_the_whole_run(tmp_path, c
     out = capsys.readouterr().out
     assert "WARNING: 1 frees of blocks allocated before the trace starts" in out
     assert "requested 0.029 GiB" in out and "allocated 0.031 GiB" in out
-

@@ -460,6 +460,31 @@ def test_a_modifier_of_a_feature_that_is_off_is_a_warning(config, overrides, war
         assert warning not in capsys.readouterr().err
 
 
+@pytest.mark.unit
+def test_an_explicit_false_modifier_is_not_a_no_effect_warning(capsys, monkeypatch):
+    from tune_recipes import validation
+
+    monkeypatch.delenv("TUNE_RECIPES_CONFIG_WARNED", raising=False)
+    monkeypatch.setattr(validation, "_WARNED", set())
+    assert main(["validate", "tiny/full_single_device", "fp8_fast_accum_backward=False"]) == 0
+    assert "has no effect" not in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_fp8_mlp_activations_with_fp8_training_needs_tensorwise_in_a_full_fine_tune():
+    from omegaconf import OmegaConf
+
+    from tune_recipes.validation import fp8_mlp_problem
+
+    full = {"model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+            "enable_fp8_training": True, "fp8_mlp_activations": True}
+    assert "fp8_mlp_activations=True with fp8_recipe_name=rowwise: the MLP's down product" in \
+        fp8_mlp_problem(OmegaConf.create({**full, "fp8_recipe_name": "rowwise"}))
+    for ok in ({**full, "fp8_recipe_name": "tensorwise"}, full, {**full, "enable_fp8_training": False},
+               {**full, "fp8_recipe_name": "rowwise", "fp8_mlp_activations": False}):
+        assert fp8_mlp_problem(OmegaConf.create(ok)) is None, ok
+
+
 DISTRIBUTED_CONFIGS = {
     "full_finetune_distributed": "tiny/full_distributed",
     "lora_finetune_distributed": "tiny/lora_distributed",

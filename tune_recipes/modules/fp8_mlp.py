@@ -100,13 +100,14 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
     """out = (silu(g) * u) @ W^T for a trained down projection W [dim, hidden]: saves g and u in
     e4m3 (per row) and W, recomputes h from them in backward for W's gradient (module
     docstring). ``fp8``: the three products in FP8 (tensorwise, torchao's arithmetic: e4m3 h
-    and W, e5m2 output gradient; fast accumulation forward, ``fast_accum_backward`` for the
-    other two); else in the training dtype, as ``F.linear``. ``emulate``: the FP8 products
-    dequantized and multiplied in fp32 (CPU tests)."""
+    and W, e5m2 output gradient; fast accumulation forward, ``fast_grad_input`` and
+    ``fast_grad_weight`` for the other two, as the layer's torchao config says); else in the
+    training dtype, as ``F.linear``. ``emulate``: the FP8 products dequantized and multiplied
+    in fp32 (CPU tests)."""
 
     @staticmethod
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, fp8: bool,
-                fast_accum_backward: bool, emulate: bool) -> torch.Tensor:
+                fast_grad_input: bool, fast_grad_weight: bool, emulate: bool) -> torch.Tensor:
         h2 = _rows(F.silu(g) * u)
         if fp8:
             h8, h_inv = to_float8(h2, E4M3)
@@ -117,7 +118,8 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
         g8, g_inv = to_float8_rows(g)
         u8, u_inv = to_float8_rows(u)
         ctx.save_for_backward(g8, g_inv, u8, u_inv, weight)
-        ctx.dtype, ctx.fp8, ctx.fast, ctx.emulate = g.dtype, fp8, fast_accum_backward, emulate
+        ctx.dtype, ctx.fp8, ctx.emulate = g.dtype, fp8, emulate
+        ctx.fast = (fast_grad_input, fast_grad_weight)
         return out.reshape(*g.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -125,33 +127,44 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
         g8, g_inv, u8, u_inv, weight = ctx.saved_tensors
         g = g8.to(torch.float32) * g_inv
         u = u8.to(torch.float32) * u_inv
-        h2 = _rows((F.silu(g) * u).to(ctx.dtype))
         go2 = _rows(grad_out)
+        need_w = ctx.needs_input_grad[2]
+        h2 = _rows((F.silu(g) * u).to(ctx.dtype)) if need_w else None
+        grad_w = None
         if ctx.fp8:
             go8, go_inv = to_float8(go2, E5M2)
             w8, w_inv = to_float8(weight, E4M3)
-            h8, h_inv = to_float8(h2, E4M3)
             # Second operands column-major, first row-major (torch._scaled_mm's layouts).
-            grad_h = _mm(go8, go_inv, w8.t().contiguous().t(), w_inv, ctx.dtype, ctx.fast, ctx.emulate)
-            grad_w = _mm(go8.t().contiguous(), go_inv, h8.t().contiguous().t(), h_inv, weight.dtype,
-                         ctx.fast, ctx.emulate)
+            grad_h = _mm(go8, go_inv, w8.t().contiguous().t(), w_inv, ctx.dtype, ctx.fast[0], ctx.emulate)
+            if need_w:
+                # NOTE: the inner dimension here is the token count, which torch._scaled_mm needs
+                # to be a multiple of 16 (padded batches rarely are): zero rows, which change
+                # neither the scales (amax) nor the product, as torchao's pad_inner_dim does.
+                pad = -go2.shape[0] % 16
+                if pad:
+                    go8, _ = to_float8(F.pad(go2, (0, 0, 0, pad)), E5M2)
+                    h2 = F.pad(h2, (0, 0, 0, pad))
+                h8, h_inv = to_float8(h2, E4M3)
+                grad_w = _mm(go8.t().contiguous(), go_inv, h8.t().contiguous().t(), h_inv, weight.dtype,
+                             ctx.fast[1], ctx.emulate)
         else:
             grad_h = go2 @ weight
-            grad_w = (go2.t() @ h2).to(weight.dtype)
+            if need_w:
+                grad_w = (go2.t() @ h2).to(weight.dtype)
         grad_g, grad_u = _swiglu_grads(grad_h.to(torch.float32).reshape(g.shape), g, u)
-        grad_w = grad_w if ctx.needs_input_grad[2] else None
-        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_w, None, None, None
+        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_w, None, None, None, None
 
 
-def _trained_down(down: nn.Module) -> Optional[Tuple[bool, bool, bool]]:
+def _trained_down(down: nn.Module) -> Optional[Tuple[bool, bool, bool, bool]]:
     """For a down projection whose own weight trains (a full fine-tune): (its product in FP8,
-    fast accumulation in backward, emulated); None for a frozen or LoRA one."""
+    fast accumulation for the input gradient, for the weight gradient, emulated); None for a
+    frozen or LoRA one."""
     if isinstance(down, LoRALinear) or not down.weight.requires_grad:
         return None
     mm = getattr(down, "linear_mm_config", None)  # a torchao Float8Linear's products
     if mm is None:
-        return False, False, False
-    return True, mm.grad_input.use_fast_accum, bool(down.config.emulate)
+        return False, False, False, False
+    return True, mm.grad_input.use_fast_accum, mm.grad_weight.use_fast_accum, bool(down.config.emulate)
 
 
 def _adapter(down: nn.Module) -> Optional[LoRALinear]:
@@ -215,6 +228,13 @@ def _check(ff: FeedForward, name: str) -> None:
         raise ConfigError(f"{KEY}=True: {name} has trainable base weights beside LoRA adapters; "
                           "it is for LoRA (frozen base projections) or a full fine-tune")
     if not has_lora and ff.w2.weight.requires_grad:  # a full fine-tune: this module's own product
+        from torchao.float8.float8_linear import Float8Linear
+
+        if type(ff.w2) not in (nn.Linear, Float8Linear):
+            # Its own forward (fake quantization, say) would be bypassed: the module computes
+            # the product from the weight.
+            raise ConfigError(f"{KEY}=True: {name}.w2 is a {type(ff.w2).__name__}; a trained down "
+                              f"projection must be an nn.Linear or torchao Float8Linear; set {KEY}=False")
         if ff.w2.bias is not None:
             raise ConfigError(f"{KEY}=True: {name}.w2 has a bias: not implemented for a trained "
                               f"down projection; set {KEY}=False")

@@ -202,7 +202,7 @@ def test_trained_down_backward_equals_a_float64_computation_from_the_rounded_ope
     u = torch.randn(6, HIDDEN, requires_grad=True)
     w = (torch.randn(DIM, HIDDEN) * 0.05).requires_grad_()
     go = torch.randn(6, DIM)
-    out = _SwiGLUTrainedDown.apply(g, u, w, fp8, False, True)
+    out = _SwiGLUTrainedDown.apply(g, u, w, fp8, False, False, True)  # 6 rows: padded to 16
     out.backward(go)
     g64, u64 = _quantized(g.detach(), rows=True), _quantized(u.detach(), rows=True)
     h_exact = (nn.functional.silu(g.detach().double()) * u.detach().double())
@@ -234,7 +234,7 @@ def test_trained_down_in_fp8_follows_torchaos_float8_linear():
     exact = _full_mlp()
     ref = copy.deepcopy(exact)
     convert_to_float8_training(ref, config=Float8LinearConfig(emulate=True))
-    assert _trained_down(ref.w2) == (True, False, True)
+    assert _trained_down(ref.w2) == (True, False, False, True)
     x = torch.randn(2, 16, DIM)
     _, gx_exact, gp_exact, names = _grads(exact, x)
     out_ref, gx_ref, gp_ref, _ = _grads(ref, x)
@@ -245,6 +245,34 @@ def test_trained_down_in_fp8_follows_torchaos_float8_linear():
     assert _rel(gx, gx_exact) <= 1.25 * _rel(gx_ref, gx_exact) + 0.01
     for n in names:
         assert _rel(gp[n], gp_exact[n]) <= 1.25 * _rel(gp_ref[n], gp_exact[n]) + 0.01, n
+
+
+def test_fp8_products_get_scaled_mm_layouts_multiples_of_16_and_the_layers_accumulation(monkeypatch):
+    """What torch._scaled_mm needs on a GPU (CPU tests emulate it, which needs none of it): the
+    first operand row-major, the second column-major, the inner dimension and the second
+    operand's dims multiples of 16, at a token count that is not (1000); and each product's
+    fast accumulation as the layer's torchao config (fp8_fast_accum_backward) says."""
+    from tune_recipes.modules import fp8_mlp
+    from tune_recipes.training.setup.fp8 import convert_to_fp8
+
+    calls = []
+    emulated = fp8_mlp._mm
+
+    def checked(a, a_inv, b, b_inv, out_dtype, fast_accum, emulate):
+        assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+        calls.append(fast_accum)
+        return emulated(a, a_inv, b, b_inv, out_dtype, fast_accum, True)
+
+    monkeypatch.setattr(fp8_mlp, "_mm", checked)
+    x = torch.randn(4, 250, DIM)
+    for fast in (False, True):
+        mlp = _full_mlp()
+        convert_to_fp8(mlp, "tensorwise", fast_accum_backward=fast)
+        calls.clear()
+        FP8SavedFeedForward(mlp)(x).sum().backward()
+        assert calls == [True, fast, fast]  # forward, input gradient, weight gradient
+        assert mlp.w2.weight.grad is not None and mlp.w1.weight.grad is not None
 
 
 def test_full_finetune_saves_under_half_the_bytes_for_backward(saved_bytes):
@@ -261,6 +289,13 @@ def test_full_finetune_refusals_name_the_key_and_the_layer():
 
     with pytest.raises(ConfigError, match=r"mlp.w2 has a bias"):
         convert_mlps_to_fp8_saved(nn.ModuleDict({"mlp": _full_mlp(bias=True)}))
+    class FakeQuantLinear(nn.Linear):  # a Linear with its own forward, which would be bypassed
+        pass
+
+    other = _full_mlp()
+    other.w2 = FakeQuantLinear(HIDDEN, DIM, bias=False)
+    with pytest.raises(ConfigError, match=r"mlp.w2 is a FakeQuantLinear"):
+        convert_mlps_to_fp8_saved(nn.ModuleDict({"mlp": other}))
     rowwise = _full_mlp()
     convert_to_float8_training(rowwise, config=Float8LinearConfig.from_recipe_name("rowwise"))
     with pytest.raises(ConfigError, match="fp8_mlp_activations=True with fp8_recipe_name other than tensorwise"):

@@ -150,7 +150,9 @@ def convert_to_fp8(model: nn.Module, recipe_name: Optional[str],
     recipes turn on for the forward product only. On Hopper the precise mode promotes the
     tensor cores' partial sums to fp32 at intervals; fast mode keeps them in the tensor cores'
     narrower accumulator. Its error is far below the e5m2 rounding the output gradient already
-    has (docs/benchmarks.md: measured per product and as a 220-step loss curve)."""
+    has (docs/benchmarks.md: measured per product and as a 220-step loss curve, tensorwise).
+    With ``rowwise_with_gw_hp`` the weight gradient is not an FP8 product; only the input
+    gradient's accumulation changes there."""
     if recipe_name is None:
         return []
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
