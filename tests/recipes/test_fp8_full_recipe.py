@@ -2,8 +2,8 @@
 full_finetune_single_device.
 
 On CPU: FP8 training is refused in one line naming the key; ``fp8_mlp_activations`` (the MLP's
-gate and up products kept in e4m3 for backward) trains like the plain recipe, eager and with
-the whole model compiled, and saves the same checkpoint. On a GPU with FP8 tensor cores
+gate and up products kept in e4m3 for backward) trains like the plain recipe and saves the
+same checkpoint (its compiled form: tests/unit/modules/test_fp8_mlp.py). On a GPU with FP8 tensor cores
 (marked ``gpu``): the tiny full config trains in FP8, with and without fast accumulation in the
 backward products and with ``fp8_mlp_activations``, next to the same run in bf16, and the log
 names what ran. The modules are unit-tested in tests/unit/training/setup/test_fp8.py and
@@ -53,21 +53,17 @@ def test_fp8_full_trains_like_bf16_with_and_without_fast_accumulation_and_fp8_ml
             assert abs(a - b) <= 0.03 * a + 0.01, (run, bf16, got)
 
 
-def test_fp8_mlp_activations_trains_like_the_plain_recipe_eager_and_compiled(tmp_path):
+def test_fp8_mlp_activations_trains_like_the_plain_recipe(tmp_path):
     common = ["max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1"]
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "plain", common)
     said = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "e4m3",
                       [*common, "fp8_mlp_activations=True"])
     assert "fp8_mlp_activations: 2 MLPs keep their gate and up products in float8 e4m3" in said.stdout + said.stderr
-    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "compiled",
-               [*common, "fp8_mlp_activations=True", "compile=True", "compile_scope=model"])
-    plain, e4m3, compiled = (losses(tmp_path / n) for n in ("plain", "e4m3", "compiled"))
+    plain, e4m3 = losses(tmp_path / "plain"), losses(tmp_path / "e4m3")
     assert e4m3[0] == plain[0]  # the forward is exact; the first update is the first difference
     # The backward's g and u rounded to e4m3 (test_fp8.py's tolerance, 3% + 0.01 nats) ...
     for a, b in zip(plain, e4m3):
         assert abs(a - b) <= 0.03 * a + 0.01, (plain, e4m3)
     assert e4m3 != plain
-    # ... and the compiled graph runs the same function (fp32: rounding-order differences only).
-    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(e4m3), rtol=1e-4, atol=0)
     ref, got = weights(tmp_path / "plain"), weights(tmp_path / "e4m3")
     assert sorted(got) == sorted(ref) and all(got[k].dtype == ref[k].dtype for k in ref)

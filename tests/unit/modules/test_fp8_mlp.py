@@ -275,6 +275,21 @@ def test_fp8_products_get_scaled_mm_layouts_multiples_of_16_and_the_layers_accum
         assert mlp.w2.weight.grad is not None and mlp.w1.weight.grad is not None
 
 
+def test_full_finetune_mlp_under_torch_compile_equals_eager():
+    """What the recipe runs with compile: the function traced into the graph (forward and its
+    backward), the same outputs and gradients as eager."""
+    eager, compiled = _full_mlp(), _full_mlp()
+    x = torch.randn(2, 24, DIM)
+    out, gx, gp, names = _grads(FP8SavedFeedForward(eager), x)
+    module = FP8SavedFeedForward(compiled)
+    module.compile(fullgraph=True)  # in place (names unchanged), and no graph break
+    out_c, gx_c, gp_c, _ = _grads(module, x)
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx_c, gx, rtol=1e-4, atol=1e-6)
+    for n in names:
+        torch.testing.assert_close(gp_c[n], gp[n], rtol=1e-4, atol=1e-6)
+
+
 def test_full_finetune_saves_under_half_the_bytes_for_backward(saved_bytes):
     x = torch.randn(4, 64, DIM, dtype=torch.bfloat16)
     plain = _full_mlp(dtype=torch.bfloat16)
@@ -300,21 +315,3 @@ def test_full_finetune_refusals_name_the_key_and_the_layer():
     convert_to_float8_training(rowwise, config=Float8LinearConfig.from_recipe_name("rowwise"))
     with pytest.raises(ConfigError, match="fp8_mlp_activations=True with fp8_recipe_name other than tensorwise"):
         convert_mlps_to_fp8_saved(nn.ModuleDict({"mlp": rowwise}))
-
-
-def _train_full(convert: bool, steps: int = 20):
-    from tune_recipes.models import tiny_llama3
-
-    torch.manual_seed(0)
-    model = tiny_llama3().bfloat16()
-    if convert:
-        assert convert_mlps_to_fp8_saved(model) == ["layers.0.mlp", "layers.1.mlp"]
-    return _losses(model, steps)
-
-
-def test_a_tiny_model_fully_fine_tuned_trains_like_bf16():
-    ref, got = _train_full(False), _train_full(True)
-    assert ref[-1] < ref[0] - 1.0  # it learns
-    assert got[0] == ref[0]  # the first forward is exact
-    for a, b in zip(ref, got):
-        assert abs(a - b) <= 0.03 * a + 0.02, (ref, got)
