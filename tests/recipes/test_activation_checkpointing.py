@@ -38,7 +38,11 @@ SELECTIVE = {"tiny/full_single_device": (
 @pytest.mark.parametrize("config_name", TINY_TRAINING_CONFIGS)
 def test_activation_checkpointing_on_equals_off(tmp_path, config_name):
     recipe = registry.recipe_for_config(config_name)
-    launch = ["--nproc_per_node", "2"] if recipe in DISTRIBUTED_RECIPES else []
+    # NOTE: 2 ranks for the full distributed recipe (checkpointed layers inside FSDP2 units,
+    # gathered again for the recompute); the other distributed recipes wrap their layers the
+    # same way through the same library call, so they run at 1 rank (CI time: ~15 s each).
+    ranks = "2" if recipe == "full_finetune_distributed" else "1"
+    launch = ["--nproc_per_node", ranks] if recipe in DISTRIBUTED_RECIPES else []
     settings = {"off": ["enable_activation_checkpointing=False"],
                 "on": ["enable_activation_checkpointing=True"]}
     if config_name in SELECTIVE:
