@@ -389,6 +389,13 @@ FP8_LORA_ONLY_KEYS = [
 ]
 
 
+def _not_tensorwise(cfg: DictConfig) -> Optional[str]:
+    """``fp8_recipe_name`` when it is set to anything but ``tensorwise`` (the one recipe our own
+    FP8 products implement: FP8 LoRA's base and the full fine-tune's FP8 MLP), else None."""
+    recipe = cfg.get("fp8_recipe_name", None)
+    return recipe if recipe is not None and recipe != "tensorwise" else None
+
+
 def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
     """What ``enable_fp8_training`` cannot do with a LoRA model, or None. FP8 LoRA quantizes the
     frozen bf16 base of each LoRALinear once, with one scale per tensor
@@ -423,8 +430,8 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
         return ("enable_fp8_training=True with model.use_dora=True: FP8 for DoRA is not "
                 "implemented (its magnitude needs the bf16 base weight's column norms every "
                 "step); set one of them to False")
-    recipe = cfg.get("fp8_recipe_name", None)
-    if recipe is not None and recipe != "tensorwise":
+    recipe = _not_tensorwise(cfg)
+    if recipe:
         return (f"fp8_recipe_name={recipe} with a LoRA model: the frozen base projections are "
                 "quantized once with one scale per tensor, so only tensorwise is implemented; "
                 "set fp8_recipe_name=tensorwise (or null)")
@@ -439,8 +446,8 @@ def fp8_mlp_problem(cfg: DictConfig) -> Optional[str]:
     if cfg.get("fp8_mlp_activations", False) is not True or cfg.get("enable_fp8_training", False) is not True \
             or _is_lora_model(cfg):
         return None
-    recipe = cfg.get("fp8_recipe_name", None)
-    if recipe is not None and recipe != "tensorwise":
+    recipe = _not_tensorwise(cfg)
+    if recipe:
         return (f"fp8_mlp_activations=True with fp8_recipe_name={recipe}: the MLP's down product "
                 "is computed with one scale per tensor, so only tensorwise is implemented; set "
                 "fp8_recipe_name=tensorwise (or null) or fp8_mlp_activations=False")
