@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13a s13b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13a s13b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -317,6 +317,11 @@ for step in "$@"; do
               --only stock_best,ours_best_model_fast_amb99,ours_best_model_fast_amb98 \
               --reps 1 --work /tmp/bw --run-timeout 200 --out "$OUT/s12f_full_1b.json" > /tmp/speed_s12f.log 2>&1
             finish_bench s12f ;;
+    s13smoke) # First GPU run of fp8_mlp_activations in the full fine-tune: the GPU tests (the tiny recipe
+            # with it), then ours' best + it at 1B alone, once (speed and peak; s13a is the side-by-side).
+            timeout 590 python3 scripts/bench_recipes.py --cases full_1b --only ours_best_model_fast_mlp8 \
+              --reps 1 --work /tmp/bw --run-timeout 200 --out "$OUT/s13smoke_full_1b.json" > /tmp/speed_s13smoke.log 2>&1
+            finish_bench s13smoke ;;
     s13a)   # Next (~9 min): fp8_mlp_activations in the full fine-tune (its first GPU run): stock, ours'
             # best (s12e) and ours' best + the MLP's gate/up outputs in e4m3, 2 alternating reps.
             timeout 590 python3 scripts/bench_recipes.py --cases full_1b \
