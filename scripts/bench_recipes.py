@@ -228,6 +228,12 @@ CASES = {
             _v("ours_best_model_profiled", "ours", "ours: best, whole model compiled, profiled (not a speed row)",
                steps=10, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
                optimizer_in_bwd=True, profiler=_profiler("ours_best_model")),
+            # Session 13: where s12e's best spends its step, and what fp8_mlp_activations adds.
+            _v("ours_best_model_fast_profiled", "ours", "ours: s12e's best, profiled (not a speed row)",
+               steps=10, **_FAST_1B, profiler=_profiler("ours_best_model_fast")),
+            _v("ours_best_model_fast_mlp8_profiled", "ours",
+               "ours: s12e's best + fp8_mlp_activations, profiled (not a speed row)",
+               steps=10, **_FAST_1B, fp8_mlp_activations=True, profiler=_profiler("ours_best_model_fast_mlp8")),
             _v("ours_best_model_step_profiled", "ours",
                "ours: whole model compiled, one optimizer step, profiled (not a speed row)",
                steps=10, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True,
