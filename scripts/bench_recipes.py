@@ -207,6 +207,16 @@ CASES = {
             _v("ours_best_model_fast_mlp8", "ours",
                "ours: the same + the MLP's gate/up products kept in e4m3 for backward",
                head=True, **_FAST_1B, fp8_mlp_activations=True),
+            # Session 13: the same with g and u scaled per tensor (bench hook), on every MLP and on
+            # the first one only (the least memory lever that gets under 0.75x).
+            _v("ours_best_model_fast_mlp8t", "ours",
+               "ours: the same + the MLP's gate/up products kept in e4m3, one scale per tensor",
+               **_FAST_1B, fp8_mlp_activations=True,
+               env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_TENSORWISE": "1"}),
+            _v("ours_best_model_fast_mlp8t_l1", "ours",
+               "ours: the same, first MLP only",
+               **_FAST_1B, fp8_mlp_activations=True,
+               env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_TENSORWISE": "1", "BENCH_FP8_MLP_LAYERS": "1"}),
             *[_v(f"ours_best_model_fast_amb{round(budget * 100)}", "ours",
                  f"ours: the same, activation memory budget {budget}", **_FAST_1B,
                  activation_memory_budget=budget) for budget in (0.95, 0.99, 0.98)],

@@ -69,11 +69,12 @@ class _SwiGLUSavedInFP8(torch.autograd.Function):
     first product); saves g and u in e4m3 (per row) and recomputes h in backward."""
 
     @staticmethod
-    def forward(ctx, g: torch.Tensor, u: torch.Tensor, a_weight: Optional[torch.Tensor]):
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor, a_weight: Optional[torch.Tensor],
+                per_row: bool = True):
         h = F.silu(g) * u
         a = F.linear(h, a_weight) if a_weight is not None else None
-        g8, g_inv = to_float8_rows(g)
-        u8, u_inv = to_float8_rows(u)
+        g8, g_inv = to_float8(g, E4M3, per_row=per_row)
+        u8, u_inv = to_float8(u, E4M3, per_row=per_row)
         ctx.save_for_backward(g8, g_inv, u8, u_inv, a_weight)
         ctx.dtype = g.dtype
         return (h, a) if a_weight is not None else (h, h.new_zeros(()))
@@ -93,7 +94,7 @@ class _SwiGLUSavedInFP8(torch.autograd.Function):
                 h = (F.silu(g) * u).to(ctx.dtype)
                 grad_a_weight = grad_a.reshape(-1, grad_a.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
         grad_g, grad_u = _swiglu_grads(total, g, u)
-        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_a_weight
+        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_a_weight, None
 
 
 class _SwiGLUTrainedDown(torch.autograd.Function):
@@ -107,7 +108,8 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, fp8: bool,
-                fast_grad_input: bool, fast_grad_weight: bool, emulate: bool) -> torch.Tensor:
+                fast_grad_input: bool, fast_grad_weight: bool, emulate: bool,
+                per_row: bool = True) -> torch.Tensor:
         h2 = _rows(F.silu(g) * u)
         if fp8:
             h8, h_inv = to_float8(h2, E4M3)
@@ -115,8 +117,8 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
             out = _mm(h8, h_inv, w8.t(), w_inv, g.dtype, True, emulate)
         else:
             out = F.linear(h2, weight)
-        g8, g_inv = to_float8_rows(g)
-        u8, u_inv = to_float8_rows(u)
+        g8, g_inv = to_float8(g, E4M3, per_row=per_row)
+        u8, u_inv = to_float8(u, E4M3, per_row=per_row)
         ctx.save_for_backward(g8, g_inv, u8, u_inv, weight)
         ctx.dtype, ctx.fp8, ctx.emulate = g.dtype, fp8, emulate
         ctx.fast = (fast_grad_input, fast_grad_weight)
@@ -152,7 +154,7 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
             if need_w:
                 grad_w = (go2.t() @ h2).to(weight.dtype)
         grad_g, grad_u = _swiglu_grads(grad_h.to(torch.float32).reshape(g.shape), g, u)
-        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_w, None, None, None, None
+        return grad_g.to(ctx.dtype), grad_u.to(ctx.dtype), grad_w, None, None, None, None, None
 
 
 def _trained_down(down: nn.Module) -> Optional[Tuple[bool, bool, bool, bool]]:
@@ -191,20 +193,21 @@ class FP8SavedFeedForward(nn.Module):
     """A ``FeedForward`` (same children: ``w1`` gate, ``w2`` down, ``w3`` up) that saves its
     intermediate products in FP8 for backward (module docstring). Same state dict."""
 
-    def __init__(self, ff: FeedForward) -> None:
+    def __init__(self, ff: FeedForward, per_row: bool = True) -> None:
         super().__init__()
         self.w1, self.w2, self.w3, self.activation = ff.w1, ff.w2, ff.w3, ff.activation
+        self.per_row = per_row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.w1(x), self.w3(x)
         trained = _trained_down(self.w2)
         if trained is not None:
-            return _SwiGLUTrainedDown.apply(g, u, self.w2.weight, *trained)
+            return _SwiGLUTrainedDown.apply(g, u, self.w2.weight, *trained, self.per_row)
         down = _adapter(self.w2)
         if down is None:
-            h, _ = _SwiGLUSavedInFP8.apply(g, u, None)
+            h, _ = _SwiGLUSavedInFP8.apply(g, u, None, self.per_row)
             return self.w2(h)
-        h, a = _SwiGLUSavedInFP8.apply(g, u, down.lora_a.weight)
+        h, a = _SwiGLUSavedInFP8.apply(g, u, down.lora_a.weight, self.per_row)
         return _frozen_base(down, h) + (down.alpha / down.rank) * down.lora_b(a)
 
 
@@ -244,7 +247,7 @@ def _check(ff: FeedForward, name: str) -> None:
                               f"not implemented; set fp8_recipe_name=tensorwise or {KEY}=False")
 
 
-def convert_mlps_to_fp8_saved(model: nn.Module) -> List[str]:
+def convert_mlps_to_fp8_saved(model: nn.Module, per_row: bool = True) -> List[str]:
     """Swap every ``FeedForward`` of ``model`` for an ``FP8SavedFeedForward``, in place; returns
     their names. Call it after the weights are loaded and any FP8 base conversion, before the
     first forward (compile traces lazily)."""
@@ -255,7 +258,7 @@ def convert_mlps_to_fp8_saved(model: nn.Module) -> List[str]:
             name = state_dict_key(f"{prefix}{child_name}")
             if type(child) is FeedForward:
                 _check(child, name)
-                setattr(parent, child_name, FP8SavedFeedForward(child))
+                setattr(parent, child_name, FP8SavedFeedForward(child, per_row))
                 converted.append(name)
                 continue
             swap(child, f"{prefix}{child_name}.")
