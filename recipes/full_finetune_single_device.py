@@ -24,7 +24,8 @@ Every parameter trains. Features, each a config key:
   ``fp8_fast_accum_backward: True`` also gives the backward products cuBLAS's fast
   accumulation (opt-in; speed and loss curve in docs/benchmarks.md).
 - ``fp8_mlp_activations``: each MLP keeps its gate and up products in float8 e4m3 for backward
-  (half its saved bytes; tune_recipes/modules/fp8_mlp.py), FP8 training or not.
+  (half its saved bytes; tune_recipes/modules/fp8_mlp.py), FP8 training or not;
+  ``fp8_mlp_layers`` N: only the first N layers' MLPs.
 - ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
   same optimizer state, data order and schedule (the result equals an uninterrupted run).
 
@@ -64,7 +65,8 @@ CONFIG_KEYS = {
     "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
-    "fp8_fast_accum_backward", "fp8_mlp_activations", "save_every_n_steps", "keep_last_n_checkpoints",
+    "fp8_fast_accum_backward", "fp8_mlp_activations", "fp8_mlp_layers", "save_every_n_steps",
+    "keep_last_n_checkpoints",
 }
 
 
@@ -97,6 +99,7 @@ class FullFinetuneRecipeSingleDevice:
             fp8_recipe=self._fp8,
             fp8_fast_accum_backward=cfg.get("fp8_fast_accum_backward", False),
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
+            fp8_mlp_layers=cfg.get("fp8_mlp_layers", None),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -66,7 +66,8 @@ CONFIG_KEYS = {
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
     "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",
-    "embedding_on_cpu", "fp8_mlp_activations", "fp8_adapter_inputs", "fp8_transposed_weight_layers",
+    "embedding_on_cpu", "fp8_mlp_activations", "fp8_mlp_layers", "fp8_adapter_inputs",
+    "fp8_transposed_weight_layers",
 }
 
 
@@ -96,6 +97,7 @@ class LoRAFinetuneRecipeSingleDevice:
             ac_interval=ac_interval(cfg),
             fp8=self._fp8, embedding_on_cpu=self._embedding_on_cpu,
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
+            fp8_mlp_layers=cfg.get("fp8_mlp_layers", None),
             fp8_adapter_inputs=cfg.get("fp8_adapter_inputs", False),
             fp8_transposed_weight_layers=cfg.get("fp8_transposed_weight_layers", 0),
             activation_memory_budget=cfg.get("activation_memory_budget", None),

@@ -202,21 +202,18 @@ CASES = {
             _v("ours_best_model_fast", "ours",
                "ours: whole model + compiled optimizer step + FP8 fast accumulation + loss chunks of 1312",
                head=True, **_FAST_1B),
-            # Next: the MLP's gate/up outputs saved in e4m3 (4.0 GiB of the peak in bf16; the key
-            # fp8_mlp_activations, CPU-tested, not yet run on a GPU).
+            # The MLP's gate/up outputs saved in e4m3, one scale per tensor (fp8_mlp_activations):
+            # in every layer, in the first only (fp8_mlp_layers: 1), and session 12's per-token
+            # form (bench hook). Session 13 ran the first two as ..._mlp8t and ..._mlp8t_l1 (hooks)
+            # and the third as ..._mlp8.
             _v("ours_best_model_fast_mlp8", "ours",
                "ours: the same + the MLP's gate/up products kept in e4m3 for backward",
                head=True, **_FAST_1B, fp8_mlp_activations=True),
-            # Session 13: the same with g and u scaled per tensor (bench hook), on every MLP and on
-            # the first one only (the least memory lever that gets under 0.75x).
-            _v("ours_best_model_fast_mlp8t", "ours",
-               "ours: the same + the MLP's gate/up products kept in e4m3, one scale per tensor",
-               **_FAST_1B, fp8_mlp_activations=True,
-               env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_TENSORWISE": "1"}),
-            _v("ours_best_model_fast_mlp8t_l1", "ours",
-               "ours: the same, first MLP only",
-               **_FAST_1B, fp8_mlp_activations=True,
-               env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_TENSORWISE": "1", "BENCH_FP8_MLP_LAYERS": "1"}),
+            _v("ours_best_model_fast_mlp8_l1", "ours", "ours: the same, first layer's MLP only",
+               head=True, **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1),
+            _v("ours_best_model_fast_mlp8_rows", "ours",
+               "ours: the same, g and u scaled per token (session 12's form)",
+               **_FAST_1B, fp8_mlp_activations=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_PER_ROW": "1"}),
             *[_v(f"ours_best_model_fast_amb{round(budget * 100)}", "ours",
                  f"ours: the same, activation memory budget {budget}", **_FAST_1B,
                  activation_memory_budget=budget) for budget in (0.95, 0.99, 0.98)],
@@ -241,6 +238,7 @@ CASES = {
             # Session 13: where s12e's best spends its step, and what fp8_mlp_activations adds.
             _v("ours_best_model_fast_profiled", "ours", "ours: s12e's best, profiled (not a speed row)",
                steps=10, **_FAST_1B, profiler=_profiler("ours_best_model_fast")),
+            # (s13prof ran this one with per-token scales, the default then.)
             _v("ours_best_model_fast_mlp8_profiled", "ours",
                "ours: s12e's best + fp8_mlp_activations, profiled (not a speed row)",
                steps=10, **_FAST_1B, fp8_mlp_activations=True, profiler=_profiler("ours_best_model_fast_mlp8")),

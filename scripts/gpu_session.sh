@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s13a s13b)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -330,26 +330,27 @@ for step in "$@"; do
             cp /tmp/s13prof_traces.txt "$OUT/"
             tar czf "$OUT/s13prof.tgz" /tmp/s13prof*.log /tmp/bw/full_1b_*profiled*.log 2>/dev/null
             grep -h "rror" /tmp/s13prof.log | cut -c1-250; grep -A14 "^==\|GPU busy" /tmp/s13prof_traces.txt | cut -c1-150 | head -60 ;;
-    s13c)   # fp8_mlp_activations with one scale per tensor (bench hook): every MLP, and the first only;
+    s13c)   # fp8_mlp_activations with one scale per tensor (then bench hooks, now the defaults): every MLP, the first only;
             # then the MLP alone (torchao / per tensor / per token), with inductor's code.
             timeout 390 python3 scripts/bench_recipes.py --cases full_1b \
-              --only ours_best_model_fast_mlp8t,ours_best_model_fast_mlp8t_l1 \
+              --only ours_best_model_fast_mlp8,ours_best_model_fast_mlp8_l1 \
               --reps 1 --work /tmp/bw --run-timeout 190 --out "$OUT/s13c_full_1b.json" > /tmp/speed_s13c.log 2>&1
             finish_bench s13c
             timeout 170 python3 scripts/bench_fp8_mlp.py --variants tensor,torchao,rows --out "$OUT/s13c_fp8_mlp.json" \
               --code-dir /tmp/mlpcode 2>&1 | tail -8
             tar czf "$OUT/s13c_mlpcode.tgz" /tmp/mlpcode 2>/dev/null ;;
-    s13a)   # Next (~9 min): fp8_mlp_activations in the full fine-tune (its first GPU run): stock, ours'
-            # best (s12e) and ours' best + the MLP's gate/up outputs in e4m3, 2 alternating reps.
+    s14a)   # Next (~9.5 min): stock / s12e's best / + fp8_mlp_layers 1 (15.00 GiB in s13c, one run),
+            # 2 alternating reps: the side-by-side claim for the 1B memory line at s12e's speed.
             timeout 590 python3 scripts/bench_recipes.py --cases full_1b \
-              --only stock_best,ours_best_model_fast,ours_best_model_fast_mlp8 \
-              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s13a_full_1b.json" > /tmp/speed_s13a.log 2>&1
-            finish_bench s13a ;;
-    s13b)   # Next (~7 min): its 220-step loss curve beside FP8 + fast accumulation and bf16 (lr 3e-4).
+              --only stock_best,ours_best_model_fast,ours_best_model_fast_mlp8_l1 \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s14a_full_1b.json" > /tmp/speed_s14a.log 2>&1
+            finish_bench s14a ;;
+    s14b)   # Next (~7 min): fp8_mlp_activations' 220-step loss curve (per-tensor scales) beside FP8 +
+            # fast accumulation and bf16 (lr 3e-4).
             timeout 590 python3 scripts/bench_recipes.py --cases full_1b_curve \
               --only ours_fused,ours_fused_fp8_fastacc,ours_fused_fp8_fastacc_mlp8 --reps 1 --work /tmp/bw \
-              --run-timeout 250 --out "$OUT/s13b_full_1b_curve.json" > /tmp/speed_s13b.log 2>&1
-            finish_bench s13b ;;
+              --run-timeout 250 --out "$OUT/s14b_full_1b_curve.json" > /tmp/speed_s14b.log 2>&1
+            finish_bench s14b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \

@@ -238,6 +238,7 @@ SCHEMA: List[Rule] = [
     Rule("compile_optimizer_step", boolean),
     Rule("embedding_on_cpu", boolean),
     Rule("fp8_mlp_activations", boolean),
+    Rule("fp8_mlp_layers", optional(integer(1))),
     Rule("fp8_adapter_inputs", boolean),
     Rule("fp8_transposed_weight_layers", integer(0)),
     Rule("custom_sharded_layers", optional(list_of(text))),
@@ -618,6 +619,7 @@ NO_EFFECT_WITHOUT: List[tuple] = [
     ("fp8_recipe_name", "enable_fp8_training", "picks the recipe FP8 training uses"),
     ("fp8_fast_accum_backward", "enable_fp8_training", "changes how FP8 products accumulate"),
     ("compile_scope", "compile", "picks what compile=True compiles"),
+    ("fp8_mlp_layers", "fp8_mlp_activations", "limits which MLPs fp8_mlp_activations converts"),
     ("activation_memory_budget", "compile", "limits what the compiled graphs keep for backward"),
     # torchtune ignores it too for any other ac_mode.
     ("ac_option", "ac_mode=selective", "picks the transformer layers selective activation "

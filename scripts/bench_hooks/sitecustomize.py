@@ -9,11 +9,10 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
   start and writes torch's memory snapshot to PATH.<pid> at exit, for scripts/memory_peak.py.
 - BENCH_FP8_AUTO_FILTER=1: FP8 only where torchao's tensorwise heuristic expects a gain (it
   leaves layers with K <= 4096 and N <= 1024 in bf16: the 1B's k_proj and v_proj).
-- BENCH_FP8_MLP_TENSORWISE=1: ``fp8_mlp_activations`` keeps g and u in e4m3 with one scale per
-  tensor instead of one per token (session 13: the per-token form's compiled kernels cost
-  20 ms a 1B step).
-- BENCH_FP8_MLP_LAYERS=N: ``fp8_mlp_activations`` on the first N MLPs only (the rest stay
-  torchtune's FeedForward): the least memory it takes to get under a line, at 1/16 the cost.
+- BENCH_FP8_MLP_PER_ROW=1: ``fp8_mlp_activations`` keeps g and u with one e4m3 scale per token
+  (session 12's form; a full fine-tune now scales per tensor: the per-token kernels cost 12% of
+  a 1B step). Session 13's runs also set BENCH_FP8_MLP_TENSORWISE=1 and BENCH_FP8_MLP_LAYERS=N
+  here, before per-tensor scales became the default and N the key ``fp8_mlp_layers``.
 """
 import os
 import sys
@@ -55,25 +54,9 @@ if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1" and _IS_RECIPE:
     # first of its defaults; the others stay).
     fp8.convert_to_fp8.__defaults__ = (_keep, *fp8.convert_to_fp8.__defaults__[1:])
 
-if (os.environ.get("BENCH_FP8_MLP_TENSORWISE") == "1" or os.environ.get("BENCH_FP8_MLP_LAYERS")) and _IS_RECIPE:
-    from torchtune.modules import FeedForward
-
+if os.environ.get("BENCH_FP8_MLP_PER_ROW") == "1" and _IS_RECIPE:
     from tune_recipes.modules import fp8_mlp
-    from tune_recipes.training.setup import model as _model_setup
 
-    _convert = fp8_mlp.convert_mlps_to_fp8_saved
-    _per_row = os.environ.get("BENCH_FP8_MLP_TENSORWISE") != "1"
-    _layers = int(os.environ.get("BENCH_FP8_MLP_LAYERS") or 10**9)
-
-    def _convert_some(model, per_row=True):
-        names = _convert(model, per_row=_per_row)
-        for name in names[_layers:]:  # back to torchtune's FeedForward, same children
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            saved = getattr(parent, child)
-            setattr(parent, child, FeedForward(gate_proj=saved.w1, down_proj=saved.w2,
-                                               up_proj=saved.w3, activation=saved.activation))
-        return names[:_layers]
-
-    # model.py imported it by name: replace it there.
-    _model_setup.convert_mlps_to_fp8_saved = _convert_some
+    # per_row's default (None: the measured choice) on the function object, which model.py
+    # imported by name.
+    fp8_mlp.convert_mlps_to_fp8_saved.__defaults__ = (True, None)

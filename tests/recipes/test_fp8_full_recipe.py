@@ -67,3 +67,19 @@ def test_fp8_mlp_activations_trains_like_the_plain_recipe(tmp_path):
     assert e4m3 != plain
     ref, got = weights(tmp_path / "plain"), weights(tmp_path / "e4m3")
     assert sorted(got) == sorted(ref) and all(got[k].dtype == ref[k].dtype for k in ref)
+
+
+@pytest.mark.parametrize("recipe, config, products", [
+    ("full_finetune_single_device", "tiny/full_single_device", "gate and up products"),
+    ("lora_finetune_single_device", "tiny/lora_single_device", "intermediate products"),
+])
+def test_fp8_mlp_layers_converts_only_the_first_layers_mlps(tmp_path, recipe, config, products):
+    common = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1", "fp8_mlp_activations=True"]
+    said = run_recipe(recipe, config, tmp_path / "one", [*common, "fp8_mlp_layers=1"])
+    assert (f"fp8_mlp_activations: 1 MLPs keep their {products} in float8 e4m3 for backward "
+            "(fp8_mlp_layers=1: layers 0-0)") in said.stdout + said.stderr
+    # More than the model has (2 layers): refused naming the key, before any step.
+    proc = tune("run", recipe, "--config", config, f"output_dir={tmp_path / 'three'}", *common,
+                "fp8_mlp_layers=3", check=False)
+    assert proc.returncode != 0 and "fp8_mlp_layers=3: expected 1 to 2" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -63,6 +63,8 @@ CASES = [
     ("tiny/full_single_device", ["optimizer_in_bwd=on_step"], "optimizer_in_bwd=on_step: expected True or False"),
     ("tiny/full_single_device", ["compile_optimizer_step=often"], "compile_optimizer_step=often: expected True or False"),
     ("tiny/full_distributed", ["fp8_fast_accum_backward=always"], "fp8_fast_accum_backward=always: expected True or False"),
+    ("tiny/full_single_device", ["fp8_mlp_activations=True", "fp8_mlp_layers=0"],
+     "fp8_mlp_layers=0: expected an integer >= 1"),
     ("tiny/lora_single_device", ["compile=True", "activation_memory_budget=1.5"],
      "activation_memory_budget=1.5: expected a number >= 0 and <= 1"),
     ("tiny/full_single_device", ["compile=True", "activation_memory_budget=-0.1"],
@@ -440,6 +442,8 @@ def test_a_renamed_copy_of_a_distributed_recipe_may_use_several_processes(tmp_pa
      "activation_memory_budget=0.9 has no effect without compile", "compile=True"),
     ("tiny/full_single_device", ["fp8_fast_accum_backward=True"],
      "fp8_fast_accum_backward=True has no effect without enable_fp8_training", None),
+    ("tiny/lora_single_device", ["fp8_mlp_layers=1"],
+     "fp8_mlp_layers=1 has no effect without fp8_mlp_activations", "fp8_mlp_activations=True"),
     ("tiny/qat_single_device", ["ac_option=2"],
      "ac_option=2 has no effect without ac_mode=selective", "ac_mode=selective"),
     # torchtune ignores ac_option for ac_mode full (and none) too

@@ -9,8 +9,9 @@ activations: Llama-3.1-8B (width 14336) at batch 2 x 2048 keeps 7.3 GiB of ``g``
 over its 32 layers (compile recomputes ``h`` from them).
 
 ``FP8SavedFeedForward`` computes the same forward, exactly, but saves ``g`` and ``u`` in
-float8 e4m3 with one scale per row (per token), 1 byte an element, and recomputes ``h`` from
-them in backward for the down adapter's gradient: half the memory (3.7 GiB at that 8B shape).
+float8 e4m3, 1 byte an element, and recomputes ``h`` from them in backward for the down
+adapter's gradient: half the memory (3.7 GiB at that 8B shape). With LoRA each row (token) has
+its own scale; in a full fine-tune each tensor has one (below).
 The frozen base products never need their inputs (no weight gradient). The price is precision
 in backward only: the SwiGLU's gradient and the down adapter's weight gradient see ``g`` and
 ``u`` rounded to e4m3 (3 mantissa bits; relative error at most 2^-4, ~3.6% rms), less than the
@@ -27,7 +28,17 @@ the down weight's gradient. With ``enable_fp8_training`` (the down projection a 
 and the weight in e4m3 with one scale each, the output gradient in e5m2, fast accumulation
 forward, and in backward as the layer's ``fp8_fast_accum_backward`` says); the one
 difference is the weight gradient's ``h``, e4m3(h recomputed from e4m3 g and u) instead of
-e4m3(h). Half the MLP's saved bytes: ~2.0 GiB less at that 1B shape.
+e4m3(h). Half the MLP's saved bytes: 1.75 GiB less at that 1B shape (13.37 GiB peak).
+
+NOTE: one scale per tensor for ``g`` and ``u`` in a full fine-tune, not per token, for speed
+(measured on an H200, 2026-12-02, docs/benchmarks.md issue #15, session 13). Per token, inductor
+compiles the forward's casts into one kernel that walks each 8192-wide row four times (amax and
+cast of ``g``, then of ``u``) and the backward's amax of the recomputed ``h`` into a pass of its
+own: +0.9 ms an MLP (4.04 against torchao's 3.13 ms, scripts/bench_fp8_mlp.py), 12% of the 1B
+step. Per tensor, all the amaxes share one split reduction and all the casts one pointwise
+kernel, as torchao's own casts do: 3.16 ms, and 2.3% of the step. The precision is torchao's
+for the down projection's input ``h`` (one e4m3 scale a tensor). LoRA keeps per-token scales
+(measured there at 8B; per tensor is not yet measured with LoRA).
 
 Supported: ``FeedForward`` with ``nn.SiLU`` and an up projection (Llama, Qwen2.5), whose down
 projection is a plain frozen linear or a ``LoRALinear`` (bf16, NF4 or FP8 base) with no dropout,
@@ -49,6 +60,7 @@ from tune_recipes.modules.fp8_lora import E4M3, E5M2, FP8LoRALinear, _mm, _rows,
 from tune_recipes.modules.peft import state_dict_key
 
 KEY = "fp8_mlp_activations"
+LAYERS_KEY = "fp8_mlp_layers"
 
 
 def to_float8_rows(t: torch.Tensor, dtype: torch.dtype = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +78,8 @@ def _swiglu_grads(grad_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
 
 class _SwiGLUSavedInFP8(torch.autograd.Function):
     """h = silu(g) * u, and with ``a_weight`` also a = h @ a_weight^T (the down adapter's
-    first product); saves g and u in e4m3 (per row) and recomputes h in backward."""
+    first product); saves g and u in e4m3 (one scale per row, or ``per_row=False`` per tensor)
+    and recomputes h in backward."""
 
     @staticmethod
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, a_weight: Optional[torch.Tensor],
@@ -99,7 +112,8 @@ class _SwiGLUSavedInFP8(torch.autograd.Function):
 
 class _SwiGLUTrainedDown(torch.autograd.Function):
     """out = (silu(g) * u) @ W^T for a trained down projection W [dim, hidden]: saves g and u in
-    e4m3 (per row) and W, recomputes h from them in backward for W's gradient (module
+    e4m3 (one scale per tensor, or ``per_row`` per row) and W, recomputes h from them in
+    backward for W's gradient (module
     docstring). ``fp8``: the three products in FP8 (tensorwise, torchao's arithmetic: e4m3 h
     and W, e5m2 output gradient; fast accumulation forward, ``fast_grad_input`` and
     ``fast_grad_weight`` for the other two, as the layer's torchao config says); else in the
@@ -109,7 +123,7 @@ class _SwiGLUTrainedDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, fp8: bool,
                 fast_grad_input: bool, fast_grad_weight: bool, emulate: bool,
-                per_row: bool = True) -> torch.Tensor:
+                per_row: bool = False) -> torch.Tensor:
         h2 = _rows(F.silu(g) * u)
         if fp8:
             h8, h_inv = to_float8(h2, E4M3)
@@ -191,9 +205,11 @@ def _frozen_base(down: LoRALinear, h: torch.Tensor) -> torch.Tensor:
 
 class FP8SavedFeedForward(nn.Module):
     """A ``FeedForward`` (same children: ``w1`` gate, ``w2`` down, ``w3`` up) that saves its
-    intermediate products in FP8 for backward (module docstring). Same state dict."""
+    intermediate products in FP8 for backward (module docstring). Same state dict.
+    ``per_row``: one e4m3 scale per token (True) or per tensor (False) for g and u; None: the
+    measured choice, per tensor with a trained down projection, per token with LoRA."""
 
-    def __init__(self, ff: FeedForward, per_row: bool = True) -> None:
+    def __init__(self, ff: FeedForward, per_row: Optional[bool] = None) -> None:
         super().__init__()
         self.w1, self.w2, self.w3, self.activation = ff.w1, ff.w2, ff.w3, ff.activation
         self.per_row = per_row
@@ -202,12 +218,14 @@ class FP8SavedFeedForward(nn.Module):
         g, u = self.w1(x), self.w3(x)
         trained = _trained_down(self.w2)
         if trained is not None:
-            return _SwiGLUTrainedDown.apply(g, u, self.w2.weight, *trained, self.per_row)
+            per_row = bool(self.per_row)  # None: per tensor (module docstring's NOTE)
+            return _SwiGLUTrainedDown.apply(g, u, self.w2.weight, *trained, per_row)
+        per_row = self.per_row is not False  # None: per token
         down = _adapter(self.w2)
         if down is None:
-            h, _ = _SwiGLUSavedInFP8.apply(g, u, None, self.per_row)
+            h, _ = _SwiGLUSavedInFP8.apply(g, u, None, per_row)
             return self.w2(h)
-        h, a = _SwiGLUSavedInFP8.apply(g, u, down.lora_a.weight, self.per_row)
+        h, a = _SwiGLUSavedInFP8.apply(g, u, down.lora_a.weight, per_row)
         return _frozen_base(down, h) + (down.alpha / down.rank) * down.lora_b(a)
 
 
@@ -247,16 +265,22 @@ def _check(ff: FeedForward, name: str) -> None:
                               f"not implemented; set fp8_recipe_name=tensorwise or {KEY}=False")
 
 
-def convert_mlps_to_fp8_saved(model: nn.Module, per_row: bool = True) -> List[str]:
-    """Swap every ``FeedForward`` of ``model`` for an ``FP8SavedFeedForward``, in place; returns
-    their names. Call it after the weights are loaded and any FP8 base conversion, before the
-    first forward (compile traces lazily)."""
+def convert_mlps_to_fp8_saved(model: nn.Module, per_row: Optional[bool] = None,
+                              max_mlps: Optional[int] = None) -> List[str]:
+    """Swap every ``FeedForward`` of ``model`` (``max_mlps`` N: the first N, in module order:
+    the first N layers', the key ``fp8_mlp_layers``) for an ``FP8SavedFeedForward``, in place;
+    returns their names. Call it after the weights are loaded and any FP8 base conversion,
+    before the first forward (compile traces lazily). ``per_row``: FP8SavedFeedForward's."""
     converted: List[str] = []
+    total = sum(type(m) is FeedForward for m in model.modules())
+    if max_mlps is not None and total and not 1 <= max_mlps <= total:
+        raise ConfigError(f"{LAYERS_KEY}={max_mlps}: expected 1 to {total} (the model's MLPs), "
+                          f"or null for all of them")
 
     def swap(parent: nn.Module, prefix: str) -> None:
         for child_name, child in parent.named_children():
             name = state_dict_key(f"{prefix}{child_name}")
-            if type(child) is FeedForward:
+            if type(child) is FeedForward and (max_mlps is None or len(converted) < max_mlps):
                 _check(child, name)
                 setattr(parent, child_name, FP8SavedFeedForward(child, per_row))
                 converted.append(name)

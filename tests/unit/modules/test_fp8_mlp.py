@@ -191,20 +191,21 @@ def _quantized(t, dtype=E4M3_, rows=False):
     return q.double() * inv.double()
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_trained_down_backward_equals_a_float64_computation_from_the_rounded_operands(fp8):
+def test_trained_down_backward_equals_a_float64_computation_from_the_rounded_operands(fp8, per_row):
     """The gradients of g, u and W equal float64 arithmetic on the operands this function
-    rounds: g and u per row in e4m3 (h recomputed from them); with ``fp8`` also h and W in
-    e4m3 and the output gradient in e5m2, one scale each (emulated products, so only the
-    rounding of the operands differs from float64)."""
+    rounds: g and u in e4m3, one scale per tensor (the default) or per row (h recomputed from
+    them); with ``fp8`` also h and W in e4m3 and the output gradient in e5m2, one scale each
+    (emulated products, so only the rounding of the operands differs from float64)."""
     torch.manual_seed(2)
     g = torch.randn(6, HIDDEN, requires_grad=True)
     u = torch.randn(6, HIDDEN, requires_grad=True)
     w = (torch.randn(DIM, HIDDEN) * 0.05).requires_grad_()
     go = torch.randn(6, DIM)
-    out = _SwiGLUTrainedDown.apply(g, u, w, fp8, False, False, True)  # 6 rows: padded to 16
+    out = _SwiGLUTrainedDown.apply(g, u, w, fp8, False, False, True, per_row)  # 6 rows: padded to 16
     out.backward(go)
-    g64, u64 = _quantized(g.detach(), rows=True), _quantized(u.detach(), rows=True)
+    g64, u64 = _quantized(g.detach(), rows=per_row), _quantized(u.detach(), rows=per_row)
     h_exact = (nn.functional.silu(g.detach().double()) * u.detach().double())
     h_rec = nn.functional.silu(g64) * u64
     if fp8:
@@ -295,7 +296,7 @@ def test_full_finetune_saves_under_half_the_bytes_for_backward(saved_bytes):
     plain = _full_mlp(dtype=torch.bfloat16)
     ours = FP8SavedFeedForward(_full_mlp(dtype=torch.bfloat16))
     # Eager plain keeps x and each weight for the three products, g, silu(g), u and h in bf16;
-    # ours the same x and weights, g and u in e4m3 with a scale per row: ~0.45 at this width.
+    # ours the same x and weights, g and u in e4m3 with one scale each: ~0.45 at this width.
     assert saved_bytes(lambda: ours(x))[1] < 0.5 * saved_bytes(lambda: plain(x))[1]
 
 
@@ -315,3 +316,46 @@ def test_full_finetune_refusals_name_the_key_and_the_layer():
     convert_to_float8_training(rowwise, config=Float8LinearConfig.from_recipe_name("rowwise"))
     with pytest.raises(ConfigError, match="fp8_mlp_activations=True with fp8_recipe_name other than tensorwise"):
         convert_mlps_to_fp8_saved(nn.ModuleDict({"mlp": rowwise}))
+
+
+def test_scales_per_tensor_with_a_trained_down_projection_and_per_token_with_lora(monkeypatch):
+    """The measured defaults (fp8_mlp.py's NOTE): a full fine-tune's MLP rounds g and u with one
+    scale per tensor (per token cost 12% of a 1B step), a LoRA MLP with one per token; an
+    explicit ``per_row`` overrides either."""
+    from tune_recipes.modules import fp8_mlp
+
+    seen = []
+    real = fp8_mlp.to_float8
+
+    def recording(t, dtype, per_row=False):
+        seen.append(per_row)
+        return real(t, dtype, per_row=per_row)
+
+    monkeypatch.setattr(fp8_mlp, "to_float8", recording)
+    x = torch.randn(2, 8, DIM)
+    for module, want in ((FP8SavedFeedForward(_full_mlp()), {False}), (FP8SavedFeedForward(_mlp()), {True}),
+                         (FP8SavedFeedForward(_full_mlp(), per_row=True), {True}),
+                         (FP8SavedFeedForward(_mlp(), per_row=False), {False})):
+        seen.clear()
+        module(x).sum().backward()
+        assert len(seen) == 2 and set(seen) == want, (type(module.w2).__name__, seen)
+
+
+def test_fp8_mlp_layers_converts_the_first_n_mlps_and_refuses_other_counts():
+    """``fp8_mlp_layers`` N (``max_mlps``): the first N layers' MLPs, the rest unchanged; a count
+    outside 1..layers is a ConfigError naming the key."""
+    full = _tiny_full_model()
+    names = convert_mlps_to_fp8_saved(full, max_mlps=1)
+    assert names == ["layers.0.mlp"]
+    assert type(full.layers[0].mlp) is FP8SavedFeedForward and type(full.layers[1].mlp) is FeedForward
+    for bad in (0, 3):
+        with pytest.raises(ConfigError, match=rf"fp8_mlp_layers={bad}: expected 1 to 2"):
+            convert_mlps_to_fp8_saved(_tiny_full_model(), max_mlps=bad)
+    assert convert_mlps_to_fp8_saved(_tiny_full_model(), max_mlps=2) == ["layers.0.mlp", "layers.1.mlp"]
+
+
+def _tiny_full_model():
+    from tune_recipes.models import tiny_llama3
+
+    torch.manual_seed(0)
+    return tiny_llama3()

@@ -22,13 +22,18 @@ from tune_recipes.validation import activation_memory_budget_value
 log = get_logger("INFO")
 
 
+def _first_layers(fp8_mlp_layers: Optional[int]) -> str:
+    return f" (fp8_mlp_layers={fp8_mlp_layers}: layers 0-{fp8_mlp_layers - 1})" if fp8_mlp_layers else ""
+
+
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
                      compile_model: bool = False, ac_interval: Optional[int] = None,
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
                      fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None,
                      activation_memory_budget: Optional[float] = None,
                      fp8_fast_accum_backward: bool = False,
-                     fp8_mlp_activations: bool = False) -> nn.Module:
+                     fp8_mlp_activations: bool = False,
+                     fp8_mlp_layers: Optional[int] = None) -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
@@ -40,8 +45,9 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     instead of one per layer, fusion across layer boundaries, a longer first compile).
     ``activation_memory_budget``: see ``set_activation_memory_budget`` (compile only).
     ``fp8_fast_accum_backward``: see ``setup.fp8.convert_to_fp8`` (FP8 only).
-    ``fp8_mlp_activations``: each MLP keeps its gate and up products in float8 e4m3 for
-    backward and runs its down product itself (``modules.fp8_mlp``; FP8 or not)."""
+    ``fp8_mlp_activations``: each MLP (``fp8_mlp_layers`` N: the first N layers') keeps its
+    gate and up products in float8 e4m3 for backward and runs its down product itself
+    (``modules.fp8_mlp``; FP8 or not)."""
     with training.set_default_dtype(dtype), device:
         model = tt_config.instantiate(cfg_model)
     if before_load is not None:
@@ -51,9 +57,9 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     convert_to_fp8(model, fp8_recipe, fast_accum_backward=fp8_fast_accum_backward)
     if fp8_mlp_activations:
         # After the FP8 swap (the MLP reads its down projection's FP8 settings), before compile.
-        mlps = convert_mlps_to_fp8_saved(model)
+        mlps = convert_mlps_to_fp8_saved(model, max_mlps=fp8_mlp_layers)
         log.info("fp8_mlp_activations: %d MLPs keep their gate and up products in float8 e4m3 "
-                 "for backward", len(mlps))
+                 "for backward%s", len(mlps), _first_layers(fp8_mlp_layers))
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
@@ -124,7 +130,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      fp8: bool = False, compile_scope: Optional[str] = None,
                      embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False,
                      fp8_adapter_inputs: bool = False, fp8_transposed_weight_layers: int = 0,
-                     activation_memory_budget: Optional[float] = None):
+                     activation_memory_budget: Optional[float] = None,
+                     fp8_mlp_layers: Optional[int] = None):
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
@@ -132,8 +139,9 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     ``fp8`` the frozen base projections then compute in FP8 (``modules.fp8_lora``; their bf16
     weights move to CPU memory, under the same names); with ``embedding_on_cpu`` the frozen token
     embedding stays in pinned CPU memory and each step's rows are read from there
-    (``modules.host_embedding``); with ``fp8_mlp_activations`` each MLP keeps its intermediate
-    products in FP8 for backward (``modules.fp8_mlp``); with ``fp8_adapter_inputs`` (and ``fp8``)
+    (``modules.host_embedding``); with ``fp8_mlp_activations`` each MLP (``fp8_mlp_layers`` N:
+    the first N layers') keeps its intermediate products in FP8 for backward
+    (``modules.fp8_mlp``); with ``fp8_adapter_inputs`` (and ``fp8``)
     the adapters' weight gradients read the FP8 base product's e4m3 input, so backward keeps 1
     byte of each adapter input instead of 2 (``modules.fp8_lora``); with
     ``fp8_transposed_weight_layers`` N the first N transformer layers' FP8 weights are also kept
@@ -193,9 +201,9 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     if fp8_mlp_activations:
         # After the FP8 base conversion: the swapped MLPs call their down projection's base
         # product themselves, FP8 or not.
-        mlps = convert_mlps_to_fp8_saved(model)
+        mlps = convert_mlps_to_fp8_saved(model, max_mlps=fp8_mlp_layers)
         log.info("fp8_mlp_activations: %d MLPs keep their intermediate products in float8 e4m3 "
-                 "for backward", len(mlps))
+                 "for backward%s", len(mlps), _first_layers(fp8_mlp_layers))
     if embedding_on_cpu:
         held = keep_embedding_on_cpu(model)
         log.info("embedding_on_cpu: the token embedding (%.2f GiB) is in pinned CPU memory",
