@@ -211,6 +211,10 @@ CASES = {
                head=True, **_FAST_1B, fp8_mlp_activations=True),
             _v("ours_best_model_fast_mlp8_l1", "ours", "ours: the same, first layer's MLP only",
                head=True, **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1),
+            # Is the step waiting on the host? (s13prof: GPU busy 100.4 ms of ~105-107.) The whole
+            # model under CUDA graphs (bench hook).
+            _v("ours_best_model_fast_cg", "ours", "ours: s12e's best, compiled with mode=reduce-overhead",
+               **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_COMPILE_MODE": "reduce-overhead"}),
             _v("ours_best_model_fast_mlp8_rows", "ours",
                "ours: the same, g and u scaled per token (session 12's form)",
                **_FAST_1B, fp8_mlp_activations=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_PER_ROW": "1"}),

@@ -5,10 +5,14 @@
 
 (--top N: list the N kernels with the most time per trace; 12 unless set.)
 
-Kinds are matched on kernel names (first match wins): FP8 GEMMs, other GEMMs, attention,
-Triton kernels (compiled elementwise/reduction code and our fused loss), optimizer, collectives,
-copies, the rest. "GPU busy" is the union of kernel intervals; "step wall" the span of the
-ProfilerStep annotations: their difference is time the GPU waited on the host.
+Kinds are matched on kernel names (first match wins): attention (before the GEMMs: cuDNN's
+SDPA kernels carry "sm90_" in their names), FP8 GEMMs, other GEMMs, Triton kernels (compiled
+elementwise/reduction code and our fused loss), optimizer, collectives, copies, the rest.
+"GPU busy" is the union of kernel intervals; "step wall" the span of the ProfilerStep
+annotations: their difference is time the GPU waited on the host. Where it waited: each gap of
+more than 20 us between kernels inside the profiled steps is charged to the innermost host op
+running at its middle (a CPU op, or a Python function when the trace has stacks), summed by
+name.
 """
 
 import gzip
@@ -20,10 +24,12 @@ from pathlib import Path
 from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
 
 KINDS = [
+    # cuDNN's SDPA kernels (cudnn_generated_fort_native_sdpa_sm90_flash_bprop_..., and its
+    # cudnn::fusion helpers) before the GEMM patterns, which match "sm90_".
+    ("attention", re.compile(r"flash|fmha|attn|attention|sdpa|cudnn::fusion", re.I)),
     # cuBLAS's nvjet kernels name FP8 inputs with a q after the arch (nvjet_sm90_qqtst, _qrtst).
     ("gemm fp8", re.compile(r"e4m3|e5m2|f8f8|fp8|_f8_|nvjet_sm\d+_q", re.I)),
     ("gemm bf16/fp32", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
-    ("attention", re.compile(r"flash|fmha|attn|attention", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("triton (compiled / fused CE)", re.compile(r"^triton|ce_grad", re.I)),
     ("collectives", re.compile(r"nccl", re.I)),
@@ -80,6 +86,40 @@ def summarize(path: Path) -> None:
         top[k["name"]] = top.get(k["name"], 0.0) + k["dur"] / 1000
     print("top kernels (ms per step):")
     for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:TOP]:
+        print(f"  {ms / n_steps:7.2f}  {name[:110]}")
+    if steps:
+        idle(events, kernels, steps, n_steps)
+
+
+GAP_US = 20  # smaller gaps between kernels are launch latency, not waiting
+
+
+def idle(events, kernels, steps, n_steps) -> None:
+    """GPU idle time inside the profiled steps, charged to the innermost host op running in the
+    middle of each gap (module docstring)."""
+    lo = min(s["ts"] for s in steps)
+    hi = max(s["ts"] + s["dur"] for s in steps)
+    gaps, end = [], None
+    for s, e in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels if lo <= k["ts"] <= hi):
+        if end is not None and s - end > GAP_US:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    host = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e
+                  and not str(e.get("name", "")).startswith("ProfilerStep#"))
+    charged, active, i = {}, [], 0
+    for g0, g1 in sorted(gaps, key=lambda g: g[0] + g[1]):
+        mid = (g0 + g1) / 2
+        while i < len(host) and host[i][0] <= mid:
+            active.append(host[i])
+            i += 1
+        active = [h for h in active if h[1] >= mid]
+        name = min(active, key=lambda h: h[1] - h[0])[2] if active else "(no host op)"
+        charged[name] = charged.get(name, 0.0) + (g1 - g0) / 1000
+    total = sum(charged.values())
+    print(f"GPU idle inside the steps: {total / n_steps:.2f} ms per step in {len(gaps)} gaps "
+          f"> {GAP_US} us; by the host op running then (ms per step):")
+    for name, ms in sorted(charged.items(), key=lambda kv: -kv[1])[:TOP]:
         print(f"  {ms / n_steps:7.2f}  {name[:110]}")
 
 
