@@ -54,6 +54,9 @@ def run_one(variant: str, shape: str, iters: int) -> dict:
     go = torch.randn(batch, seq, dim, device="cuda", dtype=torch.bfloat16)
     fwd, bwd = [], []
     for i in range(iters + 5):
+        x.grad = None  # every backward writes fresh gradients (no accumulation pass timed)
+        for p in mlp.parameters():
+            p.grad = None
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         e[0].record()
         out = mlp(x)
@@ -106,7 +109,8 @@ def main() -> None:
                 code.close()
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode or not lines:
-                print(f"{shape} {variant}: failed (rc {proc.returncode}) {(proc.stderr or '')[-1500:]}")
+                err = proc.stderr if not code else open(code.name).read()  # stderr went there
+                print(f"{shape} {variant}: failed (rc {proc.returncode}) {(err or '')[-1500:]}")
                 continue
             rows.append(json.loads(lines[-1]))
             with open(args.out, "w") as fh:  # after every variant: a timeout keeps the rows

@@ -317,8 +317,9 @@ for step in "$@"; do
               --only stock_best,ours_best_model_fast_amb99,ours_best_model_fast_amb98 \
               --reps 1 --work /tmp/bw --run-timeout 200 --out "$OUT/s12f_full_1b.json" > /tmp/speed_s12f.log 2>&1
             finish_bench s12f ;;
-    s13smoke) # First GPU run of fp8_mlp_activations in the full fine-tune: the GPU tests (the tiny recipe
-            # with it), then ours' best + it at 1B alone, once (speed and peak; s13a is the side-by-side).
+    s13smoke) # First GPU run of fp8_mlp_activations in the full fine-tune (run after gputests, whose
+            # recipe test runs it on the tiny model): ours' best + it at 1B alone, once (speed and
+            # peak; per-token scales then, the variant's meaning has changed since).
             timeout 590 python3 scripts/bench_recipes.py --cases full_1b --only ours_best_model_fast_mlp8 \
               --reps 1 --work /tmp/bw --run-timeout 200 --out "$OUT/s13smoke_full_1b.json" > /tmp/speed_s13smoke.log 2>&1
             finish_bench s13smoke ;;

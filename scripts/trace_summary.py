@@ -10,9 +10,11 @@ SDPA kernels carry "sm90_" in their names), FP8 GEMMs, other GEMMs, Triton kerne
 elementwise/reduction code and our fused loss), optimizer, collectives, copies, the rest.
 "GPU busy" is the union of kernel intervals; "step wall" the span of the ProfilerStep
 annotations: their difference is time the GPU waited on the host. Where it waited: each gap of
-more than 20 us between kernels inside the profiled steps is charged to the innermost host op
-running at its middle (a CPU op, or a Python function when the trace has stacks), summed by
-name.
+more than 20 us between device work (kernels, copies) inside the profiled steps is charged to
+the innermost host op (a CPU op, or a Python function when the trace has stacks) around the
+launch of the work that ends the gap, on the launching thread (backward launches from
+autograd's own thread), summed by name. Gaps under 20 us, and before the first or after the
+last piece of work, are not counted.
 """
 
 import gzip
@@ -37,6 +39,11 @@ KINDS = [
 ]
 
 
+GAP_US = 20  # smaller gaps between kernels are launch latency, not waiting
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_OPS = ("cpu_op", "python_function", "user_annotation")
+
+
 def load(path: Path) -> list:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as fh:
@@ -55,7 +62,7 @@ def union_ms(intervals):
 
 def summarize(path: Path) -> None:
     events = load(path)
-    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") in DEVICE_WORK and "dur" in e]
     # Each step is annotated twice (a CPU op and a GPU user annotation of the same name): count
     # names; the wall time is the CPU annotations' (the last can run on to the profiler's stop).
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
@@ -91,34 +98,52 @@ def summarize(path: Path) -> None:
         idle(events, kernels, steps, n_steps)
 
 
-GAP_US = 20  # smaller gaps between kernels are launch latency, not waiting
+def _innermost(ops, queries):
+    """For each (ts, key) in ``queries``, the name of the shortest op in ``ops`` [(start, end,
+    name), ...] that contains ts, or None: one sweep over both, sorted by time."""
+    ops, found, active, i = sorted(ops), {}, [], 0
+    for ts, key in sorted(queries):
+        while i < len(ops) and ops[i][0] <= ts:
+            active.append(ops[i])
+            i += 1
+        active = [op for op in active if op[1] >= ts]
+        found[key] = min(active, key=lambda op: op[1] - op[0])[2] if active else None
+    return found
 
 
-def idle(events, kernels, steps, n_steps) -> None:
-    """GPU idle time inside the profiled steps, charged to the innermost host op running in the
-    middle of each gap (module docstring)."""
+def idle(events, work, steps, n_steps) -> None:
+    """GPU idle time inside the profiled steps: every gap of more than GAP_US between device
+    work (kernels, copies, memsets; any stream) is charged to the innermost host op, on the
+    launching thread, around the launch of the work that ends the gap: what the host was doing
+    when it finally queued the next piece of work (module docstring)."""
     lo = min(s["ts"] for s in steps)
     hi = max(s["ts"] + s["dur"] for s in steps)
     gaps, end = [], None
-    for s, e in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels if lo <= k["ts"] <= hi):
-        if end is not None and s - end > GAP_US:
-            gaps.append((end, s))
-        end = e if end is None else max(end, e)
-    host = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                  if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e
-                  and not str(e.get("name", "")).startswith("ProfilerStep#"))
-    charged, active, i = {}, [], 0
-    for g0, g1 in sorted(gaps, key=lambda g: g[0] + g[1]):
-        mid = (g0 + g1) / 2
-        while i < len(host) and host[i][0] <= mid:
-            active.append(host[i])
-            i += 1
-        active = [h for h in active if h[1] >= mid]
-        name = min(active, key=lambda h: h[1] - h[0])[2] if active else "(no host op)"
+    for k in sorted((k for k in work if lo <= k["ts"] <= hi), key=lambda k: k["ts"]):
+        if end is not None and k["ts"] - end > GAP_US:
+            gaps.append((end, k["ts"], k.get("args", {}).get("correlation")))
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops_by_thread = {}
+    for e in events:
+        if e.get("cat") in HOST_OPS and "dur" in e and not str(e.get("name", "")).startswith("ProfilerStep#"):
+            ops_by_thread.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    queries = {}
+    for n, (_, _, corr) in enumerate(gaps):
+        if corr in launches:
+            tid, ts = launches[corr]
+            queries.setdefault(tid, []).append((ts, n))
+    names = {}
+    for tid, qs in queries.items():
+        names.update(_innermost(ops_by_thread.get(tid, []), qs))
+    charged = {}
+    for n, (g0, g1, corr) in enumerate(gaps):
+        name = names.get(n) or ("(launched outside any op)" if corr in launches else "(no launch record)")
         charged[name] = charged.get(name, 0.0) + (g1 - g0) / 1000
     total = sum(charged.values())
     print(f"GPU idle inside the steps: {total / n_steps:.2f} ms per step in {len(gaps)} gaps "
-          f"> {GAP_US} us; by the host op running then (ms per step):")
+          f"> {GAP_US} us; by the host op that launched the work ending each gap (ms per step):")
     for name, ms in sorted(charged.items(), key=lambda kv: -kv[1])[:TOP]:
         print(f"  {ms / n_steps:7.2f}  {name[:110]}")
 

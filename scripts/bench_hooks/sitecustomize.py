@@ -13,7 +13,8 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
   (session 12's form; a full fine-tune now scales per tensor: the per-token kernels cost 12% of
   a 1B step). Session 13's runs also set BENCH_FP8_MLP_TENSORWISE=1 and BENCH_FP8_MLP_LAYERS=N
   here, before per-tensor scales became the default and N the key ``fp8_mlp_layers``.
-- BENCH_COMPILE_MODE=MODE: the whole-model compile (``compile_scope: model``) with torch.compile's
+- BENCH_COMPILE_MODE=MODE: every ``nn.Module.compile`` in the recipe's process (the whole-model
+  compile of ``compile_scope: model``, and torchtune's per-layer one) with torch.compile's
   ``mode`` MODE, e.g. ``reduce-overhead`` (CUDA graphs: no per-kernel launch from Python). The
   1B best step's GPU is busy 100.4 of ~105-107 ms (s13prof against the unprofiled rate): if
   the host is what it waits on, CUDA graphs remove it.
@@ -74,5 +75,5 @@ if os.environ.get("BENCH_COMPILE_MODE") and _IS_RECIPE:
         kwargs.setdefault("mode", os.environ["BENCH_COMPILE_MODE"])
         return _module_compile(self, *args, **kwargs)
 
-    # compile_layers_or_model's whole-model branch calls Module.compile.
+    # compile_layers_or_model's whole-model branch and torchtune's compile_model both call it.
     torch.nn.Module.compile = _compile_with_mode

@@ -77,7 +77,7 @@ def test_fp8_mlp_layers_converts_only_the_first_layers_mlps(tmp_path, recipe, co
     common = ["max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=1", "fp8_mlp_activations=True"]
     said = run_recipe(recipe, config, tmp_path / "one", [*common, "fp8_mlp_layers=1"])
     assert (f"fp8_mlp_activations: 1 MLPs keep their {products} in float8 e4m3 for backward "
-            "(fp8_mlp_layers=1: layers 0-0)") in said.stdout + said.stderr
+            "(fp8_mlp_layers=1: layer 0)") in said.stdout + said.stderr
     # More than the model has (2 layers): refused naming the key, before any step.
     proc = tune("run", recipe, "--config", config, f"output_dir={tmp_path / 'three'}", *common,
                 "fp8_mlp_layers=3", check=False)

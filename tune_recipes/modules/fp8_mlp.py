@@ -14,8 +14,10 @@ adapter's gradient: half the memory (3.7 GiB at that 8B shape). With LoRA each r
 its own scale; in a full fine-tune each tensor has one (below).
 The frozen base products never need their inputs (no weight gradient). The price is precision
 in backward only: the SwiGLU's gradient and the down adapter's weight gradient see ``g`` and
-``u`` rounded to e4m3 (3 mantissa bits; relative error at most 2^-4, ~3.6% rms), less than the
-e5m2 rounding (2^-3) of the output gradients that ``enable_fp8_training``'s frozen FP8 base
+``u`` rounded to e4m3 (3 mantissa bits; relative error at most 2^-4, ~3.6% rms, for elements
+above 2^-6 of the scale's range: below that, about amax / 2^15, e4m3's subnormals keep an
+absolute error instead, which matters more with one scale per tensor than per token), less than
+the e5m2 rounding (2^-3) of the output gradients that ``enable_fp8_training``'s frozen FP8 base
 products already apply. The forward, the loss and the weights' dtypes are unchanged.
 
 In a full fine-tune the down projection trains, and its weight gradient needs ``h`` too: in
@@ -34,9 +36,10 @@ NOTE: one scale per tensor for ``g`` and ``u`` in a full fine-tune, not per toke
 (measured on an H200, 2026-12-02, docs/benchmarks.md issue #15, session 13). Per token, inductor
 compiles the forward's casts into one kernel that walks each 8192-wide row four times (amax and
 cast of ``g``, then of ``u``) and the backward's amax of the recomputed ``h`` into a pass of its
-own: +0.9 ms an MLP (4.04 against torchao's 3.13 ms, scripts/bench_fp8_mlp.py), 12% of the 1B
-step. Per tensor, all the amaxes share one split reduction and all the casts one pointwise
-kernel, as torchao's own casts do: 3.16 ms, and 2.3% of the step. The precision is torchao's
+own: +0.9 ms an MLP (4.04 against torchao's 3.13 ms, scripts/bench_fp8_mlp.py), 10-12% of the
+1B step (68,640 tok/s against 76,530-78,262 without the key, on other machines). Per tensor,
+all the amaxes share one split reduction and all the casts one pointwise kernel, as torchao's
+own casts do: 3.15 ms, and 2.3% of the step (same machine). The precision is torchao's
 for the down projection's input ``h`` (one e4m3 scale a tensor). LoRA keeps per-token scales
 (measured there at 8B; per tensor is not yet measured with LoRA).
 
@@ -191,7 +194,7 @@ def _adapter(down: nn.Module) -> Optional[LoRALinear]:
 def _frozen_base(down: LoRALinear, h: torch.Tensor) -> torch.Tensor:
     """The down projection's frozen base product (and bias), as ``down`` computes it."""
     # NOTE: an FP8LoRALinear's fp8_adapter_inputs does not apply here: this module saves g and u
-    # in e4m3 and recomputes the adapter's input h from them (its own rounding, per row).
+    # in e4m3 and recomputes the adapter's input h from them (its own rounding).
     if isinstance(down, FP8LoRALinear):
         out = frozen_fp8_linear(h, down.weight_fp8, down.weight_inv_scale, down.emulate, down.weight_fp8_t)
         return out + down.bias if down.bias is not None else out

@@ -72,16 +72,18 @@ def test_forward_is_exact_and_gradients_within_e4m3_precision(down_lora):
         assert _rel(gp[n], gp_ref[n]) < 0.05, n
 
 
-def test_backward_equals_a_float64_computation_from_the_rounded_products():
+@pytest.mark.parametrize("per_row", [True, False])
+def test_backward_equals_a_float64_computation_from_the_rounded_products(per_row):
     torch.manual_seed(1)
     g = torch.randn(5, HIDDEN, requires_grad=True)
     u = torch.randn(5, HIDDEN, requires_grad=True)
     a_w = (torch.randn(4, HIDDEN) * 0.1).requires_grad_()
     gh, ga = torch.randn(5, HIDDEN), torch.randn(5, 4)
-    h, a = _SwiGLUSavedInFP8.apply(g, u, a_w)
+    h, a = _SwiGLUSavedInFP8.apply(g, u, a_w, per_row)
     torch.autograd.backward([h, a], [gh, ga])
-    # The reference: the same products rounded to e4m3 per row, everything else in float64.
-    q = [qq.double() * inv.double() for qq, inv in (to_float8_rows(g), to_float8_rows(u))]
+    # The reference: the same products rounded to e4m3 (per row, LoRA's default, or per
+    # tensor), everything else in float64.
+    q = [_quantized(t.detach(), rows=per_row) for t in (g, u)]
     g64, u64 = (t.detach().clone().requires_grad_() for t in q)
     aw64 = a_w.detach().double().requires_grad_()
     h64 = torch.nn.functional.silu(g64) * u64

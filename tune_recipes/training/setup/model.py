@@ -23,7 +23,10 @@ log = get_logger("INFO")
 
 
 def _first_layers(fp8_mlp_layers: Optional[int]) -> str:
-    return f" (fp8_mlp_layers={fp8_mlp_layers}: layers 0-{fp8_mlp_layers - 1})" if fp8_mlp_layers else ""
+    if not fp8_mlp_layers:
+        return ""
+    which = "layer 0" if fp8_mlp_layers == 1 else f"layers 0-{fp8_mlp_layers - 1}"
+    return f" (fp8_mlp_layers={fp8_mlp_layers}: {which})"
 
 
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
