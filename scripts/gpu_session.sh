@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -353,6 +353,13 @@ for step in "$@"; do
               --only ours_fused,ours_fused_fp8_fastacc,ours_fused_fp8_fastacc_mlp8 --reps 1 --work /tmp/bw \
               --run-timeout 250 --out "$OUT/s14b_full_1b_curve.json" > /tmp/speed_s14b.log 2>&1
             finish_bench s14b ;;
+    s14d)   # Later (~10 min with the 8B checkpoint): LoRA's fp8_mlp_activations per token (its default)
+            # against per tensor (bench hook), next to the FP8 base alone, one run each.
+            ensure_ckpt8b
+            timeout 560 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \
+              --only ours_fused_fp8_embcpu,ours_fused_fp8_mlp8_embcpu,ours_fused_fp8_mlp8t_embcpu \
+              --run-timeout 200 --out "$OUT/s14d_lora_8b.json" > /tmp/speed_s14d.log 2>&1
+            finish_bench s14d ;;
     s14c)   # Next (~6 min): where s12e's best step waits (profile: GPU idle gaps charged to host ops),
             # and the same under CUDA graphs (compile mode reduce-overhead, bench hook), one run each.
             timeout 560 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \

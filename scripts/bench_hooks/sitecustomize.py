@@ -9,9 +9,10 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
   start and writes torch's memory snapshot to PATH.<pid> at exit, for scripts/memory_peak.py.
 - BENCH_FP8_AUTO_FILTER=1: FP8 only where torchao's tensorwise heuristic expects a gain (it
   leaves layers with K <= 4096 and N <= 1024 in bf16: the 1B's k_proj and v_proj).
-- BENCH_FP8_MLP_PER_ROW=1: ``fp8_mlp_activations`` keeps g and u with one e4m3 scale per token
-  (session 12's form; a full fine-tune now scales per tensor: the per-token kernels cost 12% of
-  a 1B step). Session 13's runs also set BENCH_FP8_MLP_TENSORWISE=1 and BENCH_FP8_MLP_LAYERS=N
+- BENCH_FP8_MLP_PER_ROW=1 / 0: ``fp8_mlp_activations`` keeps g and u with one e4m3 scale per
+  token (1: session 12's form; a full fine-tune now scales per tensor, the per-token kernels
+  cost 10-12% of a 1B step) or per tensor (0: also with LoRA, which keeps per-token scales by
+  default, measured at 8B with them). Session 13's runs also set BENCH_FP8_MLP_TENSORWISE=1 and BENCH_FP8_MLP_LAYERS=N
   here, before per-tensor scales became the default and N the key ``fp8_mlp_layers``.
 - BENCH_COMPILE_MODE=MODE: every ``nn.Module.compile`` in the recipe's process (the whole-model
   compile of ``compile_scope: model``, and torchtune's per-layer one) with torch.compile's
@@ -59,12 +60,12 @@ if os.environ.get("BENCH_FP8_AUTO_FILTER") == "1" and _IS_RECIPE:
     # first of its defaults; the others stay).
     fp8.convert_to_fp8.__defaults__ = (_keep, *fp8.convert_to_fp8.__defaults__[1:])
 
-if os.environ.get("BENCH_FP8_MLP_PER_ROW") == "1" and _IS_RECIPE:
+if os.environ.get("BENCH_FP8_MLP_PER_ROW") in ("0", "1") and _IS_RECIPE:
     from tune_recipes.modules import fp8_mlp
 
     # per_row's default (None: the measured choice) on the function object, which model.py
     # imported by name.
-    fp8_mlp.convert_mlps_to_fp8_saved.__defaults__ = (True, None)
+    fp8_mlp.convert_mlps_to_fp8_saved.__defaults__ = (os.environ["BENCH_FP8_MLP_PER_ROW"] == "1", None)
 
 if os.environ.get("BENCH_COMPILE_MODE") and _IS_RECIPE:
     import torch
