@@ -366,6 +366,10 @@ for step in "$@"; do
               --only ours_best_model_fast_profiled,ours_best_model_fast_cg --run-timeout 260 \
               --out "$OUT/s14c_full_1b.json" > /tmp/s14c.log 2>&1
             python3 scripts/trace_summary.py --top 40 /tmp/bw/prof_ours_best_model_fast > "$OUT/s14c_traces.txt" 2>&1
+            # The trace itself (gzipped by the profiler), for reading offline, if under the 16 MiB a
+            # file that comes back may have.
+            trace=$(find /tmp/bw/prof_ours_best_model_fast -name '*.json.gz' -size -16M | head -1)
+            [ -n "$trace" ] && cp "$trace" "$OUT/s14c_trace.json.gz"
             finish_bench s14c; grep -A42 "GPU idle" "$OUT/s14c_traces.txt" | cut -c1-150 ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
