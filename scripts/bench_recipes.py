@@ -215,6 +215,12 @@ CASES = {
             # model under CUDA graphs (bench hook).
             _v("ours_best_model_fast_cg", "ours", "ours: s12e's best, compiled with mode=reduce-overhead",
                **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_COMPILE_MODE": "reduce-overhead"}),
+            # cuDNN's attention is 12.8 ms of the step (s13prof): torch's flash kernel, and
+            # FlashAttention-4 (bench hook; FA4 needs the wheels of scripts/fa4_wheels.sh).
+            _v("ours_best_model_fast_flash", "ours", "ours: s12e's best, SDPA's flash kernel instead of cuDNN's",
+               **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_SDPA_IMPL": "flash"}),
+            _v("ours_best_model_fast_fa4", "ours", "ours: s12e's best, FlashAttention-4 instead of cuDNN's",
+               **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_SDPA_IMPL": "FA4"}),
             _v("ours_best_model_fast_mlp8_rows", "ours",
                "ours: the same, g and u scaled per token (session 12's form)",
                **_FAST_1B, fp8_mlp_activations=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_PER_ROW": "1"}),

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -360,6 +360,26 @@ for step in "$@"; do
               --only ours_fused_fp8_embcpu,ours_fused_fp8_mlp8_embcpu,ours_fused_fp8_mlp8t_embcpu \
               --run-timeout 200 --out "$OUT/s14d_lora_8b.json" > /tmp/speed_s14d.log 2>&1
             finish_bench s14d ;;
+    fa4a)   # FlashAttention-4, call 1 of 2 (scripts/fa4_wheels.sh; carry .fa4_part1 only): the first
+            # part of the CUTLASS DSL library stays on this warm machine for step fa4, which must be
+            # the very next call (within 30 s), carrying .whl, .whl_fa4 and .fa4_part2.
+            ls -la .fa4_part1 ;;
+    fa4)    # FlashAttention-4, call 2 of 2 (~7 min): join and unpack the library, install FA4, then SDPA
+            # alone (cuDNN / torch's flash / FA4, 1B and 8B shapes, checked against fp32) and the 1B
+            # best with FA4 (bench hook), beside the best as it is, one run each.
+            cat .fa4_part1/cu13.tar.xz.00 .fa4_part2/cu13.tar.xz.0[1-9] > /tmp/cu13.tar.xz
+            (cd /tmp && sha256sum -c "$OLDPWD/.fa4_part2/cu13.tar.xz.sha256") || exit 1
+            xz -dc /tmp/cu13.tar.xz | tar -x -C /tmp/site
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+              --target /tmp/site .whl_fa4/*.whl >/dev/null 2>&1
+            # What the nvidia-cutlass-dsl meta-package's .pth file does (--target folders run none).
+            export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+            python3 -c "import flash_attn.cute.interface as m; print('FA4 imports:', m.__file__)" 2>&1 | tail -3
+            timeout 150 python3 scripts/bench_attention.py --out "$OUT/fa4_attention.json" 2>&1 | tail -12
+            timeout 400 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
+              --only ours_best_model_fast,ours_best_model_fast_fa4 --run-timeout 190 \
+              --out "$OUT/fa4_full_1b.json" > /tmp/speed_fa4.log 2>&1
+            finish_bench fa4 ;;
     s14c)   # Next (~6 min): where s12e's best step waits (profile: GPU idle gaps charged to host ops),
             # and the same under CUDA graphs (compile mode reduce-overhead, bench hook), one run each.
             timeout 560 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \

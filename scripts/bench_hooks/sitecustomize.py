@@ -19,6 +19,9 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
   ``mode`` MODE, e.g. ``reduce-overhead`` (CUDA graphs: no per-kernel launch from Python). The
   1B best step's GPU is busy 100.4 of ~105-107 ms (s13prof against the unprofiled rate): if
   the host is what it waits on, CUDA graphs remove it.
+- BENCH_SDPA_IMPL=flash / FA4: SDPA without cuDNN's attention (which torch picks on the H200),
+  so the flash path runs: torch's built-in kernel, or FlashAttention-4 once activated through
+  torch's flash-impl registry (wheels: scripts/fa4_wheels.sh; gpu_session.sh steps fa4a, fa4).
 """
 import os
 import sys
@@ -78,3 +81,15 @@ if os.environ.get("BENCH_COMPILE_MODE") and _IS_RECIPE:
 
     # compile_layers_or_model's whole-model branch and torchtune's compile_model both call it.
     torch.nn.Module.compile = _compile_with_mode
+
+if os.environ.get("BENCH_SDPA_IMPL") in ("flash", "FA4") and _IS_RECIPE:
+    import torch
+
+    if os.environ["BENCH_SDPA_IMPL"] == "FA4":
+        from torch.nn.attention import activate_flash_attention_impl
+
+        activate_flash_attention_impl("FA4")
+    # Off: cuDNN and the memory-efficient kernel; flash is then SDPA's first choice (math stays
+    # as the fallback for calls flash cannot take).
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)

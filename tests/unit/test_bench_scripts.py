@@ -92,3 +92,11 @@ def test_memory_peak_says_when_the_trace_does_not_hold_the_whole_run(tmp_path, c
     out = capsys.readouterr().out
     assert "WARNING: 1 frees of blocks allocated before the trace starts" in out
     assert "requested 0.029 GiB" in out and "allocated 0.031 GiB" in out
+
+
+def test_attention_bench_checks_each_backend_against_fp32_math():
+    """bench_attention.py's CPU path: the same inputs through the chosen SDPA backend and the fp32
+    math reference (on the CPU both are math, so the errors are zero; on the GPU a wrong kernel
+    would show ~1)."""
+    row = _module("bench_attention").run_one("math", "tiny", 1, "cpu")
+    assert row["out_rel_err"] < 1e-6 and row["grad_rel_err"] < 1e-6, row
