@@ -65,6 +65,12 @@ def run_one(backend: str, shape: str, iters: int, device: str) -> dict:
         ref_grads = torch.autograd.grad(ref, ref_in, go.float())
     row = {"backend": backend, "shape": shape, "out_rel_err": _rel(out, ref),
            "grad_rel_err": max(_rel(g, r) for g, r in zip(grads, ref_grads))}
+    try:  # which flash implementation is active (FA4 falls back to torch's where it cannot run)
+        from torch.nn.attention import current_flash_attention_impl
+
+        row["flash_impl"] = current_flash_attention_impl()
+    except ImportError:
+        row["flash_impl"] = "n/a (this torch has no flash-impl registry)"
     if device == "cuda":
         fwd, bwd = [], []
         with _select(backend):
