@@ -43,7 +43,7 @@ def _select(backend: str):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def run_one(backend: str, shape: str, iters: int, device: str) -> dict:
