@@ -66,12 +66,6 @@ KEY = "fp8_mlp_activations"
 LAYERS_KEY = "fp8_mlp_layers"
 
 
-def to_float8_rows(t: torch.Tensor, dtype: torch.dtype = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``t`` in float8 ``dtype`` with one scale per row (last dim), and the fp32 factors
-    [..., 1] that dequantize it (``t ~= q.float() * inv``): ``fp8_lora.to_float8`` per row."""
-    return to_float8(t, dtype, per_row=True)
-
-
 def _swiglu_grads(grad_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     """(d/dg, d/du) of silu(g) * u for an upstream gradient, all fp32."""
     sig = torch.sigmoid(g)

@@ -21,7 +21,6 @@ from tune_recipes.modules.fp8_mlp import (
     _SwiGLUTrainedDown,
     _trained_down,
     convert_mlps_to_fp8_saved,
-    to_float8_rows,
 )
 
 pytestmark = pytest.mark.unit
@@ -189,7 +188,7 @@ def test_full_finetune_forward_is_exact_and_every_gradient_within_e4m3_precision
 
 
 def _quantized(t, dtype=E4M3_, rows=False):
-    q, inv = to_float8_rows(t, dtype) if rows else to_float8(t, dtype)
+    q, inv = to_float8(t, dtype, per_row=rows)
     return q.double() * inv.double()
 
 

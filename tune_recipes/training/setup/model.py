@@ -22,11 +22,15 @@ from tune_recipes.validation import activation_memory_budget_value
 log = get_logger("INFO")
 
 
-def _first_layers(fp8_mlp_layers: Optional[int]) -> str:
-    if not fp8_mlp_layers:
-        return ""
-    which = "layer 0" if fp8_mlp_layers == 1 else f"layers 0-{fp8_mlp_layers - 1}"
-    return f" (fp8_mlp_layers={fp8_mlp_layers}: {which})"
+def _keep_mlp_products_in_fp8(model: nn.Module, fp8_mlp_layers: Optional[int], products: str) -> None:
+    """``fp8_mlp_activations`` for both setups: the swap (``modules.fp8_mlp``) and its log line."""
+    mlps = convert_mlps_to_fp8_saved(model, max_mlps=fp8_mlp_layers)
+    which = ""
+    if fp8_mlp_layers:
+        layers = "layer 0" if fp8_mlp_layers == 1 else f"layers 0-{fp8_mlp_layers - 1}"
+        which = f" (fp8_mlp_layers={fp8_mlp_layers}: {layers})"
+    log.info("fp8_mlp_activations: %d MLPs keep their %s in float8 e4m3 for backward%s",
+             len(mlps), products, which)
 
 
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
@@ -60,9 +64,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     convert_to_fp8(model, fp8_recipe, fast_accum_backward=fp8_fast_accum_backward)
     if fp8_mlp_activations:
         # After the FP8 swap (the MLP reads its down projection's FP8 settings), before compile.
-        mlps = convert_mlps_to_fp8_saved(model, max_mlps=fp8_mlp_layers)
-        log.info("fp8_mlp_activations: %d MLPs keep their gate and up products in float8 e4m3 "
-                 "for backward%s", len(mlps), _first_layers(fp8_mlp_layers))
+        _keep_mlp_products_in_fp8(model, fp8_mlp_layers, "gate and up products")
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
@@ -204,9 +206,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     if fp8_mlp_activations:
         # After the FP8 base conversion: the swapped MLPs call their down projection's base
         # product themselves, FP8 or not.
-        mlps = convert_mlps_to_fp8_saved(model, max_mlps=fp8_mlp_layers)
-        log.info("fp8_mlp_activations: %d MLPs keep their intermediate products in float8 e4m3 "
-                 "for backward%s", len(mlps), _first_layers(fp8_mlp_layers))
+        _keep_mlp_products_in_fp8(model, fp8_mlp_layers, "intermediate products")
     if embedding_on_cpu:
         held = keep_embedding_on_cpu(model)
         log.info("embedding_on_cpu: the token embedding (%.2f GiB) is in pinned CPU memory",
