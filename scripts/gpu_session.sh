@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -391,6 +391,20 @@ for step in "$@"; do
             trace=$(find /tmp/bw/prof_ours_best_model_fast -name '*.json.gz' -size -16M | head -1)
             [ -n "$trace" ] && cp "$trace" "$OUT/s14c_trace.json.gz"
             finish_bench s14c; grep -A42 "GPU idle" "$OUT/s14c_traces.txt" | cut -c1-150 ;;
+    s14e)   # Session 14 (~8 min): s14c found a host sync per step, the fused loss's grad_output.item()
+            # at the start of backward; the driver now declares it (declare_grad_output). The claim
+            # again (stock / best + fp8_mlp_layers 1, 2 alternating reps), then the profile of best.
+            timeout 420 python3 scripts/bench_recipes.py --cases full_1b \
+              --only stock_best,ours_best_model_fast_mlp8_l1 \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s14e_full_1b.json" > /tmp/speed_s14e.log 2>&1
+            rm -rf /tmp/bw/prof_ours_best_model_fast
+            timeout 150 python3 scripts/bench_recipes.py --cases full_1b --reps 1 --work /tmp/bw \
+              --only ours_best_model_fast_profiled --run-timeout 140 \
+              --out "$OUT/s14e_profiled.json" > /tmp/speed_s14e_prof.log 2>&1
+            python3 scripts/trace_summary.py --top 12 /tmp/bw/prof_ours_best_model_fast > "$OUT/s14e_traces.txt" 2>&1
+            trace=$(find /tmp/bw/prof_ours_best_model_fast -name '*.json.gz' -size -16M | head -1)
+            [ -n "$trace" ] && cp "$trace" "$OUT/s14e_trace.json.gz"
+            finish_bench s14e; head -3 "$OUT/s14e_traces.txt" | cut -c1-200; grep -A8 "GPU idle" "$OUT/s14e_traces.txt" | cut -c1-150 ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \

@@ -456,3 +456,68 @@ def test_out_of_range_label_is_a_clear_error(bad):
     y[5] = bad
     with pytest.raises(ValueError, match=rf"labels must be in \[0, 500\).*got {bad}"):
         fused_linear_cross_entropy(h, w, y, b)
+
+
+# ------------------------------------------------- a declared upstream gradient (no host read)
+def _forbid_item(monkeypatch):
+    """Make any Tensor.item() (the backward's host read of grad_output) fail the test."""
+    def no_item(self):
+        raise AssertionError("Tensor.item() called: the declared grad_output was not used")
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+
+
+@pytest.mark.parametrize("scaling, multiplier", [(1.0, 1.0), (4.0, 4.0), (4.0, 2.5)])
+def test_declared_grad_output_gives_the_same_gradients_without_the_host_read(
+        monkeypatch, scaling, multiplier):
+    from tune_recipes.modules.loss import declare_grad_output
+
+    expected = []
+    h, w, b, y, loss = _loss(scaling)
+    (loss * multiplier).backward()
+    expected = [t.grad.clone() for t in (h, w, b)]
+    h, w, b, y, loss = _loss(scaling)
+    saved_ptrs = [s.data_ptr() for s in loss.grad_fn.saved_tensors]
+    assert declare_grad_output(loss, multiplier)
+    with monkeypatch.context() as m:
+        _forbid_item(m)
+        grads = torch.autograd.grad(loss * multiplier, (h, w, b))
+    for g, e in zip(grads, expected):
+        assert torch.equal(g, e)
+    # Factor 1.0 still hands out the saved tensors themselves; any other factor copies.
+    assert ([g.data_ptr() for g in grads] == saved_ptrs) == (multiplier == scaling)
+
+
+def test_declared_grad_output_keeps_the_zero_rules(monkeypatch):
+    from tune_recipes.modules.loss import declare_grad_output
+
+    *_, loss = _loss(0.0)
+    declare_grad_output(loss, 2.0)
+    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="scaling=0"):
+        _forbid_item(m)
+        (loss * 2.0).backward()
+    h, w, b, y, loss = _loss(3.0)
+    declare_grad_output(loss, 0.0)
+    with monkeypatch.context() as m:
+        _forbid_item(m)
+        (loss * 0.0).backward()
+    assert all(torch.count_nonzero(t.grad) == 0 for t in (h, w, b))
+
+
+def test_declaration_is_for_one_backward_and_only_for_the_fused_output(monkeypatch):
+    from tune_recipes.modules.loss import declare_grad_output
+
+    h, w, b, y, loss = _loss(1.0)
+    assert not declare_grad_output(loss * 2.0, 2.0)  # not the fused loss's own output
+    assert not declare_grad_output(torch.ones((), requires_grad=True), 1.0)
+    assert declare_grad_output(loss, 3.0)
+    out = loss * 3.0
+    reads = []
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or real_item(t))
+    out.backward(retain_graph=True)
+    assert reads == []
+    first = [t.grad.clone() for t in (h, w, b)]
+    out.backward()  # a second backward reads the (undeclared) gradient from the tensor again
+    assert reads == [1]
+    for t, g in zip((h, w, b), first):
+        torch.testing.assert_close(t.grad, 2 * g, rtol=0, atol=0)

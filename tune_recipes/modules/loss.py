@@ -31,6 +31,8 @@ Backward rules (tests/unit/test_fused_loss.py covers each):
   ``retain_graph=True`` twice accumulates exactly twice the gradients, and
   ``torch.autograd.grad`` works;
 - a factor of exactly 1.0 returns the saved tensors themselves (no copy);
+- the upstream gradient is read from the device (a host sync) unless the caller declared it
+  (``declare_grad_output``; the recipes' step does);
 - second derivatives (``create_graph=True``) raise instead of returning wrong numbers.
 """
 
@@ -402,7 +404,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 "derivative: backward with create_graph=True is not supported"
             )
         g_h, g_w, g_b = ctx.saved_tensors
-        go = float(grad_output.item())
+        declared = getattr(ctx, "declared_grad_output", None)
+        if declared is not None:
+            # Set by declare_grad_output for this one backward; a second one (retain_graph)
+            # reads the tensor again.
+            ctx.declared_grad_output = None
+            go = declared
+        else:
+            go = float(grad_output.item())
         if go == 0.0:
             # Chain rule: a zero upstream gradient gives zero gradients, whatever the scaling.
             zeros = [None if g is None else torch.zeros_like(g) for g in (g_h, g_w, g_b)]
@@ -420,6 +429,28 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # Out of place: the saved tensors stay intact for a retain_graph second backward.
         scaled = [None if g is None else g * factor for g in (g_h, g_w, g_b)]
         return (*scaled, None, None, None, None, None, None, None)
+
+
+def declare_grad_output(loss: torch.Tensor, grad_output: float) -> bool:
+    """Tell the fused loss's next backward the gradient that will reach ``loss``, so that it
+    need not read it from the device. Returns False (and does nothing) when ``loss`` is not the
+    fused loss's own output, e.g. a sum of it and another term.
+
+    Only a caller that builds the backward itself knows this value: ``loss * factor`` then
+    ``.backward()`` sends exactly ``factor`` (rounded once to the loss's dtype, which is ignored
+    here: at most 6e-8 relative in fp32), ``loss.backward()`` exactly 1.0. The backward rules
+    are unchanged; they use the declared value instead of ``grad_output.item()``.
+
+    NOTE: this is a speed measure, keep it. The ``.item()`` is a host sync at the start of
+    backward: the host waits for the forward to finish on the GPU, and the GPU then idles while
+    the host launches the backward (1.0-1.3 ms a step in the profile of the compiled FP8 1B full
+    fine-tune, and the host's lead over the GPU is lost, so the forward's launch gaps of the
+    next step are exposed too; docs/benchmarks.md, session 14).
+    """
+    if not isinstance(loss.grad_fn, _FusedLinearCrossEntropy._backward_cls):
+        return False
+    loss.grad_fn.declared_grad_output = float(grad_output)
+    return True
 
 
 def fused_linear_cross_entropy(

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from tune_recipes.config import ConfigError
+from tune_recipes.modules.loss import declare_grad_output
 
 
 class NormalizationPath(str, Enum):
@@ -249,6 +250,9 @@ class StepLossNormalizer:
         position (e.g. "epoch 0, step 12") for the error message. ``extras`` maps names to
         other per-token means to log (e.g. the two parts of a distillation loss); after
         ``finish_step`` they are in ``self.extras``, token-weighted like the loss.
+
+        Call ``backward()`` on the returned tensor with its default gradient: the fused loss is
+        told the gradient that reaches it (``declare_grad_output``), which spares its host sync.
         """
         num_tokens = int(num_tokens)
         if num_tokens <= 0 and not self.distributed:
@@ -266,11 +270,14 @@ class StepLossNormalizer:
             # its mean is NaN: contribute an exact zero with zero gradients instead.
             factor = self.backward_factor(num_tokens)
             loss = mean_loss * factor if num_tokens > 0 else mean_loss.nan_to_num(0.0) * 0.0
+            if num_tokens > 0:
+                declare_grad_output(mean_loss, factor)
             # logged as a token sum, like RESCALE's
             detached = (mean_loss.detach() * num_tokens if num_tokens > 0
                         else torch.zeros((), dtype=mean_loss.dtype, device=mean_loss.device))
         else:
             loss = mean_loss  # SKIP / IN_BACKWARD: no multiply
+            declare_grad_output(mean_loss, 1.0)
             detached = loss.detach()
         self._running_loss = detached if self._running_loss is None else self._running_loss + detached
         weight = float(num_tokens) if rescale else 1.0

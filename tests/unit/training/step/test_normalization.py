@@ -310,3 +310,29 @@ def test_clip_and_scale_over_dtensor_and_plain_gradients(one_rank, max_norm):
     scale_grads_(params, 0.5)
     torch.testing.assert_close(params[0].grad.full_tensor(), full * coef * 0.5)
     torch.testing.assert_close(params[1].grad, plain * coef * 0.5)
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_fused_loss_backward_reads_nothing_from_the_device(monkeypatch, ga):
+    """loss_to_backward declares the gradient that reaches the fused loss (1.0 on the skip path,
+    the token count on the rescale path), so its backward does no .item() host sync; the
+    gradients still match the float64 reference."""
+    from tune_recipes.modules.loss import fused_linear_cross_entropy
+
+    batches = [_batch(8, n, seed=n) for n in (5, 3)][:ga]
+    model = _model()
+    norm = StepLossNormalizer(ga)
+    reads = []
+    real_item = torch.Tensor.item
+    for x, y in batches:
+        n = int((y != IGNORE).sum())
+        loss = fused_linear_cross_entropy(x, model.weight, y, model.bias, ignore_index=IGNORE,
+                                          scaling=norm.backward_factor(n), num_valid=n)
+        to_backward = norm.loss_to_backward(loss, n)
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or real_item(t))
+        to_backward.backward()
+        monkeypatch.setattr(torch.Tensor, "item", real_item)
+    norm.finish_step(model.parameters())
+    assert reads == []
+    for a, r in zip(_grads(model), _reference_grads(batches)[0]):
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-7)
