@@ -34,6 +34,10 @@ finish_bench() {
 }
 for step in "$@"; do
   echo "=== $step"
+  # The GPUs' clocks, power and temperature each second of the step: a throughput that
+  # differs between machines, or a kernel slower under the profiler, may be a clock (s14e).
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 1000 > "$OUT/smi_$step.csv" 2>/dev/null & smi_pid=$!
   case $step in
     tests)  python3 -m pytest -q -p no:cacheprovider tests/unit/test_fused_loss_gpu.py tests/unit/test_fused_loss.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
     gputests) { files="tests/unit/training/setup/test_fp8.py tests/recipes/test_fp8_full_recipe.py tests/recipes/test_activation_offloading.py tests/unit/training/setup/test_offloading.py"
@@ -526,4 +530,5 @@ for step in "$@"; do
             wait; finish_bench fp8loramodel ;;
     recipes) python3 scripts/bench_recipes.py --cases "${CASES:-full_1b}" --order "${RECIPES_ORDER:-stock-first}" --out "$OUT/recipes.json" 2>&1 | grep -v "^{" | tail -12 ;;
   esac
+  kill $smi_pid 2>/dev/null
 done

@@ -14,7 +14,9 @@ more than 20 us between device work (kernels, copies) inside the profiled steps 
 the innermost host op (a CPU op, or a Python function when the trace has stacks) around the
 launch of the work that ends the gap, on the launching thread (backward launches from
 autograd's own thread), summed by name. Gaps under 20 us, and before the first or after the
-last piece of work, are not counted.
+last piece of work, are not counted. The host's waits for the GPU inside the steps (CUDA
+synchronize calls, e.g. an ``.item()``) are listed by the op around them: each drains the
+GPU's queue.
 """
 
 import gzip
@@ -75,8 +77,15 @@ def summarize(path: Path) -> None:
     busy = union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
     wall = sorted(s["dur"] for s in steps)[len(steps) // 2] / 1000 * n_steps if steps else 0.0  # median
     total = sum(by_kind.values())
+    span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1000 if kernels else 0.0
     print(f"\n{path} : {n_steps} profiled steps, per step: wall (median) {wall / n_steps:.1f} ms, "
-          f"GPU busy {busy / n_steps:.1f} ms, kernels summed {total / n_steps:.1f} ms")
+          f"GPU busy {busy / n_steps:.1f} ms, kernels summed {total / n_steps:.1f} ms, "
+          f"GPU span {span / n_steps:.1f} ms")
+    if steps and busy > wall * 1.02:
+        # No sync in the step: the host queues the steps' work faster than the GPU runs it, so
+        # the work of the profiled steps ends after their annotations do.
+        print("NOTE: the GPU is busier than the steps' wall time: the host ran ahead of the GPU "
+              "(nothing in the step waits for it); the GPU's own time per step is the span")
     # The recipes mark checkpoint saves: a profiled window that holds one counts the save's
     # kernels as training.
     saves = [e for e in events if e.get("name") == CHECKPOINT_SAVE_EVENT and "dur" in e
@@ -95,20 +104,63 @@ def summarize(path: Path) -> None:
     for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:TOP]:
         print(f"  {ms / n_steps:7.2f}  {name[:110]}")
     if steps:
+        host_waits(events, steps, n_steps)
         idle(events, kernels, steps, n_steps)
 
 
-def _innermost(ops, queries):
+def _innermost(ops, queries, depth=1):
     """For each (ts, key) in ``queries``, the name of the shortest op in ``ops`` [(start, end,
-    name), ...] that contains ts, or None: one sweep over both, sorted by time."""
+    name), ...] that contains ts, or None: one sweep over both, sorted by time. With depth > 1,
+    the names of that many innermost ops, inner first, joined by " < "."""
     ops, found, active, i = sorted(ops), {}, [], 0
     for ts, key in sorted(queries):
         while i < len(ops) and ops[i][0] <= ts:
             active.append(ops[i])
             i += 1
         active = [op for op in active if op[1] >= ts]
-        found[key] = min(active, key=lambda op: op[1] - op[0])[2] if active else None
+        inner = sorted(active, key=lambda op: op[1] - op[0])[:depth]
+        found[key] = " < ".join(op[2] for op in inner) if inner else None
     return found
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _ops_by_thread(events):
+    ops = {}
+    for e in events:
+        if e.get("cat") in HOST_OPS and "dur" in e and not str(e.get("name", "")).startswith("ProfilerStep#"):
+            ops.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    return ops
+
+
+def host_waits(events, steps, n_steps) -> None:
+    """The host's waits for the GPU inside the profiled steps (CUDA synchronize calls: an
+    ``.item()``, a device-to-host copy, an explicit synchronize), charged to the innermost host op
+    around each, on its thread. A wait inside a step drains the GPU's queue: after it the GPU
+    idles while the host launches the next work."""
+    lo = min(s["ts"] for s in steps)
+    hi = max(s["ts"] + s["dur"] for s in steps)
+    waits = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and e.get("name") in SYNC_CALLS and lo <= e["ts"] <= hi and "dur" in e]
+    if not waits:
+        print("host waits for the GPU inside the steps: none")
+        return
+    ops, by_tid = _ops_by_thread(events), {}
+    for n, w in enumerate(waits):
+        by_tid.setdefault(w.get("tid"), []).append((w["ts"], n))
+    names = {}
+    for tid, qs in by_tid.items():
+        names.update(_innermost(ops.get(tid, []), qs, depth=3))
+    charged = {}
+    for n, w in enumerate(waits):
+        key = f"{w['name']} in {names.get(n) or '(no op)'}"
+        count, ms = charged.get(key, (0, 0.0))
+        charged[key] = (count + 1, ms + w["dur"] / 1000)
+    print(f"host waits for the GPU inside the steps: {len(waits) / n_steps:.1f} per step, "
+          f"{sum(ms for _, ms in charged.values()) / n_steps:.2f} ms per step (per step: count, ms):")
+    for key, (count, ms) in sorted(charged.items(), key=lambda kv: -kv[1][1])[:TOP]:
+        print(f"  {count / n_steps:5.1f} {ms / n_steps:7.2f}  {key[:160]}")
 
 
 def idle(events, work, steps, n_steps) -> None:
@@ -125,10 +177,7 @@ def idle(events, work, steps, n_steps) -> None:
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
     launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops_by_thread = {}
-    for e in events:
-        if e.get("cat") in HOST_OPS and "dur" in e and not str(e.get("name", "")).startswith("ProfilerStep#"):
-            ops_by_thread.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    ops_by_thread = _ops_by_thread(events)
     queries = {}
     for n, (_, _, corr) in enumerate(gaps):
         if corr in launches:

@@ -88,3 +88,28 @@ def test_gpu_idle_gaps_are_charged_to_the_op_that_launched_the_next_work(tmp_pat
     assert "GPU idle inside the steps: 5.90 ms per step in 2 gaps" in out, out
     assert "     4.90  autograd::engine::evaluate_function: MmBackward0" in out, out
     assert "     1.00  (no launch record)" in out and "aten::item" not in out, out
+
+
+def test_host_waits_are_listed_by_the_ops_around_them_and_a_host_ahead_is_flagged(tmp_path, capsys):
+    """A synchronize inside a step (an .item() in a backward) is listed with its three innermost
+    ops; one outside the steps is not. A trace whose kernels outlast the steps' wall time (the
+    host queued ahead, nothing waited) says so instead of reporting a negative wait."""
+    events = [
+        _x("ProfilerStep#1", 0, 10_000, "cpu_op"),
+        _x("ProfilerStep#2", 10_000, 10_000, "cpu_op"),
+        _x("k_long", 500, 25_000, "kernel", tid=7, corr=1),  # runs on past the steps' 20 ms
+        _x("MyLossBackward", 1_000, 4_000, "cpu_op", tid=2),
+        _x("aten::item", 1_100, 3_000, "cpu_op", tid=2),
+        _x("aten::_local_scalar_dense", 1_200, 2_800, "cpu_op", tid=2),
+        _x("cudaStreamSynchronize", 1_300, 2_600, "cuda_runtime", tid=2),
+        _x("cudaDeviceSynchronize", 21_000, 4_000, "cuda_runtime", tid=1),  # after the steps
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    _module().summarize(path)
+    out = capsys.readouterr().out
+    assert "host waits for the GPU inside the steps: 0.5 per step, 1.30 ms per step" in out, out
+    assert ("    0.5    1.30  cudaStreamSynchronize in aten::_local_scalar_dense < aten::item"
+            " < MyLossBackward") in out, out
+    assert "cudaDeviceSynchronize" not in out
+    assert "GPU span 12.5 ms" in out and "host ran ahead of the GPU" in out, out
