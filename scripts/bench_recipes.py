@@ -211,6 +211,16 @@ CASES = {
                head=True, **_FAST_1B, fp8_mlp_activations=True),
             _v("ours_best_model_fast_mlp8_l1", "ours", "ours: the same, first layer's MLP only",
                head=True, **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1),
+            # Session 14: the same with the fused loss's old host sync (A/B of declare_grad_output),
+            # and under CUDA graphs.
+            _v("ours_best_model_fast_mlp8_l1_sync", "ours",
+               "ours: best + fp8_mlp_layers 1, the fused loss reading grad_output (host sync)",
+               **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1,
+               env={"BENCH_HOOKS": "1", "BENCH_FLCE_READ_GRAD_OUTPUT": "1"}),
+            _v("ours_best_model_fast_mlp8_l1_cg", "ours",
+               "ours: best + fp8_mlp_layers 1, compiled with mode=reduce-overhead",
+               **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1,
+               env={"BENCH_HOOKS": "1", "BENCH_COMPILE_MODE": "reduce-overhead"}),
             # Is the step waiting on the host? (s13prof: GPU busy 100.4 ms of ~105-107.) The whole
             # model under CUDA graphs (bench hook).
             _v("ours_best_model_fast_cg", "ours", "ours: s12e's best, compiled with mode=reduce-overhead",

@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -409,6 +409,19 @@ for step in "$@"; do
             trace=$(find /tmp/bw/prof_ours_best_model_fast -name '*.json.gz' -size -16M | head -1)
             [ -n "$trace" ] && cp "$trace" "$OUT/s14e_trace.json.gz"
             finish_bench s14e; head -3 "$OUT/s14e_traces.txt" | cut -c1-200; grep -A8 "GPU idle" "$OUT/s14e_traces.txt" | cut -c1-150 ;;
+    s15a)   # Next (~9 min): declare_grad_output's A/B on one machine (the fused loss's old host sync
+            # through BENCH_FLCE_READ_GRAD_OUTPUT) beside stock, 2 alternating reps: a third
+            # side-by-side run of the 1B claim (s14a 1.294x before the change, s14e 1.301x after).
+            timeout 580 python3 scripts/bench_recipes.py --cases full_1b \
+              --only stock_best,ours_best_model_fast_mlp8_l1,ours_best_model_fast_mlp8_l1_sync \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s15a_full_1b.json" > /tmp/speed_s15a.log 2>&1
+            finish_bench s15a ;;
+    s15b)   # Next (~6 min): CUDA graphs now that the step has no host sync (s14c: +0.8% with it),
+            # 2 alternating reps beside the same without.
+            timeout 560 python3 scripts/bench_recipes.py --cases full_1b \
+              --only ours_best_model_fast_mlp8_l1,ours_best_model_fast_mlp8_l1_cg \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s15b_full_1b.json" > /tmp/speed_s15b.log 2>&1
+            finish_bench s15b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b --reps 1 --work /tmp/bw \

@@ -22,6 +22,9 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
 - BENCH_SDPA_IMPL=flash / FA4: SDPA without cuDNN's attention (which torch picks on the H200),
   so the flash path runs: torch's built-in kernel, or FlashAttention-4 once activated through
   torch's flash-impl registry (wheels: scripts/fa4_wheels.sh; gpu_session.sh steps fa4a, fa4).
+- BENCH_FLCE_READ_GRAD_OUTPUT=1: the step does not declare the gradient that reaches the fused
+  loss, so its backward reads it with ``.item()`` (a host sync a step) as before session 14:
+  the A/B of ``declare_grad_output``.
 """
 import os
 import sys
@@ -93,3 +96,8 @@ if os.environ.get("BENCH_SDPA_IMPL") in ("flash", "FA4") and _IS_RECIPE:
     # as the fallback for calls flash cannot take).
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)
+
+if os.environ.get("BENCH_FLCE_READ_GRAD_OUTPUT") == "1" and _IS_RECIPE:
+    from tune_recipes.training.step import normalization
+
+    normalization.declare_grad_output = lambda loss, grad_output: False
