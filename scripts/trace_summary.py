@@ -9,7 +9,9 @@ Kinds are matched on kernel names (first match wins): attention (before the GEMM
 SDPA kernels carry "sm90_" in their names), FP8 GEMMs, other GEMMs, Triton kernels (compiled
 elementwise/reduction code and our fused loss), optimizer, collectives, copies, the rest.
 "GPU busy" is the union of kernel intervals; "step wall" the span of the ProfilerStep
-annotations: their difference is time the GPU waited on the host. Where it waited: each gap of
+annotations: their difference is time the GPU waited on the host. Only work launched inside the
+profiled steps is summed: work queued before them (the host's lead, when it runs ahead of the
+GPU) is reported apart. Where it waited: each gap of
 more than 20 us between device work (kernels, copies) inside the profiled steps is charged to
 the innermost host op (a CPU op, or a Python function when the trace has stacks) around the
 launch of the work that ends the gap, on the launching thread (backward launches from
@@ -70,6 +72,8 @@ def summarize(path: Path) -> None:
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
              and e.get("cat") != "gpu_user_annotation"]
     n_steps = max(1, len({s["name"] for s in steps}))
+    all_work = kernels  # the GPU's idle gaps count any work, whoever queued it
+    kernels, queued_before = _launched_in_steps(events, kernels, steps)
     by_kind = {}
     for k in kernels:
         kind = next((name for name, pat in KINDS if pat.search(k["name"])), "other")
@@ -81,6 +85,10 @@ def summarize(path: Path) -> None:
     print(f"\n{path} : {n_steps} profiled steps, per step: wall (median) {wall / n_steps:.1f} ms, "
           f"GPU busy {busy / n_steps:.1f} ms, kernels summed {total / n_steps:.1f} ms, "
           f"GPU span {span / n_steps:.1f} ms")
+    if queued_before:
+        print(f"NOTE: {len(queued_before)} kernels ({sum(k['dur'] for k in queued_before) / 1000:.1f} ms) "
+              "were queued before the first profiled step (the host's lead over the GPU) and are "
+              "not counted above")
     if steps and busy > wall * 1.02:
         # No sync in the step: the host queues the steps' work faster than the GPU runs it, so
         # the work of the profiled steps ends after their annotations do.
@@ -105,7 +113,7 @@ def summarize(path: Path) -> None:
         print(f"  {ms / n_steps:7.2f}  {name[:110]}")
     if steps:
         host_waits(events, steps, n_steps)
-        idle(events, kernels, steps, n_steps)
+        idle(events, all_work, steps, n_steps)
 
 
 def _innermost(ops, queries, depth=1):
@@ -121,6 +129,24 @@ def _innermost(ops, queries, depth=1):
         inner = sorted(active, key=lambda op: op[1] - op[0])[:depth]
         found[key] = " < ".join(op[2] for op in inner) if inner else None
     return found
+
+
+def _launched_in_steps(events, work, steps):
+    """Split device work into what the profiled steps launched and what was queued before them.
+    When the host runs ahead of the GPU, the window opens while the GPU still runs the previous
+    step's work, whose launches were not recorded (s14e: 45 ms of it). A trace without any launch
+    records keeps all its work."""
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    if not launched or not steps:
+        return work, []
+    lo = min(s["ts"] for s in steps)
+    hi = max(s["ts"] + s["dur"] for s in steps)
+    inside, before = [], []
+    for k in work:
+        ts = launched.get(k.get("args", {}).get("correlation"))
+        (inside if ts is not None and lo <= ts <= hi else before).append(k)
+    return inside, before
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")

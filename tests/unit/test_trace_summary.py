@@ -113,3 +113,23 @@ def test_host_waits_are_listed_by_the_ops_around_them_and_a_host_ahead_is_flagge
             " < MyLossBackward") in out, out
     assert "cudaDeviceSynchronize" not in out
     assert "GPU span 12.5 ms" in out and "host ran ahead of the GPU" in out, out
+
+
+def test_work_queued_before_the_profiled_steps_is_not_counted_as_theirs(tmp_path, capsys):
+    """With the host ahead of the GPU, the window opens on the previous step's queued work (its
+    launches are not in the trace): it is reported apart, not summed into the steps' kernels,
+    but it still fills the GPU for the idle-gap count."""
+    events = [
+        _x("ProfilerStep#1", 0, 10_000, "cpu_op"),
+        _x("k_old", 0, 4_000, "kernel", tid=7, corr=1),  # launched before the window
+        _x("k_new", 4_000, 2_000, "kernel", tid=7, corr=2),
+        _x("cudaLaunchKernel", 100, 10, "cuda_runtime", tid=1, corr=2),
+        _x("aten::mm", 50, 100, "cpu_op", tid=1),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    _module().summarize(path)
+    out = capsys.readouterr().out
+    assert "kernels summed 2.0 ms" in out and "GPU span 2.0 ms" in out, out
+    assert "1 kernels (4.0 ms) were queued before the first profiled step" in out, out
+    assert "GPU idle inside the steps: 0.00 ms per step in 0 gaps" in out, out
