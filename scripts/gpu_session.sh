@@ -38,6 +38,7 @@ for step in "$@"; do
   # differs between machines, or a kernel slower under the profiler, may be a clock (s14e).
   nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv -lms 1000 > "$OUT/smi_$step.csv" 2>/dev/null & smi_pid=$!
+  trap 'kill $smi_pid 2>/dev/null' EXIT  # also when a step exits the script
   case $step in
     tests)  python3 -m pytest -q -p no:cacheprovider tests/unit/test_fused_loss_gpu.py tests/unit/test_fused_loss.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
     gputests) { files="tests/unit/training/setup/test_fp8.py tests/recipes/test_fp8_full_recipe.py tests/recipes/test_activation_offloading.py tests/unit/training/setup/test_offloading.py"

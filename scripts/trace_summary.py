@@ -87,13 +87,13 @@ def summarize(path: Path) -> None:
           f"GPU span {span / n_steps:.1f} ms")
     if queued_before:
         print(f"NOTE: {len(queued_before)} kernels ({sum(k['dur'] for k in queued_before) / 1000:.1f} ms) "
-              "were queued before the first profiled step (the host's lead over the GPU) and are "
-              "not counted above")
+              "were not launched inside the profiled steps (the previous step's work, queued "
+              "before the window while the host ran ahead of the GPU) and are not counted above")
     if steps and busy > wall * 1.02:
         # No sync in the step: the host queues the steps' work faster than the GPU runs it, so
         # the work of the profiled steps ends after their annotations do.
-        print("NOTE: the GPU is busier than the steps' wall time: the host ran ahead of the GPU "
-              "(nothing in the step waits for it); the GPU's own time per step is the span")
+        print("NOTE: the GPU is busier than the steps' wall time: the host ran ahead of the GPU, "
+              "so the wall is the host's; the GPU's own time per step is the span")
     # The recipes mark checkpoint saves: a profiled window that holds one counts the save's
     # kernels as training.
     saves = [e for e in events if e.get("name") == CHECKPOINT_SAVE_EVENT and "dur" in e
@@ -134,7 +134,7 @@ def _innermost(ops, queries, depth=1):
 def _launched_in_steps(events, work, steps):
     """Split device work into what the profiled steps launched and what was queued before them.
     When the host runs ahead of the GPU, the window opens while the GPU still runs the previous
-    step's work, whose launches were not recorded (s14e: 45 ms of it). A trace without any launch
+    step's work, whose launches were not recorded (s14e: 43 ms of it). A trace without any launch
     records keeps all its work."""
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}

@@ -471,7 +471,6 @@ def test_declared_grad_output_gives_the_same_gradients_without_the_host_read(
         monkeypatch, scaling, multiplier):
     from tune_recipes.modules.loss import declare_grad_output
 
-    expected = []
     h, w, b, y, loss = _loss(scaling)
     (loss * multiplier).backward()
     expected = [t.grad.clone() for t in (h, w, b)]
@@ -521,3 +520,21 @@ def test_declaration_is_for_one_backward_and_only_for_the_fused_output(monkeypat
     assert reads == [1]
     for t, g in zip((h, w, b), first):
         torch.testing.assert_close(t.grad, 2 * g, rtol=0, atol=0)
+
+
+def test_a_wrong_declaration_is_an_error_not_wrong_gradients():
+    """The device checks the gradient that arrived against the declared value (no host sync):
+    a loss declared for x1 but backwarded x2 fails; fp32's one rounding of a factor passes."""
+    from tune_recipes.modules.loss import declare_grad_output
+
+    *_, loss = _loss(1.0)
+    declare_grad_output(loss, 1.0)
+    with pytest.raises(RuntimeError, match="differs from the value given to declare_grad_output"):
+        (loss * 2.0).backward()
+    factor = 7 * 2 / 9  # not representable in fp32: the gradient arrives rounded
+    h, w, b, y, loss = _loss(factor)
+    declare_grad_output(loss, factor)
+    (loss * factor).backward()
+    ref_grads = _reference(h, w, b, y, "mean")[1]
+    for t, r in zip((h, w, b), ref_grads):
+        torch.testing.assert_close(t.grad.double(), r * factor, rtol=1e-5, atol=1e-7)

@@ -122,6 +122,10 @@ def test_work_queued_before_the_profiled_steps_is_not_counted_as_theirs(tmp_path
     events = [
         _x("ProfilerStep#1", 0, 10_000, "cpu_op"),
         _x("k_old", 0, 4_000, "kernel", tid=7, corr=1),  # launched before the window
+        # A side stream's kernel, launched in the step, ends long before k_new: k_old fills the
+        # GPU in between, so there is no gap.
+        _x("k_side", 200, 300, "kernel", tid=8, corr=3),
+        _x("cudaLaunchKernel", 150, 10, "cuda_runtime", tid=1, corr=3),
         _x("k_new", 4_000, 2_000, "kernel", tid=7, corr=2),
         _x("cudaLaunchKernel", 100, 10, "cuda_runtime", tid=1, corr=2),
         _x("aten::mm", 50, 100, "cpu_op", tid=1),
@@ -130,6 +134,6 @@ def test_work_queued_before_the_profiled_steps_is_not_counted_as_theirs(tmp_path
     path.write_text(json.dumps({"traceEvents": events}))
     _module().summarize(path)
     out = capsys.readouterr().out
-    assert "kernels summed 2.0 ms" in out and "GPU span 2.0 ms" in out, out
-    assert "1 kernels (4.0 ms) were queued before the first profiled step" in out, out
+    assert "kernels summed 2.3 ms" in out and "GPU span 5.8 ms" in out, out
+    assert "1 kernels (4.0 ms) were not launched inside the profiled steps" in out, out
     assert "GPU idle inside the steps: 0.00 ms per step in 0 gaps" in out, out

@@ -410,6 +410,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # reads the tensor again.
             ctx.declared_grad_output = None
             go = declared
+            # Checked on the device, without a sync: a caller that declared a value and then
+            # backwarded something else fails loudly instead of scaling the gradients wrongly.
+            torch._assert_async(
+                (grad_output.double() - declared).abs() <= _DECLARED_RTOL * abs(declared),
+                "FusedLinearCrossEntropy: the gradient reaching the loss differs from the value "
+                "given to declare_grad_output",
+            )
         else:
             go = float(grad_output.item())
         if go == 0.0:
@@ -431,6 +438,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return (*scaled, None, None, None, None, None, None, None)
 
 
+# How far the gradient that reaches the loss may differ from the declared value: autograd rounds
+# ``mean_loss * factor``'s gradient to the loss's dtype once (fp32: 6e-8 relative).
+_DECLARED_RTOL = 1e-6
+
+
 def declare_grad_output(loss: torch.Tensor, grad_output: float) -> bool:
     """Tell the fused loss's next backward the gradient that will reach ``loss``, so that it
     need not read it from the device. Returns False (and does nothing) when ``loss`` is not the
@@ -439,7 +451,10 @@ def declare_grad_output(loss: torch.Tensor, grad_output: float) -> bool:
     Only a caller that builds the backward itself knows this value: ``loss * factor`` then
     ``.backward()`` sends exactly ``factor`` (rounded once to the loss's dtype, which is ignored
     here: at most 6e-8 relative in fp32), ``loss.backward()`` exactly 1.0. The backward rules
-    are unchanged; they use the declared value instead of ``grad_output.item()``.
+    are unchanged; they use the declared value instead of ``grad_output.item()``, and the device
+    checks, without a sync, that the gradient that arrived is that value (within 1e-6
+    relative): a wrong declaration is an error (on a GPU, a device-side assert at the next sync),
+    never silently scaled gradients.
 
     NOTE: this is a speed measure, keep it. The ``.item()`` is a host sync at the start of
     backward: the host waits for the forward to finish on the GPU, and the GPU then idles while

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tune_recipes.modules.loss import fused_linear_cross_entropy
 from tune_recipes.training import StepLossNormalizer
 
 pytestmark = pytest.mark.unit
@@ -46,21 +47,30 @@ def _flat_grad(model):
 
 # Every (mode, counts) case the tests below check, all computed by one pair of gloo processes
 # (spawning a pair costs ~20 s of imports on the CI machine; one pair per case cost ~3 min).
+# The "_fused" modes compute the loss with the fused linear cross-entropy, whose gradients are
+# pre-scaled in forward by the factor the step declares to it (the in-backward factor is a
+# fraction: n * world / global tokens).
 CASES = ([("in_bwd", c) for c in ([5, 3], [1, 64], [0, 7])]
          + [("library", c) for c in ([5, 3], [1, 64], [4, 4])]
-         + [("shortcut", c) for c in ([5, 3], [1, 64], [4, 4])])
+         + [("shortcut", c) for c in ([5, 3], [1, 64], [4, 4])]
+         + [("in_bwd_fused", c) for c in ([5, 3], [1, 64], [0, 7])]
+         + [("library_fused", c) for c in ([5, 3], [1, 64])])
 
 
 def _one_case(rank, world, case_id, counts, mode, q):
     x, y = _data(counts)[rank]
     model = _model()
     n = int((y != IGNORE).sum())
+    fused, mode = mode.endswith("_fused"), mode.removesuffix("_fused")
     loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
     if mode in ("library", "in_bwd"):
         # in_bwd: IN_BACKWARD_GLOBAL, whose gradient must be exact straight out of backward
         # (the optimizer steps there); finish_step then only sums the logged loss.
         norm = StepLossNormalizer(1, optimizer_in_bwd=mode == "in_bwd", distributed=True,
                                   world_size=world)
+        if fused:
+            loss = fused_linear_cross_entropy(x, model.weight, y, model.bias, ignore_index=IGNORE,
+                                              scaling=norm.backward_factor(n), num_valid=n)
         norm.loss_to_backward(loss, n).backward()
     else:  # the per-rank shortcut: each rank backpropagates its own mean
         loss.backward()
@@ -103,7 +113,7 @@ def two_rank_results():
     procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    expected = sum(3 if mode == "in_bwd" else 1 for mode, _ in CASES)
+    expected = sum(3 if mode.startswith("in_bwd") else 1 for mode, _ in CASES)
     final, seen = {}, {}
     for _ in range(expected):
         msg = q.get(timeout=300)
@@ -119,7 +129,7 @@ def two_rank_results():
 
 def _two_ranks(results, counts, mode):
     out, seen = results[(mode, tuple(counts))]
-    return out if mode != "in_bwd" else (out, seen)
+    return out if not mode.startswith("in_bwd") else (out, seen)
 
 
 def _reference(counts):
@@ -135,21 +145,23 @@ def _rel(a, b):
     return float((a.double() - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("loss", ["", "_fused"])
 @pytest.mark.parametrize("counts", [[5, 3], [1, 64], [0, 7]])
-def test_in_backward_global_gradient_is_exact_inside_backward(counts, two_rank_results):
-    (grad, logged), seen = _two_ranks(two_rank_results, counts, "in_bwd")
+def test_in_backward_global_gradient_is_exact_inside_backward(counts, loss, two_rank_results):
+    (grad, logged), seen = _two_ranks(two_rank_results, counts, "in_bwd" + loss)
     ref_grad, ref_loss = _reference(counts)
     for rank in (0, 1):
-        assert _rel(seen[rank], ref_grad) < 1e-6
+        assert _rel(seen[rank], ref_grad) < (2e-6 if loss else 1e-6)
     assert torch.equal(grad, seen[0])  # finish_step leaves the gradients alone
     assert logged == pytest.approx(ref_loss, rel=1e-6)
 
 
-@pytest.mark.parametrize("counts", [[5, 3], [1, 64], [4, 4]])
-def test_library_matches_global_token_mean(counts, two_rank_results):
-    grad, logged = _two_ranks(two_rank_results, counts, "library")
+@pytest.mark.parametrize("counts, loss", [([5, 3], ""), ([1, 64], ""), ([4, 4], ""),
+                                          ([5, 3], "_fused"), ([1, 64], "_fused")])
+def test_library_matches_global_token_mean(counts, loss, two_rank_results):
+    grad, logged = _two_ranks(two_rank_results, counts, "library" + loss)
     ref_grad, ref_loss = _reference(counts)
-    assert _rel(grad, ref_grad) < 1e-6
+    assert _rel(grad, ref_grad) < (2e-6 if loss else 1e-6)
     assert logged == pytest.approx(ref_loss, rel=1e-6)
 
 

@@ -312,16 +312,17 @@ def test_clip_and_scale_over_dtensor_and_plain_gradients(one_rank, max_norm):
     torch.testing.assert_close(params[1].grad, plain * coef * 0.5)
 
 
-@pytest.mark.parametrize("ga", [1, 2])
-def test_fused_loss_backward_reads_nothing_from_the_device(monkeypatch, ga):
-    """loss_to_backward declares the gradient that reaches the fused loss (1.0 on the skip path,
-    the token count on the rescale path), so its backward does no .item() host sync; the
-    gradients still match the float64 reference."""
+@pytest.mark.parametrize("ga, in_bwd", [(1, False), (2, False), (1, True)])
+def test_fused_loss_backward_reads_nothing_from_the_device(monkeypatch, ga, in_bwd):
+    """loss_to_backward declares the gradient that reaches the fused loss (1.0 on the skip and
+    in-backward paths, the token count on the rescale path), so its backward does no .item()
+    host sync; the gradients still match the float64 reference."""
     from tune_recipes.modules.loss import fused_linear_cross_entropy
 
     batches = [_batch(8, n, seed=n) for n in (5, 3)][:ga]
     model = _model()
-    norm = StepLossNormalizer(ga)
+    norm = StepLossNormalizer(ga, optimizer_in_bwd=in_bwd)
+    assert norm.path == ("in_backward" if in_bwd else "skip" if ga == 1 else "rescale")
     reads = []
     real_item = torch.Tensor.item
     for x, y in batches:
