@@ -8,7 +8,9 @@ move the gradient ~20-30%, [1, 64] by well over 100%; balanced [4, 4] is exact.
 """
 
 import os
+import queue
 import socket
+import time
 
 import pytest
 import torch
@@ -115,8 +117,19 @@ def two_rank_results():
         p.start()
     expected = sum(3 if mode.startswith("in_bwd") else 1 for mode, _ in CASES)
     final, seen = {}, {}
-    for _ in range(expected):
-        msg = q.get(timeout=300)
+    deadline = time.monotonic() + 300
+    for received in range(expected):
+        while True:  # a worker that died (an exception) fails the test now, not at the timeout
+            try:
+                msg = q.get(timeout=2)
+                break
+            except queue.Empty:
+                codes = [p.exitcode for p in procs]
+                if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+                    for p in procs:
+                        p.terminate()
+                    pytest.fail(f"worker exit codes {codes} (None: still running) after "
+                                f"{received} of {expected} results")
         if msg[1] == "seen":
             seen.setdefault(msg[0], {})[msg[2]] = torch.tensor(msg[3])
         else:
