@@ -417,11 +417,12 @@ for step in "$@"; do
               --only stock_best,ours_best_model_fast_mlp8_l1,ours_best_model_fast_mlp8_l1_sync \
               --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s15a_full_1b.json" > /tmp/speed_s15a.log 2>&1
             finish_bench s15a ;;
-    s15b)   # Next (~9 min): CUDA graphs now that the step has no host sync (s14c: +0.8% with it),
-            # and per-layer compile + FP8 + fast accumulation (s14b: 78,851 tok/s at 15.00 GiB over
-            # 220 steps), 2 alternating reps beside best + fp8_mlp_layers 1.
+    s15b)   # Next (~8 min, right after s15a on the same warm machine, whose best + fp8_mlp_layers 1
+            # rows it is read against): CUDA graphs now that the step has no host sync (s14c: +0.8%
+            # with it; its compile takes ~2 min), and per-layer compile + FP8 + fast accumulation
+            # (s14b: 78,851 tok/s at 15.00 GiB over 220 steps), 2 alternating reps.
             timeout 580 python3 scripts/bench_recipes.py --cases full_1b \
-              --only ours_best_model_fast_mlp8_l1,ours_best_model_fast_mlp8_l1_cg,ours_fused_fp8_fastacc \
+              --only ours_best_model_fast_mlp8_l1_cg,ours_fused_fp8_fastacc \
               --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s15b_full_1b.json" > /tmp/speed_s15b.log 2>&1
             finish_bench s15b ;;
     where8b) # Issue #15 next: where each side's best 8B LoRA step spends its GPU time (profiled steps 7-9).
