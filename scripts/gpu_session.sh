@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -417,6 +417,24 @@ for step in "$@"; do
               --only stock_best,ours_best_model_fast_mlp8_l1,ours_best_model_fast_mlp8_l1_sync \
               --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s15a_full_1b.json" > /tmp/speed_s15a.log 2>&1
             finish_bench s15a ;;
+    s15c)   # Session 15 (~9 min): the 1B claim, 3 alternating reps (s15a lost its first rep of ours to the
+            # 200 s run timeout: a cold compile cache took ~170 s of it on a fresh machine).
+            timeout 580 python3 scripts/bench_recipes.py --cases full_1b \
+              --only stock_best,ours_best_model_fast_mlp8_l1 \
+              --reps 3 --work /tmp/bw --run-timeout 300 --out "$OUT/s15c_full_1b.json" > /tmp/speed_s15c.log 2>&1
+            finish_bench s15c ;;
+    s15d)   # Session 15 (~7 min): the 8B LoRA claim since the fused loss's host sync went (s10a: 1.318x at
+            # 0.729x before it), stock / best, 2 alternating reps.
+            ensure_ckpt8b
+            timeout 450 python3 scripts/bench_recipes.py --cases lora_8b --only stock_best,ours_fp8_ain_embcpu_t20 \
+              --reps 2 --work /tmp/bw --run-timeout 200 --out "$OUT/s15d_lora_8b.json" > /tmp/speed_s15d.log 2>&1
+            finish_bench s15d ;;
+    s15e)   # Session 15 (~5 min, after s15d on the same machine: its 8B checkpoint): the 8B QLoRA claim
+            # since the host sync went (s11d: 1.360x at 0.561x), stock / FP8 base instead of NF4, 2 reps.
+            ensure_ckpt8b
+            timeout 330 python3 scripts/bench_recipes.py --cases qlora_8b --only stock_best,ours_fp8_instead \
+              --reps 2 --work /tmp/bw --run-timeout 150 --out "$OUT/s15e_qlora_8b.json" > /tmp/speed_s15e.log 2>&1
+            finish_bench s15e ;;
     s15b)   # Next (~8 min, right after s15a on the same warm machine, whose best + fp8_mlp_layers 1
             # rows it is read against): CUDA graphs now that the step has no host sync (s14c: +0.8%
             # with it; its compile takes ~2 min), and per-layer compile + FP8 + fast accumulation
