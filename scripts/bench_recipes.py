@@ -557,7 +557,9 @@ def run(cmd, log: Path, timeout: float, env=None) -> float:
         # The ranks' own error lines say why; torchrun's summary after them does not.
         rank_lines = [l for l in text.splitlines() if l.startswith("[rank0]") or "Error" in l]
         tail = "\n".join(rank_lines[-25:]) or text[-3000:]
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({rc}):\n{tail}")
+        # NOTE: the reason goes last too: a row keeps only the error's tail, and s15a's row lost
+        # "timeout after 200 s" from the front to the log lines of a run that had finished.
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({rc}):\n{tail}\n[failed: {rc}]")
     return time.time() - t0
 
 
@@ -629,7 +631,10 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
         if not runs:  # left out by --only (or by the run that was merged)
             continue
         ok = [r for r in runs if "error" not in r]
-        line = {"case": case_name, "variant": v["name"], "label": v["label"], "runs": len(runs)}
+        # "runs": the runs measured; a failed one is counted apart, not averaged in.
+        line = {"case": case_name, "variant": v["name"], "label": v["label"], "runs": len(ok)}
+        if len(ok) < len(runs):
+            line["failed_runs"] = len(runs) - len(ok)
         if not ok:
             line["error"] = runs[0]["error"][-300:] if runs else "not run"
             out.append(line)
@@ -721,6 +726,8 @@ def print_table(result: dict) -> None:
             print(f"| {s['case']} | {s['label']} | error: {s['error'][-80:]!r} | | | | | | |")
             continue
         each = " / ".join(f"{x:,}" for x in s["each"])
+        if s.get("failed_runs"):
+            each += f"; {s['failed_runs']} failed"
         print(f"| {s['case']} | {s['label']} | {s['tokens_per_s']:,} ({each}) | "
               f"{s.get('speedup_vs_stock', '')} | {s['peak_alloc_gib']} | {s.get('memory_vs_stock', '')} | "
               f"{s['model_tflops']} ({s['pct_of_bf16_peak']}%) | {s['steps']} | {s['final_loss']:.4f} |")

@@ -100,3 +100,25 @@ def test_attention_bench_checks_each_backend_against_fp32_math():
     would show ~1)."""
     row = _module("bench_attention").run_one("math", "tiny", 1, "cpu")
     assert row["out_rel_err"] < 1e-6 and row["grad_rel_err"] < 1e-6, row
+
+
+def test_a_failed_repetition_is_counted_apart_and_its_reason_kept(tmp_path, capsys):
+    """s15a: one of ours' two runs hit the run timeout after finishing its steps. The summary
+    said runs 2 over one measured rep, and the row's error tail had lost the reason."""
+    bench = _module("bench_recipes")
+    case = bench.CASES["full_1b"]
+    ok = dict(case="full_1b", variant="stock_best", rep=0, tokens_per_s=100, reported_median_tokens_per_s=101,
+              peak_alloc_gib=2.0, steps=30, final_loss=1.0)
+    ours = dict(ok, variant="ours_best_model_fast_mlp8_l1", tokens_per_s=130, peak_alloc_gib=1.5)
+    rows = [ok, dict(ok, rep=1), ours, dict(case="full_1b", variant=ours["variant"], rep=1, error="x")]
+    lines = {s["variant"]: s for s in bench.aggregate("full_1b", case, rows)}
+    assert lines["stock_best"]["runs"] == 2 and "failed_runs" not in lines["stock_best"]
+    assert lines[ours["variant"]]["runs"] == 1 and lines[ours["variant"]]["failed_runs"] == 1
+    assert lines[ours["variant"]]["speedup_vs_stock"] == 1.3
+    bench.print_table({"summary": list(lines.values())})
+    assert "130 (130; 1 failed)" in capsys.readouterr().out
+
+    log = tmp_path / "run.log"
+    with pytest.raises(RuntimeError) as err:
+        bench.run(["python3", "-c", "print('x' * 5000); import time; time.sleep(5)"], log, timeout=1)
+    assert str(err.value)[-1500:].rstrip().endswith("[failed: timeout after 1 s]")

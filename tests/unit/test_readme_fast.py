@@ -1,0 +1,101 @@
+"""The README's "Fastest settings on one H200" commands are the settings that were measured: each
+command's overrides, on top of its shipped config, equal the benchmarked variant of ours
+(scripts/bench_recipes.py) key for key, the shapes the bench ran (batch, LoRA layout, optimizer)
+are the shipped config's, and `tune validate` accepts the command."""
+
+import importlib.util
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The README's command for each shipped config, and the bench case and variant it quotes.
+MEASURED = {
+    "llama3_2/1B_full_single_device": ("full_1b", "ours_best_model_fast_mlp8_l1"),
+    "llama3_1/8B_lora_single_device": ("lora_8b", "ours_fp8_ain_embcpu_t20"),
+}
+# Keys the bench sets another way: it feeds synthetic fixed-length sequences, which packing gives
+# real data (the recipe warns that FP8 + compile on unpacked data recompiles per length).
+DATA_KEYS = {"dataset.packed"}
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_recipes", REPO / "scripts" / "bench_recipes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def readme_fast_commands():
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Fastest settings on one H200", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    joined = block.replace("\\\n", " ")
+    commands = [shlex.split(line, comments=True) for line in joined.splitlines()]
+    return [c for c in commands if c[:2] == ["tune", "run"]]
+
+
+def _parse(cmd):
+    recipe, config = cmd[2], cmd[cmd.index("--config") + 1]
+    overrides = {}
+    for arg in cmd[cmd.index("--config") + 2:]:
+        key, value = arg.split("=", 1)
+        overrides[key] = yaml.safe_load(value)
+    return recipe, config, overrides
+
+
+def test_the_readme_lists_a_command_for_each_measured_config():
+    configs = [_parse(cmd)[1] for cmd in readme_fast_commands()]
+    assert sorted(configs) == sorted(MEASURED)
+
+
+@pytest.mark.parametrize("config", sorted(MEASURED))
+def test_a_fast_command_is_the_benchmarked_variant(config):
+    bench = _bench()
+    case_name, variant_name = MEASURED[config]
+    case = bench.CASES[case_name]
+    variant = next(v for v in case["variants"] if v["name"] == variant_name)
+    assert variant["head"], f"{variant_name} is not a head variant of {case_name}: not in the claim table"
+    (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == config]
+    recipe, _, overrides = _parse(cmd)
+    assert recipe == case["recipe"]
+
+    shipped = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())
+    effective = {**_flat(shipped), **overrides}
+    if "loss._component_" in overrides:  # a new loss component starts from its own defaults
+        effective = {k: v for k, v in effective.items() if not k.startswith("loss.") or k in overrides}
+    measured = {**_flat(case["extra"]), **_flat(variant["cfg"])}
+    measured.pop("save_adapter_weights_only", None)  # the bench's output choice, not a speed setting
+    missing = {k: v for k, v in measured.items() if effective.get(k, "<unset>") != v}
+    extra = {k: v for k, v in overrides.items() if k not in measured and k not in DATA_KEYS}
+    assert not missing, f"README's {config} command lacks or differs in: {missing}"
+    assert not extra, f"README's {config} command sets what was not measured: {extra}"
+
+    assert overrides.get("batch_size", shipped["batch_size"]) == case["batch_size"]
+    model = {**shipped["model"], **{k[6:]: v for k, v in overrides.items() if k.startswith("model.")}}
+    assert {k: model.get(k) for k in case["model"]} == case["model"]
+    optimizer = _flat(case["optimizer"])
+    assert {k: shipped["optimizer"].get(k) for k in optimizer if k != "lr"} == {
+        k: v for k, v in optimizer.items() if k != "lr"}
+
+
+@pytest.mark.parametrize("config", sorted(MEASURED))
+def test_tune_validate_accepts_a_fast_command(config, capsys):
+    from tune_recipes._cli.main import main
+
+    (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == config]
+    # --portable: the shipped configs point at /tmp/<model> and device cuda, absent here.
+    assert main(["validate", "--portable", *cmd[cmd.index("--config") + 1:]]) == 0, capsys.readouterr().err
