@@ -122,3 +122,22 @@ def test_a_failed_repetition_is_counted_apart_and_its_reason_kept(tmp_path, caps
     with pytest.raises(RuntimeError) as err:
         bench.run(["python3", "-c", "print('x' * 5000); import time; time.sleep(5)"], log, timeout=1)
     assert str(err.value)[-1500:].rstrip().endswith("[failed: timeout after 1 s]")
+
+
+def test_a_claim_curve_is_compared_with_stock_and_an_fp8_curve_with_bf16(capsys):
+    """The claimed settings' 220-step curves name stock's run as their reference; the older
+    FP8 curves keep their bf16 twin. Differences are taken step by step over the shared steps."""
+    bench = _module("bench_recipes")
+    stock = [3.0, 2.0, 1.5, 1.25]
+    rows = [dict(case="full_1b_curve", variant="stock_best", rep=0, losses=stock),
+            dict(case="full_1b_curve", variant="ours_claim", rep=0, losses=[3.0, 2.5, 1.5, 1.0]),
+            dict(case="full_1b_curve", variant="ours_fused", rep=0, losses=stock),
+            dict(case="full_1b_curve", variant="ours_fused_fp8", rep=0, losses=[3.5, 2.0, 1.5, 1.25])]
+    curves = {c["fp8"]: c for c in bench.loss_curves(rows)}
+    assert set(curves) == {"ours_claim", "ours_fused_fp8"}
+    claim = curves["ours_claim"]
+    assert claim["bf16"] == "stock_best" and curves["ours_fused_fp8"]["bf16"] == "ours_fused"
+    assert claim["max_abs_diff"] == 0.5 and claim["median_abs_diff"] == 0.125
+    assert claim["mean_last50_fp8"] == 2.0 and claim["mean_last50_bf16"] == 1.9375
+    bench.print_table({"summary": [], "loss_curves": list(curves.values())})
+    assert "ours_claim vs stock_best: 4 steps" in capsys.readouterr().out
