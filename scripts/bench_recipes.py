@@ -94,6 +94,20 @@ _CSTEP_1B = dict(loss=_FUSED, compile=True, compile_scope="model", enable_fp8_tr
 # (Measured through scripts/bench_hooks' BENCH_FP8_FAST_ACCUM, now the key below.)
 _FAST_1B = dict(**{**_CSTEP_1B, "loss": {**_FUSED, "chunk_size": 1312}}, fp8_fast_accum_backward=True)
 
+# Issue #15's claimed settings (CLAIM below names their variants): the 1B full fine-tune (s13-s15:
+# _FAST_1B + the first layer's MLP gate/up outputs in e4m3), and the 8B LoRA's FP8 base with the
+# adapters' e4m3 inputs and the embedding in CPU memory, + 20 layers' weights transposed.
+_CLAIM_1B = dict(**_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1)
+_FP8_LORA = dict(loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True,
+                 embedding_on_cpu=True)
+_CLAIM_8B_LORA = dict(**_FP8_LORA, fp8_transposed_weight_layers=20)
+
+
+def _capped(gib: float) -> dict:
+    """A variant's env: the CUDA caching allocator capped at ``gib`` GiB (bench hook
+    BENCH_MEMORY_CAP_GIB), as on a smaller GPU; the CUDA context (~0.5 GiB) is outside it."""
+    return {"BENCH_HOOKS": "1", "BENCH_MEMORY_CAP_GIB": str(gib)}
+
 CASES = {
     # A CPU dry run of the whole pipeline (checks configs and both CLIs; numbers meaningless).
     "tiny_cpu": dict(
@@ -143,10 +157,15 @@ CASES = {
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
-            # What ours' memory buys: on a GPU where stock's 20.11 GiB does not fit and ours' 15.00
-            # does (16 GiB), stock needs activation checkpointing (its shipped config's default).
-            _v("stock_ac", "stock", "stock: compile + activation checkpointing", loss=_CHUNKED,
-               compile=True, enable_activation_checkpointing=True),
+            # What ours' memory buys, on a 20 GiB GPU (the allocator capped at 19.5 GiB): stock's
+            # best reserved ~21.9 GiB (s15), ours' claim ~16.6; stock would need activation
+            # checkpointing (its shipped config's default) there. The capped runs show which fit.
+            _v("stock_best_20g", "stock", "stock: compile, allocator capped at 19.5 GiB (a 20 GiB GPU)",
+               loss=_CHUNKED, compile=True, env=_capped(19.5)),
+            _v("stock_ac_20g", "stock", "stock: compile + activation checkpointing, capped at 19.5 GiB",
+               loss=_CHUNKED, compile=True, enable_activation_checkpointing=True, env=_capped(19.5)),
+            _v("ours_claim_20g", "ours", "ours: the claimed settings, capped at 19.5 GiB",
+               env=_capped(19.5), **_CLAIM_1B),
             # Session 9's best (per-layer compile); the head row is now ours_best_model_step.
             _v("ours_best", "ours", "ours: compile + fused CE + FP8 + optimizer in backward",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True),
@@ -220,7 +239,7 @@ CASES = {
                "ours: the same + the MLP's gate/up products kept in e4m3 for backward",
                head=True, **_FAST_1B, fp8_mlp_activations=True),
             _v("ours_best_model_fast_mlp8_l1", "ours", "ours: the same, first layer's MLP only",
-               head=True, **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1),
+               head=True, **_CLAIM_1B),
             # Issue #15's rowwise lever at recipe level (until now measured on projection stacks,
             # 0.89-0.97x bf16): session 11's best with fp8_recipe_name rowwise.
             _v("ours_best_model_cstep_rowwise", "ours",
@@ -314,7 +333,7 @@ CASES = {
             # at a time under per-layer compile.
             _v("stock_best", "stock", "stock: compile, lr 3e-4", loss=_CHUNKED, compile=True),
             _v("ours_claim", "ours", "ours: full_1b's claimed settings (best + fp8_mlp_layers 1), lr 3e-4",
-               ref="stock_best", **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1),
+               ref="stock_best", **_CLAIM_1B),
         ],
     ),
     # torchtune's shipped 1B config steps inside backward; same here, for both recipes.
@@ -357,10 +376,15 @@ CASES = {
         optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True},
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
-            # What ours' memory buys: on a 24 GiB GPU ours' 21.43 GiB (ours_fp8_ain_embcpu) fits
-            # without activation checkpointing; stock's 34.86 GiB does not.
-            _v("stock_ac", "stock", "stock: compile + activation checkpointing", loss=_CHUNKED,
-               compile=True, enable_activation_checkpointing=True),
+            # What ours' memory buys, on a 24 GiB GPU (capped at 23.5 GiB): stock's best allocates
+            # 34.86 GiB; ours without transposed weights 21.43 (~22.6 reserved, s15e's QLoRA twin).
+            _v("stock_best_24g", "stock", "stock: compile, allocator capped at 23.5 GiB (a 24 GiB GPU)",
+               loss=_CHUNKED, compile=True, env=_capped(23.5)),
+            _v("stock_ac_24g", "stock", "stock: compile + activation checkpointing, capped at 23.5 GiB",
+               loss=_CHUNKED, compile=True, enable_activation_checkpointing=True, env=_capped(23.5)),
+            _v("ours_fp8_ain_embcpu_24g", "ours",
+               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory, capped at 23.5 GiB",
+               env=_capped(23.5), **_FP8_LORA),
             _v("ours_best", "ours", "ours: compile + fused CE", head=True, loss=_FUSED,
                compile=True),
             _v("ours_fused_ac", "ours", "ours: compile + fused CE + activation checkpointing",
@@ -401,15 +425,13 @@ CASES = {
             # The adapters' weight gradients from the FP8 base product's e4m3 input
             # (fp8_adapter_inputs): backward keeps 1 byte of each adapter input instead of 2.
             _v("ours_fp8_ain_embcpu", "ours",
-               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", loss=_FUSED,
-               compile=True, enable_fp8_training=True, fp8_adapter_inputs=True, embedding_on_cpu=True),
+               "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory", **_FP8_LORA),
             # The memory fp8_adapter_inputs frees, spent on speed: layers 0-19 keep their FP8
             # weights transposed too (fp8_transposed_weight_layers), no transpose copy in their
             # backward; ~0.2 GiB a layer at 8B, so ~25.7 GiB (0.74x stock) predicted.
             _v("ours_fp8_ain_embcpu_t20", "ours",
                "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory + 20 layers' weights also transposed",
-               head=True, loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True,
-               embedding_on_cpu=True, fp8_transposed_weight_layers=20),
+               head=True, **_CLAIM_8B_LORA),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
             # Where the time goes at 8B: each side's best under torch.profiler (steps 7-9).
@@ -511,8 +533,7 @@ CASES = {
             # Issue #15's claim as lora_8b ran it (+ embedding in CPU memory), against stock's best.
             _v("stock_best", "stock", "stock: compile, lr 1e-3", loss=_CHUNKED, compile=True),
             _v("ours_claim", "ours", "ours: lora_8b's claimed settings (ours_fp8_ain_embcpu_t20), lr 1e-3",
-               ref="stock_best", loss=_FUSED, compile=True, enable_fp8_training=True,
-               fp8_adapter_inputs=True, embedding_on_cpu=True, fp8_transposed_weight_layers=20),
+               ref="stock_best", **_CLAIM_8B_LORA),
         ],
     ),
     # The QLoRA claim's curve: stock's NF4 QLoRA against ours' FP8 base in its place (qlora_8b's
@@ -544,11 +565,13 @@ PRESETS = {
     # the claims' 220-step loss curves against stock's on the same data (one repetition is enough)
     "curves": {case: ["stock_best", "ours_claim"]
                for case in ("full_1b_curve", "lora_8b_curve", "qlora_8b_curve")},
-    # what ours' memory buys: stock with activation checkpointing, as on a GPU its no-AC peak
-    # does not fit, beside ours without it at a peak that fits there
-    "memory": {"full_1b": ["stock_best", "stock_ac", CLAIM["full_1b"]],
-               "lora_8b": ["stock_best", "stock_ac", "ours_fp8_ain_embcpu"]},
+    # what ours' memory buys on a smaller GPU (the allocator capped): stock's best there, stock
+    # with activation checkpointing there, ours there; stock's uncapped best as the reference
+    "memory": {"full_1b": ["stock_best", "stock_best_20g", "stock_ac_20g", "ours_claim_20g"],
+               "lora_8b": ["stock_best", "stock_best_24g", "stock_ac_24g", "ours_fp8_ain_embcpu_24g"]},
 }
+# Repetitions when --reps is not given: a curve needs one run; a speed comparison two.
+PRESET_REPS = {"claim": 2, "curves": 1, "memory": 1}
 
 
 def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Path):
@@ -855,7 +878,8 @@ def main():
     ap.add_argument("--out", default="recipes.json")
     ap.add_argument("--cases", default=None, help="comma-separated cases (default full_1b); with "
                     "--preset, which of the preset's cases to run")
-    ap.add_argument("--reps", type=int, default=2, help="repetitions of the head variants")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="repetitions of the head variants (default 2; with --preset, PRESET_REPS)")
     ap.add_argument("--only", default=None, help="comma-separated variant names to run")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="instead of --cases: claim (stock's best vs ours' per case), curves (the "
@@ -886,24 +910,27 @@ def main():
         plot(result, Path(args.plot).with_suffix(".png"))
         print_table(result, Path(args.plot).with_suffix(".md"))
         return
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    result = {"meta": versions(), "rows": [], "summary": []}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     wanted = (args.cases or ("" if args.preset else "full_1b")).split(",")
     wanted = [name for name in wanted if name]
     unknown = [name for name in wanted if name not in CASES]
     if unknown:
         ap.error(f"--cases: no case(s) {unknown}; cases: {', '.join(CASES)}")
     if args.preset:
+        outside = [name for name in wanted if name not in PRESETS[args.preset]]
+        if outside:
+            ap.error(f"--cases: {outside} not in --preset {args.preset} ({', '.join(PRESETS[args.preset])})")
         selection = {name: names for name, names in PRESETS[args.preset].items()
                      if not wanted or name in wanted}
-        if not selection:
-            ap.error(f"--cases {args.cases}: not in --preset {args.preset} ({', '.join(PRESETS[args.preset])})")
     else:
         selection = {name: None for name in wanted}
+    if args.reps is None:
+        args.reps = PRESET_REPS[args.preset] if args.preset else 2
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    result = {"meta": versions(), "rows": [], "summary": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, names in selection.items():
         case = CASES[name]
         ckpt = work / f"ckpt_{case.get('ckpt', name)}"

@@ -25,12 +25,26 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
 - BENCH_FLCE_READ_GRAD_OUTPUT=1: the step does not declare the gradient that reaches the fused
   loss, so its backward reads it with ``.item()`` (a host sync a step) as before session 14:
   the A/B of ``declare_grad_output``.
+- BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator of the training process (ours or stock's
+  recipe file) capped at G GiB (``torch.cuda.set_per_process_memory_fraction``), as on a GPU of
+  about G + 0.5 GiB (the CUDA context is outside the cap): does the run fit there?
 """
 import os
 import sys
 
 # Only the recipe's process (``python -m tune_recipes run``), not inductor's compile workers.
 _IS_RECIPE = "tune_recipes" in " ".join(getattr(sys, "orig_argv", []))
+# Ours or torchtune's stock recipe file (``python .../recipes/<name>.py --config ...``).
+_IS_TRAINING = _IS_RECIPE or any(
+    a.endswith(".py") and os.path.basename(os.path.dirname(a)) == "recipes"
+    for a in getattr(sys, "orig_argv", []))
+
+if os.environ.get("BENCH_MEMORY_CAP_GIB") and _IS_TRAINING:
+    import torch
+
+    if torch.cuda.is_available():
+        _total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(float(os.environ["BENCH_MEMORY_CAP_GIB"]) * 2**30 / _total, 0)
 
 if os.environ.get("BENCH_MEMORY_SNAPSHOT") and _IS_RECIPE:
     import atexit

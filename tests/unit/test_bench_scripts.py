@@ -150,7 +150,6 @@ def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order
         for case_name, names in selection.items():
             order = [(rep, v["name"]) for rep, v in bench.schedule(bench.CASES[case_name], 2, names)]
             assert order == [(0, n) for n in names] + [(1, n) for n in reversed(names)], (preset, case_name)
-    assert {c: names[1] for c, names in bench.PRESETS["claim"].items()} == bench.CLAIM
     with pytest.raises(ValueError, match="stock_bset"):
         bench.schedule(bench.CASES["full_1b"], 1, ["stock_bset"])
     # without a preset: heads every repetition, each lever once after the first repetition's heads
@@ -159,3 +158,38 @@ def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order
     order = [(rep, v["name"]) for rep, v in bench.schedule(case, 2)]
     assert order[:len(heads)] == [(0, n) for n in heads] and order[-len(heads):] == [(1, n) for n in heads[::-1]]
     assert len(order) == 2 * len(heads) + len(case["variants"]) - len(heads)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "memory", "--cases", "full_1b,qlora_8b"], "['qlora_8b'] not in --preset memory"),
+    (["--cases", "full_1b,ful_8b"], "no case(s) ['ful_8b']"),
+])
+def test_a_case_outside_the_preset_or_unknown_is_refused_before_any_run(argv, message, monkeypatch, capsys, tmp_path):
+    bench = _module("bench_recipes")
+    monkeypatch.setattr("sys.argv", ["bench_recipes.py", *argv, "--work", str(tmp_path / "w"),
+                                     "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # nothing built, nothing run
+
+
+def test_the_memory_cap_hook_applies_to_ours_and_stocks_training_process_only(tmp_path):
+    """BENCH_MEMORY_CAP_GIB must reach both sides' training processes (ours through ``-m
+    tune_recipes``, stock through its recipe file) and nothing else (inductor's workers): a
+    script in a ``recipes`` folder counts, another does not."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import sys; print('torch' in sys.modules)"
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "lora_finetune_single_device.py").write_text(probe)
+    (tmp_path / "other.py").write_text(probe)
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS / "bench_hooks"), "BENCH_MEMORY_CAP_GIB": "19.5"}
+    seen = {}
+    for name in ("recipes/lora_finetune_single_device.py", "other.py"):
+        out = subprocess.run([sys.executable, str(tmp_path / name)], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        seen[name] = out.stdout.strip()
+    assert seen == {"recipes/lora_finetune_single_device.py": "True", "other.py": "False"}

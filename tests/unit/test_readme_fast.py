@@ -100,3 +100,22 @@ def test_tune_validate_accepts_a_fast_command(config, capsys):
     (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == config]
     # --portable: the shipped configs point at /tmp/<model> and device cuda, absent here.
     assert main(["validate", "--portable", *cmd[cmd.index("--config") + 1:]]) == 0, capsys.readouterr().err
+
+
+def test_the_readme_variants_of_the_lora_command_are_the_ones_measured():
+    """The README's "without fp8_transposed_weight_layers" figure (lora_8b's ours_fp8_ain_embcpu)
+    and its QLoRA sentence (qlora_8b's ours_fp8_instead: the same settings on the bf16-base
+    LoRA model in place of NF4) are the LoRA command less that key."""
+    bench = _bench()
+    (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == "llama3_1/8B_lora_single_device"]
+    _, _, overrides = _parse(cmd)
+    assert overrides.pop("fp8_transposed_weight_layers") == 20
+    for case_name, variant_name in (("lora_8b", "ours_fp8_ain_embcpu"), ("qlora_8b", "ours_fp8_instead")):
+        case = bench.CASES[case_name]
+        cfg = next(v for v in case["variants"] if v["name"] == variant_name)["cfg"]
+        measured = {k: v for k, v in _flat(cfg).items() if not k.startswith("model.")}
+        assert {k: overrides.get(k) for k in measured} == measured, variant_name
+        assert not [k for k in overrides if k not in measured and k not in _flat(case["extra"])
+                    and k not in ("clip_grad_norm", "gradient_accumulation_steps")], variant_name
+        if case_name == "qlora_8b":  # the LoRA model, not the case's NF4 one
+            assert cfg["model"]["_component_"] == "torchtune.models.llama3_1.lora_llama3_1_8b"
