@@ -12,9 +12,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, and the hub/datasets/transformers trio at versions that agree: left to itself,
 # pip backtracks through dozens of huggingface_hub releases before settling.
-# --no-compile: no byte-compiling of every installed module (torch's alone took ~28 s of CPU on
-# 2 cores, 2026-12-02); Python compiles the modules that are imported, once, on first import.
-.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "torch==2.13.0" \
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" \
     "huggingface_hub>=0.30,<1.0" "datasets==3.6.0" "transformers==4.57.6"
-.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -e ".[dev]"
+# NOTE: keep pip's byte-compiling. --no-compile made CI slower, not faster (2026-12-02): where
+# PYTHONDONTWRITEBYTECODE is set (as on our CPU machines) nothing writes the .pyc files later, so
+# every test process compiled torch's modules from source again.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
 .venv/bin/tune-recipes --version
