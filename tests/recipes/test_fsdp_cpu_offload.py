@@ -13,20 +13,19 @@ pytestmark = pytest.mark.integration
 
 def test_fsdp_cpu_offload_on_cpu_runs_as_off(tmp_path):
     runs = {}
-    for name, override in (("off", "fsdp_cpu_offload=False"), ("flat", "fsdp_cpu_offload=True"),
-                           ("section", "fsdp.cpu_offload=True")):
+    for name, override in (("off", "fsdp_cpu_offload=False"), ("flat", "fsdp_cpu_offload=True")):
         out = tmp_path / name
         # One rank: the offload is a no-op on the CPU at any world size, and reading the key is
-        # all this checks. Two ranks read the fsdp section in the test below, for the full and
-        # KD recipes; all three read it through the same library function (fsdp_options).
+        # all this checks. The fsdp section's form (fsdp.cpu_offload) is read on two ranks in the
+        # test below, for the full and KD recipes; all three recipes read both forms through the
+        # same library function (fsdp_options; tests/unit/test_validation.py checks each calls it),
+        # so this LoRA run of the section form was dropped for CI time (2026-12-02).
         proc = tune("run", "--nproc_per_node", "1", "lora_finetune_distributed", "--config",
-                    "tiny/lora_distributed", f"output_dir={out}", "max_steps_per_epoch=2",
-                    *([override] if name != "section" else ["fsdp_cpu_offload=null", override]))
+                    "tiny/lora_distributed", f"output_dir={out}", "max_steps_per_epoch=2", override)
         assert ("nothing to offload" in proc.stdout + proc.stderr) == (name != "off")
         runs[name] = losses(out)
     assert len(runs["off"]) == 2
     torch.testing.assert_close(torch.tensor(runs["flat"]), torch.tensor(runs["off"]), rtol=0, atol=0)
-    torch.testing.assert_close(torch.tensor(runs["section"]), torch.tensor(runs["off"]), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("recipe,config", [
