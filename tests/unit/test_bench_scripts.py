@@ -2,20 +2,14 @@
 every bench_recipes.py variant of ours is a valid config, and memory_peak.py replays an
 allocation trace to the right peak and names what is live there."""
 
-import importlib.util
 import pickle
-from pathlib import Path
 
 import pytest
+from script_loader import SCRIPTS, load_script
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
-def _module(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_module = load_script
 
 
 def test_every_bench_variant_of_ours_is_a_valid_config(tmp_path, capsys):

@@ -3,12 +3,12 @@ command's overrides, on top of its shipped config, equal the benchmarked variant
 (scripts/bench_recipes.py) key for key, the shapes the bench ran (batch, LoRA layout, optimizer)
 are the shipped config's, and `tune validate` accepts the command."""
 
-import importlib.util
 import shlex
 from pathlib import Path
 
 import pytest
 import yaml
+from script_loader import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,10 +22,7 @@ STEP_KEYS = ("clip_grad_norm", "gradient_accumulation_steps", "dtype", "optimize
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_recipes", REPO / "scripts" / "bench_recipes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_recipes")
 
 
 def _flat(d, prefix=""):

@@ -4,22 +4,17 @@ host op running then, and a trace that holds a checkpoint save flagged (its kern
 training)."""
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "trace_summary.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("trace_summary")
 
 
 def _trace(path, with_save):
