@@ -131,20 +131,29 @@ def _innermost(ops, queries, depth=1):
     return found
 
 
+def _window(steps):
+    """The profiled steps' span on the host clock: (first start, last end)."""
+    return min(s["ts"] for s in steps), max(s["ts"] + s["dur"] for s in steps)
+
+
+def _launches(events):
+    """Each launch's correlation id -> (host thread, host time) of its CUDA runtime/driver call."""
+    return {e["args"]["correlation"]: (e.get("tid"), e["ts"]) for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
 def _launched_in_steps(events, work, steps):
     """Split device work into what the profiled steps launched and what was queued before them.
     When the host runs ahead of the GPU, the window opens while the GPU still runs the previous
     step's work, whose launches were not recorded (s14e: 43 ms of it). A trace without any launch
     records keeps all its work."""
-    launched = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launched = _launches(events)
     if not launched or not steps:
         return work, []
-    lo = min(s["ts"] for s in steps)
-    hi = max(s["ts"] + s["dur"] for s in steps)
+    lo, hi = _window(steps)
     inside, before = [], []
     for k in work:
-        ts = launched.get(k.get("args", {}).get("correlation"))
+        _, ts = launched.get(k.get("args", {}).get("correlation"), (None, None))
         (inside if ts is not None and lo <= ts <= hi else before).append(k)
     return inside, before
 
@@ -165,8 +174,7 @@ def host_waits(events, steps, n_steps) -> None:
     ``.item()``, a device-to-host copy, an explicit synchronize), charged to the innermost host op
     around each, on its thread. A wait inside a step drains the GPU's queue: after it the GPU
     idles while the host launches the next work."""
-    lo = min(s["ts"] for s in steps)
-    hi = max(s["ts"] + s["dur"] for s in steps)
+    lo, hi = _window(steps)
     waits = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
              and e.get("name") in SYNC_CALLS and lo <= e["ts"] <= hi and "dur" in e]
     if not waits:
@@ -194,15 +202,13 @@ def idle(events, work, steps, n_steps) -> None:
     work (kernels, copies, memsets; any stream) is charged to the innermost host op, on the
     launching thread, around the launch of the work that ends the gap: what the host was doing
     when it finally queued the next piece of work (module docstring)."""
-    lo = min(s["ts"] for s in steps)
-    hi = max(s["ts"] + s["dur"] for s in steps)
+    lo, hi = _window(steps)
     gaps, end = [], None
     for k in sorted((k for k in work if lo <= k["ts"] <= hi), key=lambda k: k["ts"]):
         if end is not None and k["ts"] - end > GAP_US:
             gaps.append((end, k["ts"], k.get("args", {}).get("correlation")))
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
-    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = _launches(events)
     ops_by_thread = _ops_by_thread(events)
     queries = {}
     for n, (_, _, corr) in enumerate(gaps):
