@@ -249,7 +249,7 @@ CASES = {
             # and under CUDA graphs.
             _v("ours_best_model_fast_mlp8_l1_sync", "ours",
                "ours: best + fp8_mlp_layers 1, the fused loss reading grad_output (host sync)",
-               **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1,
+               **_CLAIM_1B,
                env={"BENCH_HOOKS": "1", "BENCH_FLCE_READ_GRAD_OUTPUT": "1"}),
             # Per-layer compile with FP8 + fast accumulation: 78,851 tok/s at 15.00 GiB over
             # full_1b_curve's 220 steps in s14b, beside 78,294 for best + fp8_mlp_layers 1 over
@@ -259,7 +259,7 @@ CASES = {
                loss=_FUSED, compile=True, enable_fp8_training=True, fp8_fast_accum_backward=True),
             _v("ours_best_model_fast_mlp8_l1_cg", "ours",
                "ours: best + fp8_mlp_layers 1, compiled with mode=reduce-overhead",
-               **_FAST_1B, fp8_mlp_activations=True, fp8_mlp_layers=1,
+               **_CLAIM_1B,
                env={"BENCH_HOOKS": "1", "BENCH_COMPILE_MODE": "reduce-overhead"}),
             # Is the step waiting on the host? (s13prof: GPU busy 100.4 ms of ~105-107.) The whole
             # model under CUDA graphs (bench hook).
@@ -461,8 +461,7 @@ CASES = {
             # quantization of the same frozen base, compared at stock QLoRA's tokens and steps.
             _v("ours_fp8_instead", "ours",
                "ours: FP8 base instead of NF4 + FP8 adapter inputs + embedding in CPU memory",
-               head=True, loss=_FUSED, compile=True, model=_LORA_8B["model"], enable_fp8_training=True,
-               fp8_adapter_inputs=True, embedding_on_cpu=True),
+               head=True, model=_LORA_8B["model"], **_FP8_LORA),
         ],
     ),
     # Issue #15's data-path lever: Llama-3.2-1B full fine-tune on sequences of realistic spread
@@ -546,8 +545,7 @@ CASES = {
         variants=[
             _v("stock_best", "stock", "stock: compile, NF4, lr 1e-3", loss=_CHUNKED, compile=True),
             _v("ours_claim", "ours", "ours: FP8 base instead of NF4 (qlora_8b's ours_fp8_instead), lr 1e-3",
-               ref="stock_best", loss=_FUSED, compile=True, model=_LORA_8B["model"],
-               enable_fp8_training=True, fp8_adapter_inputs=True, embedding_on_cpu=True),
+               ref="stock_best", model=_LORA_8B["model"], **_FP8_LORA),
         ],
     ),
 }
