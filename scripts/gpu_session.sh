@@ -3,7 +3,7 @@
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
 # Then run with .whl carried:  bash scripts/gpu_session.sh STEP...
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -468,9 +468,34 @@ for step in "$@"; do
     s16e)   # Next (~8 min): the same at 8B LoRA, capped at 23.5 GiB as on a 24 GiB GPU (ours without
             # transposed weights: 21.43 GiB allocated, ~22.6 reserved).
             ensure_ckpt8b
-            timeout 500 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
+            timeout 470 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
               --work /tmp/bw --run-timeout 220 --out "$OUT/s16e_memory_lora_8b.json" > /tmp/speed_s16e.log 2>&1
             finish_bench s16e ;;
+    s17a)   # Next (~8 min, the 8B checkpoint ~70 s of it): the 8B LoRA claim's curve against stock's, each
+            # side twice (preset curves, 2 reps): s16b's gap read against each side's own run-to-run
+            # spread (s16b/s16g: stock's two runs 0.06% apart on the last-20 mean, spikes at lr 1e-3).
+            ensure_ckpt8b
+            timeout 570 python3 scripts/bench_recipes.py --preset curves --cases lora_8b_curve \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s17a_curves_lora_8b.json" > /tmp/speed_s17a.log 2>&1
+            finish_bench s17a ;;
+    s17b)   # Next (~7 min, after s17a on the same machine): the same for QLoRA, stock's NF4 against ours'
+            # FP8 base (s16c: ours 0.87% above on the last-20 mean, 20 spikes against 17).
+            ensure_ckpt8b
+            timeout 570 python3 scripts/bench_recipes.py --preset curves --cases qlora_8b_curve \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s17b_curves_qlora_8b.json" > /tmp/speed_s17b.log 2>&1
+            finish_bench s17b ;;
+    s17c)   # Next (~4 min): stock's third option on the capped GPUs, half the micro-batch with GA 2
+            # (s16d, s16e ran stock's best, which did not fit, and stock with activation checkpointing).
+            ensure_ckpt8b
+            timeout 400 python3 scripts/bench_recipes.py --preset memory --only stock_ga2_20g,stock_ga2_24g \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s17c_memory_ga2.json" > /tmp/speed_s17c.log 2>&1
+            finish_bench s17c ;;
+    s16g)   # (run 2026-12-02 as the session's last call, ~2 min after s16e on the same machine: its 8B
+            # checkpoint) stock's lora_8b_curve once more: the stock-against-stock spread of the curve.
+            ensure_ckpt8b
+            timeout 290 python3 scripts/bench_recipes.py --cases lora_8b_curve --only stock_best --reps 1 \
+              --work /tmp/bw --run-timeout 270 --out "$OUT/s16g_curve_lora_8b_stock_repeat.json" > /tmp/speed_s16g.log 2>&1
+            finish_bench s16g ;;
     s15b)   # Next (~8 min, right after s15a on the same warm machine, whose best + fp8_mlp_layers 1
             # rows it is read against): CUDA graphs now that the step has no host sync (s14c: +0.8%
             # with it; its compile takes ~2 min), and per-layer compile + FP8 + fast accumulation

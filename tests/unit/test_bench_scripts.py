@@ -117,6 +117,11 @@ def test_a_failed_repetition_is_counted_apart_and_its_reason_kept(tmp_path, caps
     with pytest.raises(RuntimeError) as err:
         bench.run(["python3", "-c", "print('x' * 5000); import time; time.sleep(5)"], log, timeout=1)
     assert str(err.value)[-1500:].rstrip().endswith("[failed: timeout after 1 s]")
+    # s16d: stock's capped run ran out of memory; its row's tail said only "[failed: 1]".
+    oom = "import sys; print('torch.OutOfMemoryError: CUDA out of memory. Tried'); sys.exit(1)"
+    with pytest.raises(RuntimeError) as err:
+        bench.run(["python3", "-c", oom], log, timeout=30)
+    assert str(err.value).rstrip().endswith("[failed: out of memory (exit 1)]")
 
 
 def test_a_claim_curve_is_compared_with_stock_and_an_fp8_curve_with_bf16(capsys):
@@ -135,7 +140,36 @@ def test_a_claim_curve_is_compared_with_stock_and_an_fp8_curve_with_bf16(capsys)
     assert claim["max_abs_diff"] == 0.5 and claim["median_abs_diff"] == 0.125
     assert claim["mean_last50_fp8"] == 2.0 and claim["mean_last50_bf16"] == 1.9375
     bench.print_table({"summary": [], "loss_curves": list(curves.values())})
-    assert "ours_claim vs stock_best: 4 steps" in capsys.readouterr().out
+    assert "ours_claim vs stock_best (rep 0 vs rep 0): 4 steps" in capsys.readouterr().out
+
+
+def test_a_second_repetition_is_compared_with_its_reference_and_with_its_own_first_run(capsys):
+    """s16b/s16g: two runs of stock's own settings differ by up to 0.4 at single-step spikes;
+    the curves preset runs each side twice, and each rep-1 curve is compared with the same rep
+    of its reference and with its own rep 0 (the run-to-run spread). Spikes are counted and the
+    5-step rolling medians' gap is taken, which one spike does not move."""
+    bench = _module("bench_recipes")
+    flat = [2.0] * 12
+    spiked = flat[:5] + [3.0] + flat[6:]                   # one spike at step 5
+    shifted = [x + 0.25 for x in flat]
+    rows = [dict(case="lora_8b_curve", variant="stock_best", rep=0, losses=flat),
+            dict(case="lora_8b_curve", variant="ours_claim", rep=0, losses=spiked),
+            dict(case="lora_8b_curve", variant="stock_best", rep=1, losses=spiked),
+            dict(case="lora_8b_curve", variant="ours_claim", rep=1, losses=shifted),
+            dict(case="lora_8b_curve", variant="ours_claim", rep=2, error="x")]
+    pairs = {(c["fp8"], c["rep_fp8"], c["bf16"], c["rep_bf16"]): c for c in bench.loss_curves(rows)}
+    assert set(pairs) == {("ours_claim", 0, "stock_best", 0), ("ours_claim", 1, "stock_best", 1),
+                          ("stock_best", 1, "stock_best", 0), ("ours_claim", 1, "ours_claim", 0)}
+    one_spike = pairs[("ours_claim", 0, "stock_best", 0)]
+    assert one_spike["kind"] == "reference" and one_spike["max_abs_diff"] == 1.0
+    assert one_spike["spikes_fp8"] == 1 and one_spike["spikes_bf16"] == 0
+    assert one_spike["rolling_median_gap_last50"] == 0.0   # the spike is not a shift
+    shift = pairs[("ours_claim", 1, "stock_best", 1)]       # against rep 1 of stock: spiked
+    assert shift["rolling_median_gap_last50"] == 0.25 and shift["spikes_bf16"] == 1
+    repeat = pairs[("stock_best", 1, "stock_best", 0)]
+    assert repeat["kind"] == "repeat" and repeat["median_abs_diff"] == 0.0
+    bench.print_table({"summary": [], "loss_curves": [repeat]})
+    assert "stock_best vs stock_best (rep 1 vs rep 0, the same settings again)" in capsys.readouterr().out
 
 
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
