@@ -1,9 +1,12 @@
 """Where a profiled step's GPU time goes: sums the kernels of a torch.profiler chrome trace
 (``.json`` or ``.json.gz``, as torchtune's profiler writes them) by kind, per profiled step.
 
-    python3 scripts/trace_summary.py [--top N] /tmp/bw/prof_ours_best [more dirs or files ...]
+    python3 scripts/trace_summary.py [--top N] [--scope OP] /tmp/bw/prof_ours_best [more ...]
 
-(--top N: list the N kernels with the most time per trace; 12 unless set.)
+(--top N: list the N kernels with the most time per trace; 12 unless set. --scope OP, repeatable:
+also the device work launched while the host op OP ran, e.g. ``_FusedLinearCrossEntropy``, the
+fused loss, which runs outside the compiled graph: what compiling it in could save is at most
+its work other than GEMMs and its own kernel, plus the gaps between its kernels.)
 
 Kinds are matched on kernel names (first match wins): attention (before the GEMMs: cuDNN's
 SDPA kernels carry "sm90_" in their names), FP8 GEMMs, other GEMMs, Triton kernels (compiled
@@ -114,6 +117,8 @@ def summarize(path: Path) -> None:
     if steps:
         host_waits(events, steps, n_steps)
         idle(events, all_work, steps, n_steps)
+    for op_name in SCOPES:
+        scope(events, kernels, op_name, n_steps)
 
 
 def _innermost(ops, queries, depth=1):
@@ -229,14 +234,55 @@ def idle(events, work, steps, n_steps) -> None:
         print(f"  {ms / n_steps:7.2f}  {name[:110]}")
 
 
+def scope(events, work, op_name, n_steps) -> None:
+    """The device work launched while a host op named ``op_name`` ran, on the op's thread, per
+    step: its host time, its kernels summed by kind, their span on the GPU per call, and the
+    gaps between them (launch latency and anything else that kept the GPU from its next kernel)."""
+    ops = [e for e in events if e.get("name") == op_name and e.get("cat") in HOST_OPS and "dur" in e]
+    if not ops:
+        print(f"scope {op_name}: no host op of that name in the trace")
+        return
+    launches = _launches(events)
+    calls = [[] for _ in ops]
+    for k in work:
+        tid, ts = launches.get(k.get("args", {}).get("correlation"), (None, None))
+        for n, op in enumerate(ops):
+            if ts is not None and op.get("tid") == tid and op["ts"] <= ts <= op["ts"] + op["dur"]:
+                calls[n].append(k)
+                break
+    by_kind, span, gaps, count = {}, 0.0, 0.0, 0
+    for mine in calls:
+        mine.sort(key=lambda k: k["ts"])
+        count += len(mine)
+        for k in mine:
+            kind = next((name for name, pat in KINDS if pat.search(k["name"])), "other")
+            by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"] / 1000
+        if mine:
+            span += (max(k["ts"] + k["dur"] for k in mine) - mine[0]["ts"]) / 1000
+            end = mine[0]["ts"]
+            for k in mine:
+                gaps += max(0.0, k["ts"] - end) / 1000
+                end = max(end, k["ts"] + k["dur"])
+    kinds = ", ".join(f"{kind} {ms / n_steps:.2f}" for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    print(f"scope {op_name}: {len(ops) / n_steps:.1f} calls per step; per step: host "
+          f"{sum(op['dur'] for op in ops) / 1000 / n_steps:.2f} ms, {count / n_steps:.0f} kernels "
+          f"summing {sum(by_kind.values()) / n_steps:.2f} ms ({kinds or 'none'}), GPU span "
+          f"{span / n_steps:.2f} ms, gaps between its kernels {gaps / n_steps:.2f} ms")
+
+
 TOP = 12  # kernels listed per trace; --top N sets it
+SCOPES = []  # host ops whose device work is also summed; --scope OP adds one
 
 
 def main():
     global TOP
     args = sys.argv[1:]
-    if args[:1] == ["--top"]:
-        TOP, args = int(args[1]), args[2:]
+    while args[:1] in (["--top"], ["--scope"]):
+        if args[0] == "--top":
+            TOP = int(args[1])
+        else:
+            SCOPES.append(args[1])
+        args = args[2:]
     for arg in args:
         p = Path(arg)
         files = sorted(p.rglob("*.json*")) if p.is_dir() else [p]

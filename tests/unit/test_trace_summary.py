@@ -132,3 +132,31 @@ def test_work_queued_before_the_profiled_steps_is_not_counted_as_theirs(tmp_path
     assert "kernels summed 2.3 ms" in out and "GPU span 5.8 ms" in out, out
     assert "1 kernels (4.0 ms) were not launched inside the profiled steps" in out, out
     assert "GPU idle inside the steps: 0.00 ms per step in 0 gaps" in out, out
+
+
+def test_a_scope_sums_the_work_its_host_op_launched_and_the_gaps_between(tmp_path, capsys):
+    """--scope OP: the kernels launched while OP ran on its thread (not those another thread
+    launched meanwhile, nor those launched after it), by kind, with their span and the gaps
+    between them: the bound on what compiling the fused loss into the graph could save."""
+    events = [
+        _x("ProfilerStep#1", 0, 20_000, "cpu_op"),
+        _x("MyLoss", 1_000, 2_000, "cpu_op", tid=1),
+        _x("cudaLaunchKernel", 1_100, 10, "cuda_driver", tid=1, corr=1),
+        _x("nvjet_sm90_tst_128x256", 4_000, 3_000, "kernel", tid=7, corr=1),
+        _x("cudaLaunchKernel", 1_500, 10, "cuda_runtime", tid=1, corr=2),
+        _x("ce_grad", 7_100, 500, "kernel", tid=7, corr=2),                 # 0.1 ms after the GEMM
+        _x("cudaLaunchKernel", 1_600, 10, "cuda_runtime", tid=2, corr=3),  # another thread
+        _x("k_other", 7_600, 400, "kernel", tid=7, corr=3),
+        _x("cudaLaunchKernel", 3_500, 10, "cuda_runtime", tid=1, corr=4),  # after MyLoss
+        _x("k_after", 8_000, 400, "kernel", tid=7, corr=4),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    mod = _module()
+    mod.scope(mod.load(path), [e for e in events if e["cat"] == "kernel"], "MyLoss", 1)
+    mod.scope(mod.load(path), [], "NoSuchOp", 1)
+    out = capsys.readouterr().out
+    assert ("scope MyLoss: 1.0 calls per step; per step: host 2.00 ms, 2 kernels summing 3.50 ms "
+            "(gemm bf16/fp32 3.00, triton (compiled / fused CE) 0.50), GPU span 3.60 ms, gaps "
+            "between its kernels 0.10 ms") in out, out
+    assert "scope NoSuchOp: no host op of that name in the trace" in out
