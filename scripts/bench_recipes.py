@@ -500,6 +500,13 @@ CASES = {
             _v("ours_packed_model", "ours",
                "ours: compile (whole model) + fused CE + FP8, one optimizer step, packed",
                head=True, loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True, packed=True),
+            # The 1B claim's settings on packed data (issue #15 asks the data path measured with
+            # the current settings), and its profile (steps 8-10, not a speed row).
+            _v("ours_claim_packed", "ours", "ours: the 1B claim's settings, packed", head=True,
+               packed=True, **_CLAIM_1B),
+            _v("ours_claim_packed_profiled", "ours",
+               "ours: the 1B claim's settings, packed, profiled (not a speed row)", steps=10,
+               packed=True, profiler=_profiler("data_ours_claim_packed"), **_CLAIM_1B),
             _v("stock_padded", "stock", "stock: compile, padded", head=True, loss=_CHUNKED,
                compile=True),
             # Why per-layer FP8 ran below no FP8 on packed data (163 vs 129 ms a step, session
