@@ -169,9 +169,9 @@ def _fp32_logits_grads(h, w, y):
 def test_peaked_logits_at_llama3_vocab_within_the_fp32_logits_bound():
     """Issue 11's check, on the CPU: trained-LM-like logits at Llama-3's vocabulary (128256).
     The logits are bf16, but each row's target logit is recomputed in fp32 and the target terms
-    never go through bf16. Measured (seeds 0-2): hidden 1.85-1.96e-3, weight 1.85-1.96e-3,
-    against 2.25-2.33e-3 for a plain fp32-logits loss without the target split
-    (``_fp32_logits_grads``) and a bf16 floor of 1.65e-3;
+    never go through bf16. Measured (seeds 0-2, torch 2.13 on CPU, 2026-12-02): hidden
+    1.87-2.08e-3, weight 1.87-2.06e-3, against 2.28-2.55e-3 for a plain fp32-logits loss without
+    the target split (``_fp32_logits_grads``) and a bf16 floor of 1.65-1.66e-3;
     with the target's logit taken from the bf16 logits, as before issue 11, 4.3e-3. So the bound
     is the fp32-logits method's own error, measured here on the same inputs, and issue 11's
     2.5e-3. ~30 s on 2 cores (the float64 reference dominates)."""
@@ -184,7 +184,7 @@ def test_peaked_logits_at_llama3_vocab_within_the_fp32_logits_bound():
     err_h, err_w = _rel_l2(h.grad, ref_h), _rel_l2(w.grad, ref_w)
     assert err_h <= min(2.5e-3, _rel_l2(fp32_h, ref_h)), (err_h, _rel_l2(fp32_h, ref_h))
     assert err_w <= min(2.5e-3, _rel_l2(fp32_w, ref_w)), (err_w, _rel_l2(fp32_w, ref_w))
-    # bf16 logits move the loss through the log-sum-exp only: measured 1e-5 to 4e-5 relative.
+    # bf16 logits move the loss through the log-sum-exp only: measured 3e-5 to 6e-5 relative.
     assert abs(loss.item() - ref_loss.item()) <= 1e-4 * ref_loss.item()
 
 
