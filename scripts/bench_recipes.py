@@ -918,7 +918,25 @@ def versions() -> dict:
             meta[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - a version string is informational
             meta[mod] = None
+    meta["commit"] = code_commit()
     return meta
+
+
+def code_commit() -> Optional[str]:
+    """The commit the benchmarked code is at: ``BENCH_COMMIT`` where set (the GPU machine gets a
+    copy of the working tree without .git: put the commit in the command), else git's HEAD, with
+    "+dirty" when tracked files differ from it; None when neither says."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=30)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO, timeout=30).returncode != 0
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def main():

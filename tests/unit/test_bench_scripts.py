@@ -3,6 +3,7 @@ every bench_recipes.py variant of ours is a valid config, and memory_peak.py rep
 allocation trace to the right peak and names what is live there."""
 
 import pickle
+import subprocess
 
 import pytest
 from script_loader import SCRIPTS, load_script
@@ -221,3 +222,17 @@ def test_the_memory_cap_hook_applies_to_ours_and_stocks_training_process_only(tm
         assert out.returncode == 0, out.stderr
         seen[name] = out.stdout.strip()
     assert seen == {"recipes/lora_finetune_single_device.py": "True", "other.py": "False"}
+
+
+def test_the_results_name_the_code_commit(monkeypatch):
+    """The GPU machine's copy of the tree has no .git: BENCH_COMMIT, set in the command, names
+    the commit; here, in a clone, git's HEAD does (session 15's files lacked it)."""
+    bench = _module("bench_recipes")
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    assert bench.versions()["commit"] == "abc1234"
+    monkeypatch.delenv("BENCH_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bench.REPO, capture_output=True,
+                          text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    assert bench.code_commit().split("+")[0] == head
