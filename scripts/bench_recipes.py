@@ -662,7 +662,8 @@ def run(cmd, log: Path, timeout: float, env=None) -> float:
         # NOTE: the reason goes last too: a row keeps only the error's tail, and s15a's row lost
         # "timeout after 200 s" from the front to the log lines of a run that had finished.
         # A capped run (BENCH_MEMORY_CAP_GIB) that does not fit exits 1 like any other error.
-        reason = f"out of memory (exit {rc})" if "OutOfMemoryError" in text or "CUDA out of memory" in text else rc
+        oom = isinstance(rc, int) and ("OutOfMemoryError" in text or "CUDA out of memory" in text)
+        reason = f"out of memory (exit {rc})" if oom else rc
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({rc}):\n{tail}\n[failed: {reason}]")
     return time.time() - t0
 
@@ -766,6 +767,22 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
     return out
 
 
+def merge_rows(parts: list) -> list:
+    """The rows of separate runs in one list, each (case, variant)'s repetitions numbered on
+    from those of the parts before (every run starts at rep 0: s16g's repeat of s16b's stock
+    curve would otherwise replace it as the reference). A row keeps its own number as
+    ``source_rep`` and its part's index as ``source``."""
+    rows, taken = [], {}
+    for n, part in enumerate(parts):
+        offset = dict(taken)
+        for r in part:
+            key = (r["case"], r["variant"])
+            rep = offset.get(key, 0) + r.get("rep", 0)
+            rows.append({**r, "rep": rep, "source_rep": r.get("rep", 0), "source": n})
+            taken[key] = max(taken.get(key, 0), rep + 1)
+    return rows
+
+
 def _curve_ref(case: str, name: str) -> Optional[str]:
     """The variant a loss curve is compared with: the variant's own ``ref`` (e.g. stock's curve
     for ours' claimed settings), else the same name without ``_fp8`` (FP8 against bf16)."""
@@ -835,7 +852,10 @@ def plot(result: dict, path: Path) -> None:
 
     summary = [s for s in result["summary"] if "error" not in s]
     cases = list(dict.fromkeys(s["case"] for s in summary))
-    curves = result.get("loss_curves", [])
+    # The chart shows up to two curves against their references, rep 0 first (one per case
+    # before a second rep of the same case); "repeat" comparisons are in the table only.
+    curves = sorted((c for c in result.get("loss_curves", []) if c.get("kind", "reference") == "reference"),
+                    key=lambda c: c.get("rep_fp8", 0))
     ncol = len(cases) + (1 if curves else 0)
     fig, axes = plt.subplots(2, max(ncol, 1), figsize=(5.5 * max(ncol, 1), 8), squeeze=False)
     for j, case in enumerate(cases):
@@ -854,7 +874,6 @@ def plot(result: dict, path: Path) -> None:
             ax.set_title(f"{case}: {title}", fontsize=9)
     if curves:
         rows = {(r["case"], r["variant"], r.get("rep", 0)): r for r in result["rows"] if "losses" in r}
-        curves = [c for c in curves if c.get("kind", "reference") == "reference"]
         for i, c in enumerate(curves[:2]):
             ax = axes[i][ncol - 1]
             for name, rep, style in ((c["bf16"], c.get("rep_bf16", 0), "-"),
@@ -960,9 +979,8 @@ def main():
     args = ap.parse_args()
     if args.merge:
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        merged = {"meta": {**parts[0]["meta"], "merged_from": args.merge}, "rows": [], "summary": []}
-        for part in parts:
-            merged["rows"] += part["rows"]
+        merged = {"meta": {**parts[0]["meta"], "merged_from": args.merge},
+                  "rows": merge_rows([part["rows"] for part in parts]), "summary": []}
         for name in dict.fromkeys(r["case"] for r in merged["rows"]):
             merged["summary"] += aggregate(name, CASES[name], [r for r in merged["rows"] if r["case"] == name])
         merged["loss_curves"] = loss_curves(merged["rows"])

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200 (python 3.12, torch 2.11 preinstalled, no registry).
 # Prepare wheels here first:  bash ../shared/device/wheels.sh liger-kernel==0.8.5 cut-cross-entropy==25.1.1 pytest pluggy iniconfig pytest-xdist execnet packaging
-# Then run with .whl carried:  BENCH_COMMIT=$(git rev-parse --short HEAD here) bash scripts/gpu_session.sh STEP...
-#   (the machine's copy of the tree has no .git: BENCH_COMMIT puts the commit in the results' meta)
+# Then run with .whl carried:  BENCH_COMMIT=<hash> bash scripts/gpu_session.sh STEP...
+#   (<hash>: `git rev-parse --short HEAD` run here, written into the command: the machine's copy of
+#   the tree has no .git; BENCH_COMMIT puts the commit in the results' meta)
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -439,7 +440,7 @@ for step in "$@"; do
     s16a)   # Next (~7 min): issue #15's 1B claim as a 220-step curve against stock's (lr 3e-4, the
             # claimed settings exactly; s14b's curves were per-layer compile, all layers' e4m3 MLP).
             # Ours' first run on a fresh machine compiles ~170 s (s15a, s15c).
-            timeout 560 python3 scripts/bench_recipes.py --preset curves --cases full_1b_curve \
+            timeout 560 python3 scripts/bench_recipes.py --preset curves --cases full_1b_curve --reps 1 \
               --work /tmp/bw --run-timeout 420 --out "$OUT/s16a_curve_full_1b.json" > /tmp/speed_s16a.log 2>&1
             finish_bench s16a ;;
     s16f)   # Next (~8 min): FP8 rowwise at recipe level beside its tensorwise twin (session 11's best:
@@ -451,13 +452,13 @@ for step in "$@"; do
     s16b)   # Next (~7 min): the 8B LoRA claim's 220-step curve against stock's (lr 1e-3, the claimed
             # settings with the embedding in CPU memory; session 10's curves were without it).
             ensure_ckpt8b
-            timeout 450 python3 scripts/bench_recipes.py --preset curves --cases lora_8b_curve \
+            timeout 450 python3 scripts/bench_recipes.py --preset curves --cases lora_8b_curve --reps 1 \
               --work /tmp/bw --run-timeout 220 --out "$OUT/s16b_curve_lora_8b.json" > /tmp/speed_s16b.log 2>&1
             finish_bench s16b ;;
     s16c)   # Next (~6 min, after s16b on the same machine: its 8B checkpoint): the QLoRA claim's
             # 220-step curve, stock's NF4 QLoRA against ours' FP8 base in its place (lr 1e-3).
             ensure_ckpt8b
-            timeout 450 python3 scripts/bench_recipes.py --preset curves --cases qlora_8b_curve \
+            timeout 450 python3 scripts/bench_recipes.py --preset curves --cases qlora_8b_curve --reps 1 \
               --work /tmp/bw --run-timeout 220 --out "$OUT/s16c_curve_qlora_8b.json" > /tmp/speed_s16c.log 2>&1
             finish_bench s16c ;;
     s16d)   # Next (~7 min): what ours' memory buys at 1B (preset memory): the allocator capped at
@@ -476,25 +477,32 @@ for step in "$@"; do
             # side twice (preset curves, 2 reps): s16b's gap read against each side's own run-to-run
             # spread (s16b/s16g: stock's two runs 0.06% apart on the last-20 mean, spikes at lr 1e-3).
             ensure_ckpt8b
-            timeout 570 python3 scripts/bench_recipes.py --preset curves --cases lora_8b_curve \
+            timeout 500 python3 scripts/bench_recipes.py --preset curves --cases lora_8b_curve \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s17a_curves_lora_8b.json" > /tmp/speed_s17a.log 2>&1
             finish_bench s17a ;;
     s17b)   # Next (~7 min, after s17a on the same machine): the same for QLoRA, stock's NF4 against ours'
             # FP8 base (s16c: ours 0.87% above on the last-20 mean, 20 spikes against 17).
             ensure_ckpt8b
-            timeout 570 python3 scripts/bench_recipes.py --preset curves --cases qlora_8b_curve \
+            timeout 500 python3 scripts/bench_recipes.py --preset curves --cases qlora_8b_curve \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s17b_curves_qlora_8b.json" > /tmp/speed_s17b.log 2>&1
             finish_bench s17b ;;
-    s17c)   # Next (~4 min): stock's third option on the capped GPUs, half the micro-batch with GA 2
-            # (s16d, s16e ran stock's best, which did not fit, and stock with activation checkpointing).
-            ensure_ckpt8b
-            timeout 400 python3 scripts/bench_recipes.py --preset memory --only stock_ga2_20g,stock_ga2_24g \
-              --work /tmp/bw --run-timeout 200 --out "$OUT/s17c_memory_ga2.json" > /tmp/speed_s17c.log 2>&1
+    s17c)   # Next (~6 min; ours' first 1B run on a fresh machine compiles ~170 s): stock's third option on a
+            # 20 GiB GPU, half the micro-batch with GA 2, beside stock's uncapped best and ours capped on
+            # the same machine (s16d ran stock's best, out of memory there, and stock checkpointed).
+            timeout 500 python3 scripts/bench_recipes.py --preset memory --cases full_1b \
+              --only stock_best,stock_ga2_20g,ours_claim_20g \
+              --work /tmp/bw --run-timeout 250 --out "$OUT/s17c_memory_ga2_full_1b.json" > /tmp/speed_s17c.log 2>&1
             finish_bench s17c ;;
+    s17e)   # Next (~4 min): the same at 8B LoRA on a 24 GiB GPU, stock at batch 1 x GA 2 (s16e).
+            ensure_ckpt8b
+            timeout 450 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
+              --only stock_best,stock_ga2_24g,ours_fp8_ain_embcpu_24g \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s17e_memory_ga2_lora_8b.json" > /tmp/speed_s17e.log 2>&1
+            finish_bench s17e ;;
     s17d)   # Next (~7 min): the packed-data case with the 1B claim's settings (session 10's best packed,
             # 1.094x, was whole-model compile + FP8 without the later levers), 2 alternating reps,
             # then the claim's packed profile (steps 8-10) for where its time goes.
-            timeout 560 python3 scripts/bench_recipes.py --cases data_1b --reps 2 \
+            timeout 480 python3 scripts/bench_recipes.py --cases data_1b --reps 2 \
               --only stock_best,ours_claim_packed,ours_claim_packed_profiled \
               --work /tmp/bw --run-timeout 300 --out "$OUT/s17d_data_1b.json" > /tmp/speed_s17d.log 2>&1
             finish_bench s17d

@@ -238,9 +238,21 @@ def scope(events, work, op_name, n_steps) -> None:
     """The device work launched while a host op named ``op_name`` ran, on the op's thread, per
     step: its host time, its kernels summed by kind, their span on the GPU per call, and the
     gaps between them (launch latency and anything else that kept the GPU from its next kernel)."""
-    ops = [e for e in events if e.get("name") == op_name and e.get("cat") in HOST_OPS and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
+             and e.get("cat") != "gpu_user_annotation"]
+    lo, hi = _window(steps) if steps else (float("-inf"), float("inf"))
+    ops = sorted((e for e in events if e.get("name") == op_name and e.get("cat") in HOST_OPS
+                  and "dur" in e and lo <= e["ts"] <= hi), key=lambda e: (e["ts"], -e["dur"]))
+    # The same call can be recorded twice (a CPU op and a Python function or annotation of one
+    # name, nested): only the outermost of each counts.
+    outer = []
+    for e in ops:
+        if not any(o.get("tid") == e.get("tid") and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+                   for o in outer):
+            outer.append(e)
+    ops = outer
     if not ops:
-        print(f"scope {op_name}: no host op of that name in the trace")
+        print(f"scope {op_name}: no host op of that name inside the profiled steps")
         return
     launches = _launches(events)
     calls = [[] for _ in ops]
@@ -278,6 +290,8 @@ def main():
     global TOP
     args = sys.argv[1:]
     while args[:1] in (["--top"], ["--scope"]):
+        if len(args) < 2:
+            sys.exit(f"{args[0]} needs a value (--top N, --scope OP)")
         if args[0] == "--top":
             TOP = int(args[1])
         else:

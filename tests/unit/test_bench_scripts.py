@@ -3,6 +3,7 @@ every bench_recipes.py variant of ours is a valid config, and memory_peak.py rep
 allocation trace to the right peak and names what is live there."""
 
 import pickle
+import shutil
 import subprocess
 
 import pytest
@@ -123,6 +124,9 @@ def test_a_failed_repetition_is_counted_apart_and_its_reason_kept(tmp_path, caps
     with pytest.raises(RuntimeError) as err:
         bench.run(["python3", "-c", oom], log, timeout=30)
     assert str(err.value).rstrip().endswith("[failed: out of memory (exit 1)]")
+    with pytest.raises(RuntimeError) as err:  # a timeout stays a timeout, whatever the log says
+        bench.run(["python3", "-c", "print('CUDA out of memory'); import time; time.sleep(5)"], log, timeout=1)
+    assert str(err.value).rstrip().endswith("[failed: timeout after 1 s]")
 
 
 def test_a_claim_curve_is_compared_with_stock_and_an_fp8_curve_with_bf16(capsys):
@@ -171,6 +175,23 @@ def test_a_second_repetition_is_compared_with_its_reference_and_with_its_own_fir
     assert repeat["kind"] == "repeat" and repeat["median_abs_diff"] == 0.0
     bench.print_table({"summary": [], "loss_curves": [repeat]})
     assert "stock_best vs stock_best (rep 1 vs rep 0, the same settings again)" in capsys.readouterr().out
+
+
+def test_merged_runs_keep_every_repetition_and_compare_a_repeat_with_the_first():
+    """s16g ran stock's curve again in a separate run (rep 0 there too): merged with s16b, it
+    becomes rep 1 of stock_best (compared with s16b's stock as a repeat), not a replacement of
+    the reference ours_claim is compared with."""
+    bench = _module("bench_recipes")
+    first = [dict(case="lora_8b_curve", variant="stock_best", rep=0, losses=[3.0, 2.0, 1.0]),
+             dict(case="lora_8b_curve", variant="ours_claim", rep=0, losses=[3.0, 2.5, 1.0])]
+    again = [dict(case="lora_8b_curve", variant="stock_best", rep=0, losses=[3.0, 2.0, 1.5])]
+    rows = bench.merge_rows([first, again])
+    assert [(r["variant"], r["rep"], r["source"], r["source_rep"]) for r in rows] == [
+        ("stock_best", 0, 0, 0), ("ours_claim", 0, 0, 0), ("stock_best", 1, 1, 0)]
+    pairs = {(c["kind"], c["fp8"], c["rep_fp8"], c["rep_bf16"]): c for c in bench.loss_curves(rows)}
+    assert set(pairs) == {("reference", "ours_claim", 0, 0), ("repeat", "stock_best", 1, 0)}
+    assert pairs[("reference", "ours_claim", 0, 0)]["max_abs_diff"] == 0.5  # against s16b's own stock
+    assert pairs[("repeat", "stock_best", 1, 0)]["max_abs_diff"] == 0.5
 
 
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
@@ -231,6 +252,8 @@ def test_the_results_name_the_code_commit(monkeypatch):
     monkeypatch.setenv("BENCH_COMMIT", "abc1234")
     assert bench.versions()["commit"] == "abc1234"
     monkeypatch.delenv("BENCH_COMMIT")
+    if shutil.which("git") is None:
+        pytest.skip("no git")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bench.REPO, capture_output=True,
                           text=True).stdout.strip()
     if not head:

@@ -137,10 +137,13 @@ def test_work_queued_before_the_profiled_steps_is_not_counted_as_theirs(tmp_path
 def test_a_scope_sums_the_work_its_host_op_launched_and_the_gaps_between(tmp_path, capsys):
     """--scope OP: the kernels launched while OP ran on its thread (not those another thread
     launched meanwhile, nor those launched after it), by kind, with their span and the gaps
-    between them: the bound on what compiling the fused loss into the graph could save."""
+    between them: the bound on what compiling the fused loss into the graph could save. A call
+    recorded twice (nested, same name) counts once; calls outside the profiled steps not at all."""
     events = [
         _x("ProfilerStep#1", 0, 20_000, "cpu_op"),
         _x("MyLoss", 1_000, 2_000, "cpu_op", tid=1),
+        _x("MyLoss", 1_010, 1_900, "user_annotation", tid=1),  # the same call recorded twice
+        _x("MyLoss", 25_000, 1_000, "cpu_op", tid=1),           # after the profiled steps
         _x("cudaLaunchKernel", 1_100, 10, "cuda_driver", tid=1, corr=1),
         _x("nvjet_sm90_tst_128x256", 4_000, 3_000, "kernel", tid=7, corr=1),
         _x("cudaLaunchKernel", 1_500, 10, "cuda_runtime", tid=1, corr=2),
@@ -159,4 +162,4 @@ def test_a_scope_sums_the_work_its_host_op_launched_and_the_gaps_between(tmp_pat
     assert ("scope MyLoss: 1.0 calls per step; per step: host 2.00 ms, 2 kernels summing 3.50 ms "
             "(gemm bf16/fp32 3.00, triton (compiled / fused CE) 0.50), GPU span 3.60 ms, gaps "
             "between its kernels 0.10 ms") in out, out
-    assert "scope NoSuchOp: no host op of that name in the trace" in out
+    assert "scope NoSuchOp: no host op of that name inside the profiled steps" in out
