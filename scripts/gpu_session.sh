@@ -5,7 +5,7 @@
 #   (<hash>: `git rev-parse --short HEAD` run here, written into the command: the machine's copy of
 #   the tree has no .git; BENCH_COMMIT puts the commit in the results' meta)
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -499,6 +499,13 @@ for step in "$@"; do
               --only stock_best,stock_ga2_24g,ours_fp8_ain_embcpu_24g \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s17e_memory_ga2_lora_8b.json" > /tmp/speed_s17e.log 2>&1
             finish_bench s17e ;;
+    s17f)   # Next (~4 min, after s17a on the same machine): the 8B LoRA claim's curve against stock's
+            # at torchtune's own 8B LoRA learning rate, 3e-4 (fewer spikes than at 1e-3?), one run each.
+            ensure_ckpt8b
+            timeout 400 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 1 \
+              --only stock_best_lr3e4,ours_claim_lr3e4 \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s17f_curve_lora_8b_lr3e4.json" > /tmp/speed_s17f.log 2>&1
+            finish_bench s17f ;;
     s17d)   # Next (~7 min): the packed-data case with the 1B claim's settings (session 10's best packed,
             # 1.094x, was whole-model compile + FP8 without the later levers), 2 alternating reps,
             # then the claim's packed profile (steps 8-10) for where its time goes.
