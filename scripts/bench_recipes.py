@@ -966,7 +966,7 @@ def code_commit() -> Optional[str]:
         return None
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="recipes.json")
     ap.add_argument("--cases", default=None, help="comma-separated cases (default full_1b); with "
@@ -984,6 +984,46 @@ def main():
     ap.add_argument("--merge", nargs="+", default=None,
                     help="results JSONs of separate runs (e.g. heads and levers) to combine into --out: "
                          "rows concatenated, ratios to stock recomputed, table and chart redrawn")
+    return ap
+
+
+def plan_runs(args, ap) -> dict:
+    """{case: [(rep, variant), ...]} in run order, from --cases/--preset/--reps/--only. Refuses,
+    before any run or checkpoint (device time): an unknown case, a case outside the preset, and
+    an --only name that this selection never runs (a typo, or a variant of another case)."""
+    wanted = (args.cases or ("" if args.preset else "full_1b")).split(",")
+    wanted = [name for name in wanted if name]
+    unknown = [name for name in wanted if name not in CASES]
+    if unknown:
+        ap.error(f"--cases: no case(s) {unknown}; cases: {', '.join(CASES)}")
+    if args.preset:
+        outside = [name for name in wanted if name not in PRESETS[args.preset]]
+        if outside:
+            ap.error(f"--cases: {outside} not in --preset {args.preset} ({', '.join(PRESETS[args.preset])})")
+        selection = {name: names for name, names in PRESETS[args.preset].items()
+                     if not wanted or name in wanted}
+    else:
+        selection = {name: None for name in wanted}
+    if args.reps is None:
+        args.reps = PRESET_REPS[args.preset] if args.preset else 2
+    only = set(args.only.split(",")) if args.only else None
+    plan = {}
+    for name, names in selection.items():
+        runs = [(rep, v) for rep, v in schedule(CASES[name], args.reps, names) if only is None or v["name"] in only]
+        if runs:
+            plan[name] = runs
+    if only:
+        never = sorted(only - {v["name"] for runs in plan.values() for _, v in runs})
+        if never:
+            ap.error(f"--only: {never} not run by this selection (cases {', '.join(selection)}"
+                     f"{', preset ' + args.preset if args.preset else ''})")
+    if not plan:
+        ap.error("nothing to run")
+    return plan
+
+
+def main():
+    ap = build_parser()
     args = ap.parse_args()
     if args.merge:
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
@@ -1002,28 +1042,14 @@ def main():
         plot(result, Path(args.plot).with_suffix(".png"))
         print_table(result, Path(args.plot).with_suffix(".md"))
         return
-    wanted = (args.cases or ("" if args.preset else "full_1b")).split(",")
-    wanted = [name for name in wanted if name]
-    unknown = [name for name in wanted if name not in CASES]
-    if unknown:
-        ap.error(f"--cases: no case(s) {unknown}; cases: {', '.join(CASES)}")
-    if args.preset:
-        outside = [name for name in wanted if name not in PRESETS[args.preset]]
-        if outside:
-            ap.error(f"--cases: {outside} not in --preset {args.preset} ({', '.join(PRESETS[args.preset])})")
-        selection = {name: names for name, names in PRESETS[args.preset].items()
-                     if not wanted or name in wanted}
-    else:
-        selection = {name: None for name in wanted}
-    if args.reps is None:
-        args.reps = PRESET_REPS[args.preset] if args.preset else 2
+    plan = plan_runs(args, ap)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     result = {"meta": versions(), "rows": [], "summary": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name, names in selection.items():
+    for name, runs in plan.items():
         case = CASES[name]
         ckpt = work / f"ckpt_{case.get('ckpt', name)}"
         if not (ckpt / "model.safetensors").exists():
@@ -1033,9 +1059,7 @@ def main():
                 args.run_timeout)
             print(f"checkpoint {name}: {time.time() - t0:.0f} s", flush=True)
         tokens_per_step = None if case.get("variable_tokens") else case["batch_size"] * case["seq_len"]
-        for rep, variant in schedule(case, args.reps, names):
-            if args.only and variant["name"] not in args.only.split(","):
-                continue
+        for rep, variant in runs:
             tag = f"{name}_{variant['name']}_rep{rep}"
             out_dir = work / tag
             subprocess.run(["rm", "-rf", str(out_dir)])

@@ -3,6 +3,7 @@ every bench_recipes.py variant of ours is a valid config, and memory_peak.py rep
 allocation trace to the right peak and names what is live there."""
 
 import pickle
+import shlex
 import shutil
 import subprocess
 
@@ -259,3 +260,43 @@ def test_the_results_name_the_code_commit(monkeypatch):
     if not head:
         pytest.skip("not a git checkout")
     assert bench.code_commit().split("+")[0] == head
+
+
+def _session_bench_commands():
+    """The bench_recipes.py command lines of scripts/gpu_session.sh (continuations joined), as
+    argv lists without the redirections."""
+    text = (SCRIPTS / "gpu_session.sh").read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        code = line.split("#", 1)[0].strip()
+        if code.startswith("bench_on "):  # bench_on GPU CASE VARIANTS REPS NAME
+            for call in code.split(";"):
+                words = shlex.split(call)
+                if words[:1] == ["bench_on"]:
+                    found.append(["--cases", words[2], "--only", words[3], "--reps", words[4]])
+        elif "scripts/bench_recipes.py" in code:
+            argv = shlex.split(code.split("scripts/bench_recipes.py", 1)[1].split(">")[0])
+            if not any(a.startswith("$") and not a.startswith("$OUT") for a in argv):  # bench_on's body
+                found.append(argv)
+    return found
+
+
+def test_every_bench_command_of_the_gpu_session_script_plans_runs(capsys):
+    """Device time is not spent finding a typo: every bench_recipes.py command in
+    gpu_session.sh parses and plans at least one run, and each --only name it gives is run by its
+    selection of cases (plan_runs refuses one that is not, before any run)."""
+    bench = _module("bench_recipes")
+    commands = _session_bench_commands()
+    assert len(commands) > 40
+    for argv in commands:
+        ap = bench.build_parser()
+        args = ap.parse_args(argv)
+        if args.merge or args.plot:
+            continue
+        plan = bench.plan_runs(args, ap)
+        assert plan and all(runs for runs in plan.values()), argv
+    # and the refusal itself: lora_8b's variant asked of full_1b
+    ap = bench.build_parser()
+    with pytest.raises(SystemExit):
+        bench.plan_runs(ap.parse_args(["--cases", "full_1b", "--only", "stock_best,stock_ga2_24g"]), ap)
+    assert "--only: ['stock_ga2_24g'] not run by this selection (cases full_1b)" in capsys.readouterr().err
