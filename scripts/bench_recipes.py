@@ -549,6 +549,10 @@ CASES = {
             _v("stock_best", "stock", "stock: compile, lr 1e-3", loss=_CHUNKED, compile=True),
             _v("ours_claim", "ours", "ours: lora_8b's claimed settings (ours_fp8_ain_embcpu_t20), lr 1e-3",
                ref="stock_best", **_CLAIM_8B_LORA),
+            # If ours' claim stays above stock beyond each side's run-to-run spread (s17a): the
+            # claim without FP8 adapter inputs, which added ~0.01 nats at step 200 in session 10.
+            _v("ours_claim_no_ain", "ours", "ours: the 8B LoRA claim without FP8 adapter inputs, lr 1e-3",
+               ref="stock_best", **{k: v for k, v in _CLAIM_8B_LORA.items() if k != "fp8_adapter_inputs"}),
             # The same pair at torchtune's 8B LoRA learning rate, 3e-4: at 1e-3 both sides spike
             # and two of stock's own runs end 0.06% apart (s16b, s16g).
             _v("stock_best_lr3e4", "stock", "stock: compile, lr 3e-4", loss=_CHUNKED, compile=True,
