@@ -506,6 +506,11 @@ CASES = {
             # the current settings), and its profile (steps 8-10, not a speed row).
             _v("ours_claim_packed", "ours", "ours: the 1B claim's settings, packed", head=True,
                packed=True, **_CLAIM_1B),
+            # The same with attention traced into the whole-model graph (bench hook
+            # BENCH_FLEX_IN_GRAPH): torchtune's flex attention call is a graph break per layer.
+            _v("ours_claim_packed_flex", "ours",
+               "ours: the 1B claim's settings, packed, flex attention inside the compiled graph",
+               head=True, packed=True, env={"BENCH_HOOKS": "1", "BENCH_FLEX_IN_GRAPH": "1"}, **_CLAIM_1B),
             _v("ours_claim_packed_profiled", "ours",
                "ours: the 1B claim's settings, packed, profiled (not a speed row)", steps=10,
                packed=True, profiler=_profiler("data_ours_claim_packed"), **_CLAIM_1B),

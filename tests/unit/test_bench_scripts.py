@@ -246,6 +246,55 @@ def test_the_memory_cap_hook_applies_to_ours_and_stocks_training_process_only(tm
     assert seen == {"recipes/lora_finetune_single_device.py": "True", "other.py": "False"}
 
 
+_FLEX_PROBE = """
+import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask
+from torchtune.modules.attention_utils import packed_block_causal_mask
+from tune_recipes.models.tiny import tiny_llama3
+
+torch.manual_seed(0)
+model = tiny_llama3().eval()
+# aot_eager: inductor's CPU flex template cannot lower RoPE's strided views (torch 2.13); the
+# GPU's Triton template can. The graph capture is dynamo's either way.
+compiled = torch.compile(model, backend="aot_eager")
+S = 128
+for lens in ([40, 88], [20, 30, 78]):
+    tokens = torch.randint(0, 272, (1, S))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    block = create_block_mask(lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv), 1, None, S, S,
+                              device="cpu")
+    with torch.no_grad():
+        ref = model(tokens, mask=packed_block_causal_mask([torch.tensor(lens)]), input_pos=pos)
+        out = compiled(tokens, mask=block, input_pos=pos)
+    print("max_rel", float((out - ref).abs().max() / ref.abs().max()))
+print("graphs", counters["stats"]["unique_graphs"], "breaks", sum(counters["graph_break"].values()))
+"""
+
+
+def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph(tmp_path):
+    """BENCH_FLEX_IN_GRAPH=1: on a packed batch's BlockMask, attention is ``flex_attention``
+    traced by torch.compile (torchtune's call sits behind ``torch.compiler.disable``, a graph
+    break in every layer). Checked on the CPU (forward: CPU flex attention has no backward):
+    the whole model is one graph with no break and no recompile for a second batch's mask, and
+    its logits equal the dense document mask's SDPA (fp32, 1e-6 relative). Without the hook
+    torchtune's CPU attention (SDPA only) cannot take a BlockMask at all."""
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "bench_hooks"), str(SCRIPTS.parent)]),
+           "BENCH_FLEX_IN_GRAPH": "1"}
+    # "tune_recipes" in argv: the hooks apply to the recipe's process only (``_IS_RECIPE``).
+    out = subprocess.run([sys.executable, "-c", _FLEX_PROBE, "tune_recipes"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    rel = [float(line.split()[1]) for line in lines if line.startswith("max_rel")]
+    assert len(rel) == 2 and max(rel) < 1e-6, out.stdout
+    assert "graphs 1 breaks 0" in out.stdout, out.stdout
+
+
 def test_the_results_name_the_code_commit(monkeypatch):
     """The GPU machine's copy of the tree has no .git: BENCH_COMMIT, set in the command, names
     the commit; here, in a clone, git's HEAD does (session 15's files lacked it)."""
