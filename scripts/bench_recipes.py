@@ -510,7 +510,9 @@ CASES = {
             # BENCH_FLEX_IN_GRAPH): torchtune's flex attention call is a graph break per layer.
             _v("ours_claim_packed_flex", "ours",
                "ours: the 1B claim's settings, packed, flex attention inside the compiled graph",
-               head=True, packed=True, env={"BENCH_HOOKS": "1", "BENCH_FLEX_IN_GRAPH": "1"}, **_CLAIM_1B),
+               head=True, packed=True, ref="ours_claim_packed", **_CLAIM_1B,
+               # the logs (s17g_logs.tgz) say whether any step recompiled or broke the graph
+               env={"BENCH_HOOKS": "1", "BENCH_FLEX_IN_GRAPH": "1", "TORCH_LOGS": "recompiles,graph_breaks"}),
             _v("ours_claim_packed_profiled", "ours",
                "ours: the 1B claim's settings, packed, profiled (not a speed row)", steps=10,
                packed=True, profiler=_profiler("data_ours_claim_packed"), **_CLAIM_1B),

@@ -519,7 +519,7 @@ for step in "$@"; do
     s17g)   # Next (~8 min, right after s17d on the same machine: its compile cache): the packed claim
             # with flex attention traced into the whole-model graph (bench hook BENCH_FLEX_IN_GRAPH; no
             # graph break per layer) beside the packed claim and stock, 2 alternating reps.
-            timeout 500 python3 scripts/bench_recipes.py --cases data_1b --reps 2 \
+            timeout 560 python3 scripts/bench_recipes.py --cases data_1b --reps 2 \
               --only stock_best,ours_claim_packed,ours_claim_packed_flex \
               --work /tmp/bw --run-timeout 300 --out "$OUT/s17g_data_1b_flex.json" > /tmp/speed_s17g.log 2>&1
             finish_bench s17g ;;

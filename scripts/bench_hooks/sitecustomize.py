@@ -122,6 +122,8 @@ if os.environ.get("BENCH_FLCE_READ_GRAD_OUTPUT") == "1" and _IS_RECIPE:
     normalization.declare_grad_output = lambda loss, grad_output: False
 
 if os.environ.get("BENCH_FLEX_IN_GRAPH") == "1" and _IS_RECIPE:
+    import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
+    import torch
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from torchtune.modules import attention as tt_attention
 
@@ -131,7 +133,11 @@ if os.environ.get("BENCH_FLEX_IN_GRAPH") == "1" and _IS_RECIPE:
         fallback = _attention_factory()
 
         def _attention_call(q, k, v, mask, dropout_p, is_causal):
-            if isinstance(mask, BlockMask):
+            # NOTE: only while torch.compile traces: called eagerly (compile off, or a frame
+            # dynamo gave up on), flex_attention runs its unfused reference (the whole score
+            # matrix, ~2 GiB a layer at 4 x 32 heads x 2048^2), so torchtune's compiled call
+            # stays the eager path.
+            if isinstance(mask, BlockMask) and torch.compiler.is_compiling():
                 if dropout_p > 0.0:
                     raise ValueError("flex attention has no dropout; set attn_dropout=0")
                 return flex_attention(q, k, v, block_mask=mask)

@@ -250,26 +250,40 @@ _FLEX_PROBE = """
 import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
-from torchtune.modules.attention_utils import packed_block_causal_mask
+from torchtune.modules.attention_utils import create_block_causal_mask
 from tune_recipes.models.tiny import tiny_llama3
+
+
+def block_mask(lens, seq_len):
+    # As torchtune's packed collate builds it: the document ids in a closure cell of mask_mod.
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(mask_mod, 1, None, seq_len, seq_len, device="cpu")
+
 
 torch.manual_seed(0)
 model = tiny_llama3().eval()
 # aot_eager: inductor's CPU flex template cannot lower RoPE's strided views (torch 2.13); the
 # GPU's Triton template can. The graph capture is dynamo's either way.
 compiled = torch.compile(model, backend="aot_eager")
-S = 128
-for lens in ([40, 88], [20, 30, 78]):
+S = 384  # three 128-token blocks: full, partial and empty ones, in different counts per batch
+for lens in ([40, 300, 44], [20, 30, 78, 256]):
     tokens = torch.randint(0, 272, (1, S))
     pos = torch.cat([torch.arange(n) for n in lens])[None]
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
-    block = create_block_mask(lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv), 1, None, S, S,
-                              device="cpu")
     with torch.no_grad():
-        ref = model(tokens, mask=packed_block_causal_mask([torch.tensor(lens)]), input_pos=pos)
-        out = compiled(tokens, mask=block, input_pos=pos)
+        ref = model(tokens, mask=create_block_causal_mask([torch.tensor(lens)]), input_pos=pos)
+        out = compiled(tokens, mask=block_mask(lens, S), input_pos=pos)
     print("max_rel", float((out - ref).abs().max() / ref.abs().max()))
 print("graphs", counters["stats"]["unique_graphs"], "breaks", sum(counters["graph_break"].values()))
+try:  # eagerly the BlockMask goes to torchtune's own call: on the CPU, SDPA, which refuses it
+    with torch.no_grad():
+        model(tokens, mask=block_mask(lens, S), input_pos=pos)
+    print("eager: flex")
+except TypeError:
+    print("eager: torchtune's call")
 """
 
 
@@ -278,13 +292,15 @@ def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph(tmp_pat
     traced by torch.compile (torchtune's call sits behind ``torch.compiler.disable``, a graph
     break in every layer). Checked on the CPU (forward: CPU flex attention has no backward):
     the whole model is one graph with no break and no recompile for a second batch's mask, and
-    its logits equal the dense document mask's SDPA (fp32, 1e-6 relative). Without the hook
-    torchtune's CPU attention (SDPA only) cannot take a BlockMask at all."""
+    its logits equal the dense document mask's SDPA (fp32, 1e-6 relative). Called eagerly, the
+    hook hands the BlockMask to torchtune's own call (CPU: SDPA, which cannot take one), so
+    with the hook or its compile-only gate broken the probe fails. CUDA is hidden: torchtune
+    would make its masks on the GPU."""
     import os
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "bench_hooks"), str(SCRIPTS.parent)]),
-           "BENCH_FLEX_IN_GRAPH": "1"}
+           "BENCH_FLEX_IN_GRAPH": "1", "CUDA_VISIBLE_DEVICES": ""}
     # "tune_recipes" in argv: the hooks apply to the recipe's process only (``_IS_RECIPE``).
     out = subprocess.run([sys.executable, "-c", _FLEX_PROBE, "tune_recipes"], env=env,
                          capture_output=True, text=True, timeout=600)
@@ -293,6 +309,7 @@ def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph(tmp_pat
     rel = [float(line.split()[1]) for line in lines if line.startswith("max_rel")]
     assert len(rel) == 2 and max(rel) < 1e-6, out.stdout
     assert "graphs 1 breaks 0" in out.stdout, out.stdout
+    assert "eager: torchtune's call" in out.stdout, out.stdout
 
 
 def test_the_results_name_the_code_commit(monkeypatch):
