@@ -246,6 +246,11 @@ CASES = {
                head=True, **_FAST_1B, fp8_mlp_activations=True),
             _v("ours_best_model_fast_mlp8_l1", "ours", "ours: the same, first layer's MLP only",
                head=True, **_CLAIM_1B),
+            # The claim with grouped-query k/v handed to SDPA as projected (bench hook
+            # BENCH_SDPA_GQA): torchtune's copies expanded to 32 heads, saved for backward, are
+            # ~0.75 GiB here; the claim's memory margin is 0.004 of stock's.
+            _v("ours_claim_gqa", "ours", "ours: the claim, k/v not expanded for attention (SDPA enable_gqa)",
+               ref="ours_best_model_fast_mlp8_l1", env={"BENCH_HOOKS": "1", "BENCH_SDPA_GQA": "1"}, **_CLAIM_1B),
             # Issue #15's rowwise lever at recipe level (until now measured on projection stacks,
             # 0.89-0.97x bf16): session 11's best with fp8_recipe_name rowwise.
             _v("ours_best_model_cstep_rowwise", "ours",
@@ -441,6 +446,8 @@ CASES = {
             _v("ours_fp8_ain_embcpu_t20", "ours",
                "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory + 20 layers' weights also transposed",
                head=True, **_CLAIM_8B_LORA),
+            _v("ours_fp8_ain_embcpu_t20_gqa", "ours", "ours: the claim, k/v not expanded for attention (SDPA enable_gqa)",
+               ref="ours_fp8_ain_embcpu_t20", env={"BENCH_HOOKS": "1", "BENCH_SDPA_GQA": "1"}, **_CLAIM_8B_LORA),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
             # Where the time goes at 8B: each side's best under torch.profiler (steps 7-9).

@@ -5,7 +5,7 @@
 #   (<hash>: `git rev-parse --short HEAD` run here, written into the command: the machine's copy of
 #   the tree has no .git; BENCH_COMMIT puts the commit in the results' meta)
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -528,6 +528,13 @@ for step in "$@"; do
             timeout 520 python3 scripts/bench_recipes.py --preset curves --cases full_1b_curve \
               --work /tmp/bw --run-timeout 300 --out "$OUT/s17h_curves_full_1b.json" > /tmp/speed_s17h.log 2>&1
             finish_bench s17h ;;
+    s17i)   # Later (~8 min; each new ours graph compiles ~170 s on a fresh machine): the 1B claim with
+            # grouped-query k/v handed to SDPA unexpanded (bench hook BENCH_SDPA_GQA: ~0.75 GiB of
+            # expanded copies fewer saved for backward?) beside the claim and stock, 2 alternating reps.
+            timeout 560 python3 scripts/bench_recipes.py --cases full_1b --reps 2 \
+              --only stock_best,ours_best_model_fast_mlp8_l1,ours_claim_gqa \
+              --work /tmp/bw --run-timeout 300 --out "$OUT/s17i_gqa_full_1b.json" > /tmp/speed_s17i.log 2>&1
+            finish_bench s17i ;;
     s16g)   # (run 2026-12-02 as the session's last call, ~2 min after s16e on the same machine: its 8B
             # checkpoint) stock's lora_8b_curve once more: the stock-against-stock spread of the curve.
             ensure_ckpt8b

@@ -33,6 +33,12 @@ BENCH_FP8_FAST_ACCUM, FP8 fast accumulation in the backward products, is now the
   compiled flex attention behind ``torch.compiler.disable``, which cuts every layer's graph in
   two (session 10: the packed 1B ran 1.094x, against 1.3x on fixed-length batches). Only with
   ``compile: True``: eagerly, flex_attention runs its unfused reference.
+- BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
+  projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
+  query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
+  backward: ~0.75 GiB at the 1B (16 layers x 50 MB), ~1.6 GB at 8B. It slices the expanded
+  copy back (``k[:, ::group]``), so only while torch.compile traces, where the copy is never
+  made: the slice reads the projections' values directly.
 """
 import os
 import sys
@@ -147,3 +153,30 @@ if os.environ.get("BENCH_FLEX_IN_GRAPH") == "1" and _IS_RECIPE:
 
     # MultiHeadAttention.__init__ calls the factory through its module's globals.
     tt_attention._sdpa_or_flex_attention = _attention_traced_on_block_masks
+
+if os.environ.get("BENCH_SDPA_GQA") == "1" and _IS_RECIPE:
+    import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
+    import torch
+    from torchtune.modules import attention as tt_attention
+
+    _mha_init = tt_attention.MultiHeadAttention.__init__
+
+    def _init_with_grouped_kv(self, *args, **kwargs):
+        _mha_init(self, *args, **kwargs)
+        group = self.num_heads // self.num_kv_heads
+        if group == 1:
+            return
+        expanded_call = self._attention_call
+
+        def _attention_call(q, k, v, mask, dropout_p, is_causal):
+            # k, v: [b, num_kv_heads * group, s, d], query head h reading kv head h // group,
+            # as enable_gqa pairs them; every group-th head is the projection's own.
+            if mask is None and torch.compiler.is_compiling():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k[:, ::group], v[:, ::group], dropout_p=dropout_p, is_causal=is_causal,
+                    enable_gqa=True)
+            return expanded_call(q, k, v, mask, dropout_p, is_causal)
+
+        self._attention_call = _attention_call
+
+    tt_attention.MultiHeadAttention.__init__ = _init_with_grouped_kv

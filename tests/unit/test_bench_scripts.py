@@ -312,6 +312,54 @@ def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph(tmp_pat
     assert "eager: torchtune's call" in out.stdout, out.stdout
 
 
+_GQA_PROBE = """
+import torch
+from tune_recipes.models.tiny import tiny_llama3
+
+gqa_flags = []
+
+
+def recording_backend(gm, example_inputs):  # what the compiled graph calls, run eagerly
+    gqa_flags.extend(n.kwargs.get("enable_gqa", False) for n in gm.graph.nodes
+                     if "scaled_dot_product_attention" in str(n.target))
+    return gm.forward
+
+
+torch.manual_seed(0)
+model = tiny_llama3()
+tokens = torch.randint(0, 272, (2, 64))
+out = torch.compile(model, backend=recording_backend)(tokens)
+out.pow(2).mean().backward()
+grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+model.zero_grad()
+ref = model(tokens)  # eagerly: torchtune's expanded copies
+ref.pow(2).mean().backward()
+print("gqa", sum(gqa_flags), "of", len(gqa_flags))
+print("logits_rel", float((out - ref).abs().max() / ref.abs().max()))
+print("grad_rel", max(float((grads[n] - p.grad).norm() / p.grad.norm()) for n, p in model.named_parameters()))
+"""
+
+
+def test_the_sdpa_gqa_hook_hands_unexpanded_kv_to_attention_with_the_same_gradients():
+    """BENCH_SDPA_GQA=1: in the compiled graph, each layer's SDPA takes k/v with the tiny
+    model's 2 kv heads (``enable_gqa``) instead of torchtune's copies expanded to its 8 query
+    heads; logits and every parameter's gradient equal the eager model's (fp32, 1e-6 relative).
+    Whether the copies are gone from memory is the GPU's to show (inductor; here the graph runs
+    eagerly)."""
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "bench_hooks"), str(SCRIPTS.parent)]),
+           "BENCH_SDPA_GQA": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", _GQA_PROBE, "tune_recipes"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gqa 2 of 2" in out.stdout, out.stdout  # both layers
+    values = {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines()
+              if line.startswith(("logits_rel", "grad_rel"))}
+    assert values["logits_rel"] < 1e-6 and values["grad_rel"] < 1e-6, out.stdout
+
+
 def test_the_results_name_the_code_commit(monkeypatch):
     """The GPU machine's copy of the tree has no .git: BENCH_COMMIT, set in the command, names
     the commit; here, in a clone, git's HEAD does (session 15's files lacked it)."""
