@@ -530,7 +530,8 @@ for step in "$@"; do
             finish_bench s17h ;;
     s17i)   # Later (~8 min; each new ours graph compiles ~170 s on a fresh machine): the 1B claim with
             # grouped-query k/v handed to SDPA unexpanded (bench hook BENCH_SDPA_GQA: ~0.75 GiB of
-            # expanded copies fewer saved for backward?) beside the claim and stock, 2 alternating reps.
+            # expanded copies fewer saved for backward?) once, beside the claim and stock (2 alternating
+            # reps each; the peak memory is the same every run).
             timeout 560 python3 scripts/bench_recipes.py --cases full_1b --reps 2 \
               --only stock_best,ours_best_model_fast_mlp8_l1,ours_claim_gqa \
               --work /tmp/bw --run-timeout 300 --out "$OUT/s17i_gqa_full_1b.json" > /tmp/speed_s17i.log 2>&1
