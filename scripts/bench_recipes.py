@@ -110,6 +110,25 @@ def _capped(gib: float) -> dict:
     BENCH_MEMORY_CAP_GIB), as on a smaller GPU; the CUDA context (~0.5 GiB) is outside it."""
     return {"BENCH_HOOKS": "1", "BENCH_MEMORY_CAP_GIB": str(gib)}
 
+
+def _stock_on_a_smaller_gpu(gpu_gib: int, micro_batch: int) -> list:
+    """Stock's three options on a GPU of ``gpu_gib`` GiB (the allocator capped 0.5 GiB below):
+    its best as is, with activation checkpointing, and at half the micro-batch
+    (``micro_batch``) with GA 2 (s16d/s16e ran the first two), named ``stock_best_<N>g``,
+    ``stock_ac_<N>g``, ``stock_ga2_<N>g``."""
+    cap = gpu_gib - 0.5
+    common = dict(loss=_CHUNKED, compile=True, env=_capped(cap))
+    return [
+        _v(f"stock_best_{gpu_gib}g", "stock",
+           f"stock: compile, allocator capped at {cap} GiB (a {gpu_gib} GiB GPU)", **common),
+        _v(f"stock_ac_{gpu_gib}g", "stock",
+           f"stock: compile + activation checkpointing, capped at {cap} GiB",
+           enable_activation_checkpointing=True, **common),
+        _v(f"stock_ga2_{gpu_gib}g", "stock",
+           f"stock: compile, batch {micro_batch} x GA 2, capped at {cap} GiB",
+           batch_size=micro_batch, gradient_accumulation_steps=2, **common),
+    ]
+
 CASES = {
     # A CPU dry run of the whole pipeline (checks configs and both CLIs; numbers meaningless).
     "tiny_cpu": dict(
@@ -162,14 +181,7 @@ CASES = {
             # What ours' memory buys, on a 20 GiB GPU (the allocator capped at 19.5 GiB): stock's
             # best reserved ~21.9 GiB (s15), ours' claim ~16.6; stock would need activation
             # checkpointing (its shipped config's default) there. The capped runs show which fit.
-            _v("stock_best_20g", "stock", "stock: compile, allocator capped at 19.5 GiB (a 20 GiB GPU)",
-               loss=_CHUNKED, compile=True, env=_capped(19.5)),
-            _v("stock_ac_20g", "stock", "stock: compile + activation checkpointing, capped at 19.5 GiB",
-               loss=_CHUNKED, compile=True, enable_activation_checkpointing=True, env=_capped(19.5)),
-            # Stock's third option there, half the micro-batch (s16d ran without it).
-            _v("stock_ga2_20g", "stock", "stock: compile, batch 2 x GA 2, capped at 19.5 GiB",
-               loss=_CHUNKED, compile=True, batch_size=2, gradient_accumulation_steps=2,
-               env=_capped(19.5)),
+            *_stock_on_a_smaller_gpu(20, micro_batch=2),
             _v("ours_claim_20g", "ours", "ours: the claimed settings, capped at 19.5 GiB",
                env=_capped(19.5), **_CLAIM_1B),
             # Session 9's best (per-layer compile); the head row is now ours_best_model_step.
@@ -389,13 +401,7 @@ CASES = {
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
             # What ours' memory buys, on a 24 GiB GPU (capped at 23.5 GiB): stock's best allocates
             # 34.86 GiB; ours without transposed weights 21.43 (~22.6 reserved, s15e's QLoRA twin).
-            _v("stock_best_24g", "stock", "stock: compile, allocator capped at 23.5 GiB (a 24 GiB GPU)",
-               loss=_CHUNKED, compile=True, env=_capped(23.5)),
-            _v("stock_ac_24g", "stock", "stock: compile + activation checkpointing, capped at 23.5 GiB",
-               loss=_CHUNKED, compile=True, enable_activation_checkpointing=True, env=_capped(23.5)),
-            _v("stock_ga2_24g", "stock", "stock: compile, batch 1 x GA 2, capped at 23.5 GiB",
-               loss=_CHUNKED, compile=True, batch_size=1, gradient_accumulation_steps=2,
-               env=_capped(23.5)),
+            *_stock_on_a_smaller_gpu(24, micro_batch=1),
             _v("ours_fp8_ain_embcpu_24g", "ours",
                "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory, capped at 23.5 GiB",
                env=_capped(23.5), **_FP8_LORA),
