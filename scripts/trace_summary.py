@@ -72,14 +72,13 @@ def summarize(path: Path) -> None:
     kernels = [e for e in events if e.get("cat") in DEVICE_WORK and "dur" in e]
     # Each step is annotated twice (a CPU op and a GPU user annotation of the same name): count
     # names; the wall time is the CPU annotations' (the last can run on to the profiler's stop).
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
-             and e.get("cat") != "gpu_user_annotation"]
+    steps = _profiled_steps(events)
     n_steps = max(1, len({s["name"] for s in steps}))
     all_work = kernels  # the GPU's idle gaps count any work, whoever queued it
     kernels, queued_before = _launched_in_steps(events, kernels, steps)
     by_kind = {}
     for k in kernels:
-        kind = next((name for name, pat in KINDS if pat.search(k["name"])), "other")
+        kind = _kind(k["name"])
         by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"] / 1000
     busy = union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
     wall = sorted(s["dur"] for s in steps)[len(steps) // 2] / 1000 * n_steps if steps else 0.0  # median
@@ -119,6 +118,18 @@ def summarize(path: Path) -> None:
         idle(events, all_work, steps, n_steps)
     for op_name in SCOPES:
         scope(events, kernels, op_name, n_steps)
+
+
+def _profiled_steps(events):
+    """The ProfilerStep annotations' host side. Each step is annotated twice (a CPU op and a
+    GPU user annotation of the same name); the CPU one's time is the wall time."""
+    return [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
+            and e.get("cat") != "gpu_user_annotation"]
+
+
+def _kind(kernel_name: str) -> str:
+    """The first of KINDS whose pattern matches the kernel's name, else "other"."""
+    return next((name for name, pat in KINDS if pat.search(kernel_name)), "other")
 
 
 def _innermost(ops, queries, depth=1):
@@ -238,8 +249,7 @@ def scope(events, work, op_name, n_steps) -> None:
     """The device work launched while a host op named ``op_name`` ran, on the op's thread, per
     step: its host time, its kernels summed by kind, their span on the GPU per call, and the
     gaps between them (launch latency and anything else that kept the GPU from its next kernel)."""
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and "dur" in e
-             and e.get("cat") != "gpu_user_annotation"]
+    steps = _profiled_steps(events)
     lo, hi = _window(steps) if steps else (float("-inf"), float("inf"))
     ops = sorted((e for e in events if e.get("name") == op_name and e.get("cat") in HOST_OPS
                   and "dur" in e and lo <= e["ts"] <= hi), key=lambda e: (e["ts"], -e["dur"]))
@@ -267,7 +277,7 @@ def scope(events, work, op_name, n_steps) -> None:
         mine.sort(key=lambda k: k["ts"])
         count += len(mine)
         for k in mine:
-            kind = next((name for name, pat in KINDS if pat.search(k["name"])), "other")
+            kind = _kind(k["name"])
             by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"] / 1000
         if mine:
             span += (max(k["ts"] + k["dur"] for k in mine) - mine[0]["ts"]) / 1000

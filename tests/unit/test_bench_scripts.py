@@ -230,7 +230,6 @@ def test_the_memory_cap_hook_applies_to_ours_and_stocks_training_process_only(tm
     tune_recipes``, stock through its recipe file) and nothing else (inductor's workers): a
     script in a ``recipes`` folder counts, another does not."""
     import os
-    import subprocess
     import sys
 
     probe = "import sys; print('torch' in sys.modules)"
@@ -244,6 +243,22 @@ def test_the_memory_cap_hook_applies_to_ours_and_stocks_training_process_only(tm
         assert out.returncode == 0, out.stderr
         seen[name] = out.stdout.strip()
     assert seen == {"recipes/lora_finetune_single_device.py": "True", "other.py": "False"}
+
+
+def _run_hook_probe(code: str, **hook_env):
+    """``code`` run in a fresh Python whose argv names tune_recipes (the hooks apply to the
+    recipe's process only, ``_IS_RECIPE``), scripts/bench_hooks first on its path, ``hook_env``
+    set and CUDA hidden (torchtune would make packed masks on a GPU); its output, after it
+    exited cleanly."""
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "bench_hooks"), str(SCRIPTS.parent)]),
+           "CUDA_VISIBLE_DEVICES": "", **hook_env}
+    out = subprocess.run([sys.executable, "-c", code, "tune_recipes"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
 
 
 _FLEX_PROBE = """
@@ -287,7 +302,7 @@ except TypeError:
 """
 
 
-def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph(tmp_path):
+def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph():
     """BENCH_FLEX_IN_GRAPH=1: on a packed batch's BlockMask, attention is ``flex_attention``
     traced by torch.compile (torchtune's call sits behind ``torch.compiler.disable``, a graph
     break in every layer). Checked on the CPU (forward: CPU flex attention has no backward):
@@ -296,15 +311,7 @@ def test_the_flex_in_graph_hook_compiles_packed_attention_into_one_graph(tmp_pat
     hook hands the BlockMask to torchtune's own call (CPU: SDPA, which cannot take one), so
     with the hook or its compile-only gate broken the probe fails. CUDA is hidden: torchtune
     would make its masks on the GPU."""
-    import os
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "bench_hooks"), str(SCRIPTS.parent)]),
-           "BENCH_FLEX_IN_GRAPH": "1", "CUDA_VISIBLE_DEVICES": ""}
-    # "tune_recipes" in argv: the hooks apply to the recipe's process only (``_IS_RECIPE``).
-    out = subprocess.run([sys.executable, "-c", _FLEX_PROBE, "tune_recipes"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_hook_probe(_FLEX_PROBE, BENCH_FLEX_IN_GRAPH="1")
     lines = out.stdout.split("\n")
     rel = [float(line.split()[1]) for line in lines if line.startswith("max_rel")]
     assert len(rel) == 2 and max(rel) < 1e-6, out.stdout
@@ -346,14 +353,7 @@ def test_the_sdpa_gqa_hook_hands_unexpanded_kv_to_attention_with_the_same_gradie
     heads; logits and every parameter's gradient equal the eager model's (fp32, 1e-6 relative).
     Whether the copies are gone from memory is the GPU's to show (inductor; here the graph runs
     eagerly)."""
-    import os
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "bench_hooks"), str(SCRIPTS.parent)]),
-           "BENCH_SDPA_GQA": "1", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-c", _GQA_PROBE, "tune_recipes"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_hook_probe(_GQA_PROBE, BENCH_SDPA_GQA="1")
     assert "gqa 2 of 2" in out.stdout, out.stdout  # both layers
     values = {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines()
               if line.startswith(("logits_rel", "grad_rel"))}
