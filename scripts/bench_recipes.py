@@ -592,6 +592,12 @@ CASES = {
             _v("stock_best", "stock", "stock: compile, NF4, lr 1e-3", loss=_CHUNKED, compile=True),
             _v("ours_claim", "ours", "ours: FP8 base instead of NF4 (qlora_8b's ours_fp8_instead), lr 1e-3",
                ref="stock_best", model=_LORA_8B["model"], **_FP8_LORA),
+            # The same pair at torchtune's 8B QLoRA learning rate, 3e-4 (s17b: at 1e-3 one of
+            # stock's two NF4 runs ended 1.1% above the other on the last-20 mean, with 33 spikes).
+            _v("stock_best_lr3e4", "stock", "stock: compile, NF4, lr 3e-4", loss=_CHUNKED, compile=True,
+               optimizer=_LR3E4),
+            _v("ours_claim_lr3e4", "ours", "ours: FP8 base instead of NF4, lr 3e-4",
+               ref="stock_best_lr3e4", model=_LORA_8B["model"], optimizer=_LR3E4, **_FP8_LORA),
         ],
     ),
 }
@@ -876,6 +882,41 @@ def loss_curves(rows: list) -> list:
     return found
 
 
+def curve_runs(rows: list) -> list:
+    """Every run of a curve variant that has a reference, and of that reference, side by side:
+    each run's last-20 mean, mean of the 5-step rolling medians over the last 50 steps, and
+    spike count; the median over runs of the rolling-median statistic on each side, their
+    relative gap, and how many of the variant's runs lie above and below its reference's range.
+    NOTE: at lr 1e-3 the 8B curves diverge between identical runs from step 1 (nondeterministic
+    kernels) and a single run can end in a spike episode (s17a: +1.4% on the last-20 mean
+    against its own repeat), so one pair of runs says little; this pools every run that
+    ``merge_rows`` numbered, from one bench run or several."""
+    tail = lambda xs, k: xs[max(0, len(xs) - k):]
+    by = {}
+    for r in rows:
+        if "error" not in r and r.get("losses"):
+            losses = r["losses"]
+            by.setdefault((r["case"], r["variant"]), []).append(
+                {"rep": r.get("rep", 0), "last20": round(statistics.mean(tail(losses, 20)), 4),
+                 "rolling_last50": round(statistics.mean(tail(_rolling_median(losses), 50)), 4),
+                 "spikes": _spikes(losses)})
+    found = []
+    for (case, name), runs in by.items():
+        ref_name = _curve_ref(case, name)
+        ref_runs = by.get((case, ref_name))
+        if not ref_runs or len(runs) + len(ref_runs) < 3:  # one run a side: loss_curves says it all
+            continue
+        mid = statistics.median(r["rolling_last50"] for r in runs)
+        ref_mid = statistics.median(r["rolling_last50"] for r in ref_runs)
+        lo, hi = min(r["rolling_last50"] for r in ref_runs), max(r["rolling_last50"] for r in ref_runs)
+        found.append({"case": case, "variant": name, "ref": ref_name, "runs": runs, "ref_runs": ref_runs,
+                      "median_rolling_last50": round(mid, 4), "ref_median_rolling_last50": round(ref_mid, 4),
+                      "gap_rel": round((mid - ref_mid) / ref_mid, 5),
+                      "above_ref_range": sum(r["rolling_last50"] > hi for r in runs),
+                      "below_ref_range": sum(r["rolling_last50"] < lo for r in runs)})
+    return found
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -952,6 +993,15 @@ def print_table(result: dict, path: Optional[Path] = None) -> None:
                if "median_abs_diff" in c else "")
             + (f", 5-step rolling medians' gap over the last 50 {c['rolling_median_gap_last50']:+}, "
                f"spikes {c['spikes_fp8']} vs {c['spikes_bf16']}" if "kind" in c else ""))
+    for c in result.get("curve_runs", []):
+        each = lambda runs, key: " / ".join(f"{r[key]}" for r in runs)
+        add(f"curve runs {c['case']} {c['variant']} ({len(c['runs'])} runs) vs {c['ref']} "
+            f"({len(c['ref_runs'])} runs): last-20 means {each(c['runs'], 'last20')} vs "
+            f"{each(c['ref_runs'], 'last20')}; rolling-median last-50 means "
+            f"{each(c['runs'], 'rolling_last50')} vs {each(c['ref_runs'], 'rolling_last50')}, "
+            f"medians of runs {c['median_rolling_last50']} vs {c['ref_median_rolling_last50']} "
+            f"({100 * c['gap_rel']:+.2f}%), of {len(c['runs'])} runs {c['above_ref_range']} above and "
+            f"{c['below_ref_range']} below {c['ref']}'s range; spikes {each(c['runs'], 'spikes')} vs {each(c['ref_runs'], 'spikes')}")
     text = "\n".join(lines)
     print(text, flush=True)
     if path is not None:
@@ -998,6 +1048,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=None,
                     help="repetitions of the head variants (default 2; with --preset, PRESET_REPS)")
     ap.add_argument("--only", default=None, help="comma-separated variant names to run")
+    ap.add_argument("--every-rep", action="store_true",
+                    help="with --only: each named variant every repetition, in the --only order, "
+                         "alternating (without it a variant that is not a head runs once)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="instead of --cases: claim (stock's best vs ours' per case), curves (the "
                          "claims' 220-step loss curves vs stock's), memory (stock with activation "
@@ -1026,6 +1079,12 @@ def plan_runs(args, ap) -> dict:
             ap.error(f"--cases: {outside} not in --preset {args.preset} ({', '.join(PRESETS[args.preset])})")
         selection = {name: names for name, names in PRESETS[args.preset].items()
                      if not wanted or name in wanted}
+    elif args.every_rep:
+        if not args.only:
+            ap.error("--every-rep names its variants with --only")
+        listed = args.only.split(",")
+        selection = {name: [n for n in listed if n in {v["name"] for v in CASES[name]["variants"]}]
+                     for name in wanted}
     else:
         selection = {name: None for name in wanted}
     if args.reps is None:
@@ -1056,6 +1115,7 @@ def main():
         for name in dict.fromkeys(r["case"] for r in merged["rows"]):
             merged["summary"] += aggregate(name, CASES[name], [r for r in merged["rows"] if r["case"] == name])
         merged["loss_curves"] = loss_curves(merged["rows"])
+        merged["curve_runs"] = curve_runs(merged["rows"])
         out = Path(args.out)
         out.write_text(json.dumps(merged, indent=1))
         plot(merged, out.with_suffix(".png"))
@@ -1118,6 +1178,7 @@ def main():
             out.write_text(json.dumps(result, indent=1))  # after every run: a timeout keeps rows
         result["summary"] += aggregate(name, case, [r for r in result["rows"] if r["case"] == name])
     result["loss_curves"] = loss_curves(result["rows"])
+    result["curve_runs"] = curve_runs(result["rows"])
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print_table(result, out.with_suffix(".md"))

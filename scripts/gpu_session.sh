@@ -5,7 +5,7 @@
 #   (<hash>: `git rev-parse --short HEAD` run here, written into the command: the machine's copy of
 #   the tree has no .git; BENCH_COMMIT puts the commit in the results' meta)
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i s18a s18b s18c fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -473,33 +473,56 @@ for step in "$@"; do
             timeout 470 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
               --work /tmp/bw --run-timeout 220 --out "$OUT/s16e_memory_lora_8b.json" > /tmp/speed_s16e.log 2>&1
             finish_bench s16e ;;
-    s17a)   # Next (~8 min, the 8B checkpoint ~70 s of it): the 8B LoRA claim's curve against stock's, each
+    s18a)   # Next (~8 min, the 8B checkpoint ~70 s of it): the 8B LoRA claim's curve against stock's at
+            # torchtune's own lr 3e-4, each side twice more (s17f ran each once: matched, ours lower;
+            # merge with it for 3 runs a side).
+            ensure_ckpt8b
+            timeout 520 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 2 --every-rep \
+              --only stock_best_lr3e4,ours_claim_lr3e4 \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s18a_curves_lora_8b_lr3e4.json" > /tmp/speed_s18a.log 2>&1
+            finish_bench s18a ;;
+    s18b)   # Next (~8 min, after s18a on the same machine): the same for QLoRA, stock's NF4 against
+            # ours' FP8 base at lr 3e-4 (torchtune's 8B QLoRA learning rate), each side twice.
+            ensure_ckpt8b
+            timeout 520 python3 scripts/bench_recipes.py --cases qlora_8b_curve --reps 2 --every-rep \
+              --only stock_best_lr3e4,ours_claim_lr3e4 \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s18b_curves_qlora_8b_lr3e4.json" > /tmp/speed_s18b.log 2>&1
+            finish_bench s18b ;;
+    s18c)   # Next (~4 min, after s18a): at lr 1e-3, the 8B LoRA claim without FP8 adapter inputs, twice
+            # (s17a: one of ours' 3 runs ended in a spike episode above all 4 of stock's; merge with
+            # s16b, s16g and s17a for stock's runs).
+            ensure_ckpt8b
+            timeout 400 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 2 --every-rep \
+              --only ours_claim_no_ain \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s18c_curves_lora_8b_no_ain.json" > /tmp/speed_s18c.log 2>&1
+            finish_bench s18c ;;
+    s17a)   # (run 2026-12-02, session 17, 438 s): the 8B LoRA claim's curve against stock's, each
             # side twice (preset curves, 2 reps): s16b's gap read against each side's own run-to-run
             # spread (s16b/s16g: stock's two runs 0.06% apart on the last-20 mean, spikes at lr 1e-3).
             ensure_ckpt8b
             timeout 500 python3 scripts/bench_recipes.py --preset curves --cases lora_8b_curve \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s17a_curves_lora_8b.json" > /tmp/speed_s17a.log 2>&1
             finish_bench s17a ;;
-    s17b)   # Next (~7 min, after s17a on the same machine): the same for QLoRA, stock's NF4 against ours'
+    s17b)   # (run 2026-12-02, session 17, after s17a): the same for QLoRA, stock's NF4 against ours'
             # FP8 base (s16c: ours 0.87% above on the last-20 mean, 20 spikes against 17).
             ensure_ckpt8b
             timeout 500 python3 scripts/bench_recipes.py --preset curves --cases qlora_8b_curve \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s17b_curves_qlora_8b.json" > /tmp/speed_s17b.log 2>&1
             finish_bench s17b ;;
-    s17c)   # Next (~6 min; ours' first 1B run on a fresh machine compiles ~170 s): stock's third option on a
+    s17c)   # (run 2026-12-02, session 17): stock's third option on a
             # 20 GiB GPU, half the micro-batch with GA 2, beside stock's uncapped best and ours capped on
             # the same machine (s16d ran stock's best, out of memory there, and stock checkpointed).
             timeout 500 python3 scripts/bench_recipes.py --preset memory --cases full_1b \
               --only stock_best,stock_ga2_20g,ours_claim_20g \
               --work /tmp/bw --run-timeout 250 --out "$OUT/s17c_memory_ga2_full_1b.json" > /tmp/speed_s17c.log 2>&1
             finish_bench s17c ;;
-    s17e)   # Next (~4 min): the same at 8B LoRA on a 24 GiB GPU, stock at batch 1 x GA 2 (s16e).
+    s17e)   # (run 2026-12-02, session 17): the same at 8B LoRA on a 24 GiB GPU, stock at batch 1 x GA 2 (s16e).
             ensure_ckpt8b
             timeout 450 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
               --only stock_best,stock_ga2_24g,ours_fp8_ain_embcpu_24g \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s17e_memory_ga2_lora_8b.json" > /tmp/speed_s17e.log 2>&1
             finish_bench s17e ;;
-    s17f)   # Next (~4 min, after s17a on the same machine): the 8B LoRA claim's curve against stock's
+    s17f)   # (run 2026-12-02, session 17, after s17a): the 8B LoRA claim's curve against stock's
             # at torchtune's own 8B LoRA learning rate, 3e-4 (fewer spikes than at 1e-3?), one run each.
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 1 \

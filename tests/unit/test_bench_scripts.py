@@ -195,6 +195,38 @@ def test_merged_runs_keep_every_repetition_and_compare_a_repeat_with_the_first()
     assert pairs[("repeat", "stock_best", 1, 0)]["max_abs_diff"] == 0.5
 
 
+def test_every_run_of_a_curve_and_of_its_reference_is_pooled_with_the_medians_gap(capsys):
+    """s17a: one of ours' runs ended in a spike episode that its own repeat did not; a gap read
+    from one pair of runs is then mostly chance. Pooled over runs (merged from several bench
+    runs), each side's median of the rolling-median last-50 means is compared, and each of
+    ours' runs is placed against the range of stock's runs."""
+    bench = _module("bench_recipes")
+    flat = lambda level: [level] * 60
+    spiked = flat(2.0)
+    spiked[52] = spiked[57] = 3.0                          # two single-step spikes in the tail
+    stock = [dict(case="lora_8b_curve", variant="stock_best", rep=0, losses=flat(2.0))]
+    again = [dict(case="lora_8b_curve", variant="stock_best", rep=0, losses=flat(2.1)),
+             dict(case="lora_8b_curve", variant="ours_claim", rep=0, losses=flat(2.2)),
+             dict(case="lora_8b_curve", variant="ours_claim", rep=1, losses=spiked),
+             dict(case="lora_8b_curve", variant="ours_claim", rep=2, losses=flat(1.9)),
+             dict(case="lora_8b_curve", variant="ours_claim", rep=3, error="x")]
+    (pooled,) = bench.curve_runs(bench.merge_rows([stock, again]))
+    assert (pooled["variant"], pooled["ref"]) == ("ours_claim", "stock_best")
+    assert [r["rolling_last50"] for r in pooled["ref_runs"]] == [2.0, 2.1]
+    ours = {r["rep"]: r for r in pooled["runs"]}
+    assert set(ours) == {0, 1, 2}                            # the failed run is left out
+    assert ours[1]["spikes"] == 2 and ours[1]["last20"] == 2.1
+    assert ours[1]["rolling_last50"] == 2.0                  # the rolling medians drop the spikes
+    assert pooled["median_rolling_last50"] == 2.0            # of 2.2, 2.0, 1.9
+    assert pooled["ref_median_rolling_last50"] == 2.05
+    assert pooled["above_ref_range"] == 1 and pooled["below_ref_range"] == 1  # 2.2 above, 1.9 below
+    bench.print_table({"summary": [], "curve_runs": [pooled]})
+    out = capsys.readouterr().out
+    assert "ours_claim (3 runs) vs stock_best (2 runs)" in out and "1 above and 1 below" in out
+    # one run a side: the pair's own comparison (loss_curves) says it all
+    assert bench.curve_runs([stock[0], again[1]]) == []
+
+
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
     bench = _module("bench_recipes")
     for preset, selection in bench.PRESETS.items():
@@ -211,9 +243,26 @@ def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order
     assert len(order) == 2 * len(heads) + len(case["variants"]) - len(heads)
 
 
+def test_every_rep_runs_the_only_variants_of_each_case_every_repetition():
+    """s18a: the lr 3e-4 curves are levers (not heads), which run once under --reps 2 unless
+    --every-rep runs each --only variant every repetition, in alternating order, per case."""
+    bench = _module("bench_recipes")
+    ap = bench.build_parser()
+    argv = ["--cases", "lora_8b_curve,qlora_8b_curve", "--only", "stock_best_lr3e4,ours_claim_lr3e4",
+            "--reps", "2"]
+    pair = ["stock_best_lr3e4", "ours_claim_lr3e4"]
+    plan = bench.plan_runs(ap.parse_args(argv + ["--every-rep"]), ap)
+    for case in ("lora_8b_curve", "qlora_8b_curve"):
+        assert [(rep, v["name"]) for rep, v in plan[case]] == [(0, n) for n in pair] + [(1, n) for n in pair[::-1]]
+    once = bench.plan_runs(ap.parse_args(argv), ap)       # without it: each lever once
+    assert [(rep, v["name"]) for rep, v in once["lora_8b_curve"]] == [(0, n) for n in pair]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "memory", "--cases", "full_1b,qlora_8b"], "['qlora_8b'] not in --preset memory"),
     (["--cases", "full_1b,ful_8b"], "no case(s) ['ful_8b']"),
+    (["--cases", "lora_8b_curve", "--every-rep"], "--every-rep names its variants with --only"),
+    (["--cases", "lora_8b_curve", "--every-rep", "--only", "ours_claim_lr3e"], "ours_claim_lr3e"),
 ])
 def test_a_case_outside_the_preset_or_unknown_is_refused_before_any_run(argv, message, monkeypatch, capsys, tmp_path):
     bench = _module("bench_recipes")
