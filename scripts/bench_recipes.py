@@ -1110,7 +1110,12 @@ def main():
     args = ap.parse_args()
     if args.merge:
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        merged = {"meta": {**parts[0]["meta"], "merged_from": args.merge},
+        # The runs' own commands and commits stay with each part: "commit" and "command" here
+        # are the merge's (the first part's would misname every other part's runs).
+        merged = {"meta": {**parts[0]["meta"], "command": " ".join(sys.argv), "commit": code_commit(),
+                           "merged_from": args.merge,
+                           "parts": [{k: part["meta"].get(k) for k in ("command", "commit", "date")}
+                                     for part in parts]},
                   "rows": merge_rows([part["rows"] for part in parts]), "summary": []}
         for name in dict.fromkeys(r["case"] for r in merged["rows"]):
             merged["summary"] += aggregate(name, CASES[name], [r for r in merged["rows"] if r["case"] == name])

@@ -227,6 +227,27 @@ def test_every_run_of_a_curve_and_of_its_reference_is_pooled_with_the_medians_ga
     assert bench.curve_runs([stock[0], again[1]]) == []
 
 
+def test_a_merge_of_recorded_runs_pools_them_and_names_each_parts_command_and_commit(tmp_path, monkeypatch):
+    """Session 17 pooled s16b (no commit recorded) with s17a (25f1a00) from docs/results: the
+    merged file names the merge's own command and each part's, not the first part's alone."""
+    import json
+
+    bench = _module("bench_recipes")
+    results = SCRIPTS.parent / "docs" / "results"
+    parts = [results / "2026-12-02_issue15_s16b_curve_lora_8b_h200.json",
+             results / "2026-12-02_issue15_s17a_curves_lora_8b_h200.json"]
+    out = tmp_path / "merged.json"
+    monkeypatch.setattr("sys.argv", ["bench_recipes.py", "--merge", *map(str, parts), "--out", str(out)])
+    bench.main()
+    merged = json.loads(out.read_text())
+    assert "--merge" in merged["meta"]["command"]
+    assert [p["commit"] for p in merged["meta"]["parts"]] == [None, "25f1a00"]
+    assert "s16b_curve_lora_8b" in merged["meta"]["parts"][0]["command"]
+    (pooled,) = merged["curve_runs"]                     # ours' claim: 1 + 2 runs, stock's 1 + 2
+    assert len(pooled["runs"]) == 3 and len(pooled["ref_runs"]) == 3
+    assert out.with_suffix(".png").exists() and "curve runs" in out.with_suffix(".md").read_text()
+
+
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
     bench = _module("bench_recipes")
     for preset, selection in bench.PRESETS.items():
