@@ -947,7 +947,10 @@ def plot(result: dict, path: Path) -> None:
             ax.set_title(f"{case}: {title}", fontsize=9)
     if curves:
         rows = {(r["case"], r["variant"], r.get("rep", 0)): r for r in result["rows"] if "losses" in r}
-        for i, c in enumerate(curves[:2]):
+        # With a pool of runs (curve_runs), the second panel shows every run of the first pooled
+        # pair as 5-step rolling medians (the statistic the pool compares) instead of rep 1's pair.
+        pooled = result.get("curve_runs", [])[:1]
+        for i, c in enumerate(curves[:2 - len(pooled)]):
             ax = axes[i][ncol - 1]
             for name, rep, style in ((c["bf16"], c.get("rep_bf16", 0), "-"),
                                      (c["fp8"], c.get("rep_fp8", 0), "--")):
@@ -956,7 +959,18 @@ def plot(result: dict, path: Path) -> None:
                          fontsize=9)
             ax.set_xlabel("step")
             ax.legend(fontsize=8)
-        for i in range(len(curves[:2]), 2):
+        for p in pooled:
+            ax = axes[1][ncol - 1]
+            for name, runs, color, style in ((p["ref"], p["ref_runs"], "tab:gray", "-"),
+                                              (p["variant"], p["runs"], "tab:orange", "--")):
+                for k, run_stats in enumerate(runs):
+                    ax.plot(_rolling_median(rows[(p["case"], name, run_stats["rep"])]["losses"]), style,
+                            color=color, linewidth=1, label=f"{name}, {len(runs)} runs" if k == 0 else None)
+            ax.set_title(f"{p['case']}: 5-step rolling medians, every run ({100 * p['gap_rel']:+.2f}%)",
+                         fontsize=9)
+            ax.set_xlabel("step")
+            ax.legend(fontsize=8)
+        for i in range(min(len(curves), 2 - len(pooled)) + len(pooled), 2):
             axes[i][ncol - 1].axis("off")
     meta = result["meta"]
     fig.suptitle(f"tune-recipes vs torchtune 0.6.1, {meta['gpu']}, torch {meta['torch']}, {meta['date']}",
