@@ -5,7 +5,7 @@
 #   (<hash>: `git rev-parse --short HEAD` run here, written into the command: the machine's copy of
 #   the tree has no .git; BENCH_COMMIT puts the commit in the results' meta)
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i s18a s18b s18c fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i s18a s18b s18c s18d fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -496,6 +496,15 @@ for step in "$@"; do
               --only ours_claim_no_ain \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18c_curves_lora_8b_no_ain.json" > /tmp/speed_s18c.log 2>&1
             finish_bench s18c ;;
+    s18d)   # Later (~5 min, after s18a: its checkpoint): ours' step-0 loss differs between machines
+            # (s16 12.6249, s17 12.6291). Two runs compiled afresh on one machine, without and with
+            # inductor's deterministic mode (6 steps each); read each run's first losses in the JSON.
+            ensure_ckpt8b
+            timeout 400 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 2 --every-rep \
+              --only ours_claim_fresh,ours_claim_fresh_det \
+              --work /tmp/bw --run-timeout 180 --out "$OUT/s18d_fresh_compile_lora_8b.json" > /tmp/speed_s18d.log 2>&1
+            finish_bench s18d
+            python3 -c "import json,sys; [print(r['variant'], r['rep'], [round(x, 5) for x in r.get('losses', [])[:3]], r.get('error', '')[-200:]) for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/s18d_fresh_compile_lora_8b.json" ;;
     s17a)   # (run 2026-12-02, session 17, 438 s): the 8B LoRA claim's curve against stock's, each
             # side twice (preset curves, 2 reps): s16b's gap read against each side's own run-to-run
             # spread (s16b/s16g: stock's two runs 0.06% apart on the last-20 mean, spikes at lr 1e-3).
