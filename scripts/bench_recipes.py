@@ -575,9 +575,11 @@ CASES = {
                ref="stock_best", **{k: v for k, v in _CLAIM_8B_LORA.items() if k != "fp8_adapter_inputs"}),
             # Why ours' first loss differs between machines (12.6249 in session 16, 12.6291 in 17,
             # the same within each) while stock's moves 1e-4: each run compiles afresh (caches
-            # off), so two reps on one machine differ at step 0 if inductor's on-device
-            # benchmarking picks kernels that change the numerics, and the deterministic twin
-            # (which skips such benchmarking) should not. 6 steps: only the first losses matter.
+            # off). The telling comparison is fresh against fresh_det: if inductor's on-device
+            # benchmarking picks kernels that change the numerics, their step-0 losses differ, and
+            # the deterministic one (no such benchmarking) should match across machines in later
+            # sessions. Two fresh runs agreeing would not rule it out (one machine's timings
+            # usually pick the same). 6 steps: only the first losses matter.
             _v("ours_claim_fresh", "ours", "ours: the 8B LoRA claim, compiled afresh each run",
                steps=6, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}, **_CLAIM_8B_LORA),
             _v("ours_claim_fresh_det", "ours",
@@ -850,6 +852,15 @@ def _rolling_median(losses: list, half: int = 2) -> list:
     return [statistics.median(losses[max(0, i - half):i + half + 1]) for i in range(len(losses))]
 
 
+def _tail_stats(losses: list) -> dict:
+    """One run's end of curve, unrounded: the means of its last 20 and last 50 losses, the mean of
+    its 5-step rolling medians over the last 50 (one spike does not move it), its spike count."""
+    n = len(losses)
+    last50 = slice(max(0, n - 50), n)
+    return {"last20": statistics.mean(losses[max(0, n - 20):]), "last50": statistics.mean(losses[last50]),
+            "rolling_last50": statistics.mean(_rolling_median(losses)[last50]), "spikes": _spikes(losses)}
+
+
 def compare_curves(case: str, ref: dict, run: dict, kind: str) -> dict:
     """Two runs' losses step by step over their shared steps. NOTE: the keys "bf16" and "fp8"
     name the reference and the compared run (kept from the first FP8-vs-bf16 curves, which older
@@ -860,21 +871,18 @@ def compare_curves(case: str, ref: dict, run: dict, kind: str) -> dict:
     n = min(len(a), len(b))
     a, b = a[:n], b[:n]
     diffs = [abs(x - y) for x, y in zip(a, b)]
-    tail20, tail50 = slice(max(0, n - 20), n), slice(max(0, n - 50), n)
-    ra, rb = _rolling_median(a), _rolling_median(b)
+    sa, sb = _tail_stats(a), _tail_stats(b)
     return {"case": case, "kind": kind, "bf16": ref["variant"], "fp8": run["variant"],
             "rep_bf16": ref.get("rep", 0), "rep_fp8": run.get("rep", 0), "steps": n,
             "bf16_first_last": [a[0], a[n - 1]], "fp8_first_last": [b[0], b[n - 1]],
             "max_abs_diff": round(max(diffs), 4),
             "max_rel_diff": round(max(d / x for d, x in zip(diffs, a)), 4),
             "median_abs_diff": round(statistics.median(diffs), 4),
-            "max_abs_diff_last50": round(max(diffs[tail50]), 4),
-            "mean_last20_bf16": round(statistics.mean(a[tail20]), 4),
-            "mean_last20_fp8": round(statistics.mean(b[tail20]), 4),
-            "mean_last50_bf16": round(statistics.mean(a[tail50]), 4),
-            "mean_last50_fp8": round(statistics.mean(b[tail50]), 4),
-            "rolling_median_gap_last50": round(statistics.mean(rb[tail50]) - statistics.mean(ra[tail50]), 4),
-            "spikes_bf16": _spikes(a), "spikes_fp8": _spikes(b)}
+            "max_abs_diff_last50": round(max(diffs[max(0, n - 50):]), 4),
+            "mean_last20_bf16": round(sa["last20"], 4), "mean_last20_fp8": round(sb["last20"], 4),
+            "mean_last50_bf16": round(sa["last50"], 4), "mean_last50_fp8": round(sb["last50"], 4),
+            "rolling_median_gap_last50": round(sb["rolling_last50"] - sa["rolling_last50"], 4),
+            "spikes_bf16": sa["spikes"], "spikes_fp8": sb["spikes"]}
 
 
 def loss_curves(rows: list) -> list:
@@ -897,38 +905,53 @@ def curve_runs(rows: list) -> list:
     """Every run of a curve variant that has a reference, and of that reference, side by side:
     each run's last-20 mean, mean of the 5-step rolling medians over the last 50 steps, and
     spike count; the median over runs of the rolling-median statistic on each side, their
-    relative gap, and how many of the variant's runs lie above and below its reference's range.
+    relative gap, and (with 2+ reference runs) how many of the variant's runs lie above and below
+    the reference's range. Every run is cut to the pool's shortest, as ``compare_curves`` cuts a
+    pair; ``settings_differ`` names a side whose runs' overrides or env differ (a variant
+    redefined between merged runs).
     NOTE: at lr 1e-3 the 8B curves diverge between identical runs from step 1 (nondeterministic
     kernels) and a single run can end in a spike episode (s17a: +1.4% on the last-20 mean
     against its own repeat), so one pair of runs says little; this pools every run that
     ``merge_rows`` numbered, from one bench run or several."""
-    tail = lambda xs, k: xs[max(0, len(xs) - k):]
     by = {}
     for r in rows:
         if "error" not in r and r.get("losses"):
-            losses = r["losses"]
-            by.setdefault((r["case"], r["variant"]), []).append(
-                {"rep": r.get("rep", 0), "last20": round(statistics.mean(tail(losses, 20)), 4),
-                 "rolling_last50": round(statistics.mean(tail(_rolling_median(losses), 50)), 4),
-                 "spikes": _spikes(losses)})
+            by.setdefault((r["case"], r["variant"]), []).append(r)
     found = []
     for (case, name), runs in by.items():
         ref_name = _curve_ref(case, name)
         ref_runs = by.get((case, ref_name))
         if not ref_runs or len(runs) + len(ref_runs) < 3:  # one run a side: loss_curves says it all
             continue
-        mid = statistics.median(r["rolling_last50"] for r in runs)
-        ref_mid = statistics.median(r["rolling_last50"] for r in ref_runs)
-        lo, hi = min(r["rolling_last50"] for r in ref_runs), max(r["rolling_last50"] for r in ref_runs)
-        found.append({"case": case, "variant": name, "ref": ref_name, "runs": runs, "ref_runs": ref_runs,
+        steps = min(len(r["losses"]) for r in runs + ref_runs)
+
+        def stats(side):
+            out = []
+            for r in side:
+                t = _tail_stats(r["losses"][:steps])
+                out.append({"rep": r.get("rep", 0), "last20": round(t["last20"], 4),
+                            "rolling_last50": round(t["rolling_last50"], 4), "spikes": t["spikes"]})
+            return out
+
+        mine, theirs = stats(runs), stats(ref_runs)
+        mid = statistics.median(r["rolling_last50"] for r in mine)
+        ref_mid = statistics.median(r["rolling_last50"] for r in theirs)
+        lo, hi = min(r["rolling_last50"] for r in theirs), max(r["rolling_last50"] for r in theirs)
+        ranged = len(theirs) >= 2  # one reference run is a point, not a range
+        found.append({"case": case, "variant": name, "ref": ref_name, "steps": steps,
+                      "runs": mine, "ref_runs": theirs,
                       "median_rolling_last50": round(mid, 4), "ref_median_rolling_last50": round(ref_mid, 4),
                       "gap_rel": round((mid - ref_mid) / ref_mid, 5),
-                      "above_ref_range": sum(r["rolling_last50"] > hi for r in runs),
-                      "below_ref_range": sum(r["rolling_last50"] < lo for r in runs)})
+                      "above_ref_range": sum(r["rolling_last50"] > hi for r in mine) if ranged else None,
+                      "below_ref_range": sum(r["rolling_last50"] < lo for r in mine) if ranged else None,
+                      "settings_differ": [n for n, side in ((name, runs), (ref_name, ref_runs))
+                                          if len({json.dumps([r.get("overrides"), r.get("env")], sort_keys=True)
+                                                  for r in side}) > 1]})
     return found
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path) -> list:
+    """The chart (PNG at ``path``); returns the titles of the panels drawn, column by column."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -940,7 +963,12 @@ def plot(result: dict, path: Path) -> None:
     # before a second rep of the same case); "repeat" comparisons are in the table only.
     curves = sorted((c for c in result.get("loss_curves", []) if c.get("kind", "reference") == "reference"),
                     key=lambda c: c.get("rep_fp8", 0))
-    ncol = len(cases) + (1 if curves else 0)
+    # With a pool of runs (curve_runs), the last panel shows every run of the last pooled pair
+    # (a merge lists the newest variant last) as 5-step rolling medians, the statistic the pool
+    # compares; the curve panels above it take what is left of the two.
+    pooled = result.get("curve_runs", [])[-1:]
+    shown = curves[:2 - len(pooled)]
+    ncol = len(cases) + (1 if shown or pooled else 0)
     fig, axes = plt.subplots(2, max(ncol, 1), figsize=(5.5 * max(ncol, 1), 8), squeeze=False)
     for j, case in enumerate(cases):
         lines = [s for s in summary if s["case"] == case]
@@ -956,38 +984,39 @@ def plot(result: dict, path: Path) -> None:
             ax.set_xticks(range(len(lines)))
             ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
             ax.set_title(f"{case}: {title}", fontsize=9)
-    if curves:
-        rows = {(r["case"], r["variant"], r.get("rep", 0)): r for r in result["rows"] if "losses" in r}
-        # With a pool of runs (curve_runs), the second panel shows every run of the first pooled
-        # pair as 5-step rolling medians (the statistic the pool compares) instead of rep 1's pair.
-        pooled = result.get("curve_runs", [])[:1]
-        for i, c in enumerate(curves[:2 - len(pooled)]):
-            ax = axes[i][ncol - 1]
-            for name, rep, style in ((c["bf16"], c.get("rep_bf16", 0), "-"),
-                                     (c["fp8"], c.get("rep_fp8", 0), "--")):
-                ax.plot(rows[(c["case"], name, rep)]["losses"], style, label=f"{name} rep {rep}")
-            ax.set_title(f"{c['case']}: loss, {c['fp8']} vs {c['bf16']} (max |diff| {c['max_abs_diff']})",
-                         fontsize=9)
-            ax.set_xlabel("step")
-            ax.legend(fontsize=8)
-        for p in pooled:
-            ax = axes[1][ncol - 1]
-            for name, runs, color, style in ((p["ref"], p["ref_runs"], "tab:gray", "-"),
-                                              (p["variant"], p["runs"], "tab:orange", "--")):
-                for k, run_stats in enumerate(runs):
-                    ax.plot(_rolling_median(rows[(p["case"], name, run_stats["rep"])]["losses"]), style,
-                            color=color, linewidth=1, label=f"{name}, {len(runs)} runs" if k == 0 else None)
-            ax.set_title(f"{p['case']}: 5-step rolling medians, every run ({100 * p['gap_rel']:+.2f}%)",
-                         fontsize=9)
-            ax.set_xlabel("step")
-            ax.legend(fontsize=8)
-        for i in range(min(len(curves), 2 - len(pooled)) + len(pooled), 2):
+    rows = {(r["case"], r["variant"], r.get("rep", 0)): r for r in result["rows"] if "losses" in r}
+    for i, c in enumerate(shown):
+        ax = axes[i][ncol - 1]
+        for name, rep, style in ((c["bf16"], c.get("rep_bf16", 0), "-"),
+                                 (c["fp8"], c.get("rep_fp8", 0), "--")):
+            ax.plot(rows[(c["case"], name, rep)]["losses"], style, label=f"{name} rep {rep}")
+        ax.set_title(f"{c['case']}: loss, {c['fp8']} vs {c['bf16']} (max |diff| {c['max_abs_diff']})",
+                     fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    for p in pooled:
+        ax = axes[len(shown)][ncol - 1]
+        for name, runs, color, style in ((p["ref"], p["ref_runs"], "tab:gray", "-"),
+                                          (p["variant"], p["runs"], "tab:orange", "--")):
+            for k, run_stats in enumerate(runs):
+                losses = rows[(p["case"], name, run_stats["rep"])]["losses"][:p.get("steps")]
+                ax.plot(_rolling_median(losses), style, color=color, linewidth=1,
+                        label=f"{name}, {len(runs)} run{'s' if len(runs) != 1 else ''}" if k == 0 else None)
+        ax.set_title(f"{p['case']}: rolling medians, {p['variant']} vs {p['ref']} ({100 * p['gap_rel']:+.2f}%)",
+                     fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    if shown or pooled:
+        for i in range(len(shown) + len(pooled), 2):
             axes[i][ncol - 1].axis("off")
     meta = result["meta"]
     fig.suptitle(f"tune-recipes vs torchtune 0.6.1, {meta['gpu']}, torch {meta['torch']}, {meta['date']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    titles = [axes[i][j].get_title() for j in range(axes.shape[1]) for i in range(2) if axes[i][j].axison]
+    plt.close(fig)
+    return titles
 
 
 def print_table(result: dict, path: Optional[Path] = None) -> None:
@@ -1020,13 +1049,19 @@ def print_table(result: dict, path: Optional[Path] = None) -> None:
                f"spikes {c['spikes_fp8']} vs {c['spikes_bf16']}" if "kind" in c else ""))
     for c in result.get("curve_runs", []):
         each = lambda runs, key: " / ".join(f"{r[key]}" for r in runs)
-        add(f"curve runs {c['case']} {c['variant']} ({len(c['runs'])} runs) vs {c['ref']} "
-            f"({len(c['ref_runs'])} runs): last-20 means {each(c['runs'], 'last20')} vs "
+        runs_word = lambda k: f"{k} run" + ("s" if k != 1 else "")
+        add(f"curve runs {c['case']} {c['variant']} ({runs_word(len(c['runs']))}) vs {c['ref']} "
+            f"({runs_word(len(c['ref_runs']))}): last-20 means {each(c['runs'], 'last20')} vs "
             f"{each(c['ref_runs'], 'last20')}; rolling-median last-50 means "
             f"{each(c['runs'], 'rolling_last50')} vs {each(c['ref_runs'], 'rolling_last50')}, "
             f"medians of runs {c['median_rolling_last50']} vs {c['ref_median_rolling_last50']} "
-            f"({100 * c['gap_rel']:+.2f}%), of {len(c['runs'])} runs {c['above_ref_range']} above and "
-            f"{c['below_ref_range']} below {c['ref']}'s range; spikes {each(c['runs'], 'spikes')} vs {each(c['ref_runs'], 'spikes')}")
+            f"({100 * c['gap_rel']:+.2f}%)"
+            + (f", of {len(c['runs'])} runs {c['above_ref_range']} above and {c['below_ref_range']} below "
+               f"{c['ref']}'s range" if c.get("above_ref_range") is not None else "")
+            + f"; spikes {each(c['runs'], 'spikes')} vs {each(c['ref_runs'], 'spikes')}"
+            + (f"; over the first {c['steps']} steps" if "steps" in c else "")
+            + (f"; SETTINGS DIFFER between the runs of {', '.join(c['settings_differ'])}"
+               if c.get("settings_differ") else ""))
     text = "\n".join(lines)
     print(text, flush=True)
     if path is not None:
@@ -1098,6 +1133,8 @@ def plan_runs(args, ap) -> dict:
     unknown = [name for name in wanted if name not in CASES]
     if unknown:
         ap.error(f"--cases: no case(s) {unknown}; cases: {', '.join(CASES)}")
+    if args.preset and args.every_rep:
+        ap.error("--every-rep is for --only lists; a preset runs each of its variants every repetition already")
     if args.preset:
         outside = [name for name in wanted if name not in PRESETS[args.preset]]
         if outside:
@@ -1107,7 +1144,7 @@ def plan_runs(args, ap) -> dict:
     elif args.every_rep:
         if not args.only:
             ap.error("--every-rep names its variants with --only")
-        listed = args.only.split(",")
+        listed = list(dict.fromkeys(args.only.split(",")))  # a name twice would run twice a rep
         selection = {name: [n for n in listed if n in {v["name"] for v in CASES[name]["variants"]}]
                      for name in wanted}
     else:
@@ -1137,10 +1174,12 @@ def main():
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
         # The runs' own commands and commits stay with each part: "commit" and "command" here
         # are the merge's (the first part's would misname every other part's runs).
+        dates = sorted({part["meta"].get("date") or "?" for part in parts})
         merged = {"meta": {**parts[0]["meta"], "command": " ".join(sys.argv), "commit": code_commit(),
+                           "date": dates[0] if len(dates) == 1 else f"{dates[0]}..{dates[-1]}",
                            "merged_from": args.merge,
-                           "parts": [{k: part["meta"].get(k) for k in ("command", "commit", "date")}
-                                     for part in parts]},
+                           "parts": [{"file": f, **{k: part["meta"].get(k) for k in ("command", "commit", "date", "gpu", "torch")}}
+                                     for f, part in zip(args.merge, parts)]},
                   "rows": merge_rows([part["rows"] for part in parts]), "summary": []}
         for name in dict.fromkeys(r["case"] for r in merged["rows"]):
             merged["summary"] += aggregate(name, CASES[name], [r for r in merged["rows"] if r["case"] == name])

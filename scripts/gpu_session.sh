@@ -477,14 +477,14 @@ for step in "$@"; do
             # torchtune's own lr 3e-4, each side twice more (s17f ran each once: matched, ours lower;
             # merge with it for 3 runs a side).
             ensure_ckpt8b
-            timeout 520 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 2 --every-rep \
+            timeout 480 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 2 --every-rep \
               --only stock_best_lr3e4,ours_claim_lr3e4 \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18a_curves_lora_8b_lr3e4.json" > /tmp/speed_s18a.log 2>&1
             finish_bench s18a ;;
     s18b)   # Next (~8 min, after s18a on the same machine): the same for QLoRA, stock's NF4 against
             # ours' FP8 base at lr 3e-4 (torchtune's 8B QLoRA learning rate), each side twice.
             ensure_ckpt8b
-            timeout 520 python3 scripts/bench_recipes.py --cases qlora_8b_curve --reps 2 --every-rep \
+            timeout 480 python3 scripts/bench_recipes.py --cases qlora_8b_curve --reps 2 --every-rep \
               --only stock_best_lr3e4,ours_claim_lr3e4 \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18b_curves_qlora_8b_lr3e4.json" > /tmp/speed_s18b.log 2>&1
             finish_bench s18b ;;
@@ -497,8 +497,9 @@ for step in "$@"; do
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18c_curves_lora_8b_no_ain.json" > /tmp/speed_s18c.log 2>&1
             finish_bench s18c ;;
     s18d)   # Later (~5 min, after s18a: its checkpoint): ours' step-0 loss differs between machines
-            # (s16 12.6249, s17 12.6291). Two runs compiled afresh on one machine, without and with
-            # inductor's deterministic mode (6 steps each); read each run's first losses in the JSON.
+            # (s16 12.6249, s17 12.6291). Runs compiled afresh, without and with inductor's
+            # deterministic mode, twice each (6 steps): do the two modes' first losses differ, and
+            # does the deterministic one match in a later session on another machine?
             ensure_ckpt8b
             timeout 400 python3 scripts/bench_recipes.py --cases lora_8b_curve --reps 2 --every-rep \
               --only ours_claim_fresh,ours_claim_fresh_det \

@@ -209,7 +209,7 @@ def test_every_run_of_a_curve_and_of_its_reference_is_pooled_with_the_medians_ga
              dict(case="lora_8b_curve", variant="ours_claim", rep=0, losses=flat(2.2)),
              dict(case="lora_8b_curve", variant="ours_claim", rep=1, losses=spiked),
              dict(case="lora_8b_curve", variant="ours_claim", rep=2, losses=flat(1.9)),
-             dict(case="lora_8b_curve", variant="ours_claim", rep=3, error="x")]
+             dict(case="lora_8b_curve", variant="ours_claim", rep=3, error="x", losses=flat(9.0))]
     (pooled,) = bench.curve_runs(bench.merge_rows([stock, again]))
     assert (pooled["variant"], pooled["ref"]) == ("ours_claim", "stock_best")
     assert [r["rolling_last50"] for r in pooled["ref_runs"]] == [2.0, 2.1]
@@ -223,8 +223,21 @@ def test_every_run_of_a_curve_and_of_its_reference_is_pooled_with_the_medians_ga
     bench.print_table({"summary": [], "curve_runs": [pooled]})
     out = capsys.readouterr().out
     assert "ours_claim (3 runs) vs stock_best (2 runs)" in out and "1 above and 1 below" in out
+    assert pooled["steps"] == 60 and pooled["settings_differ"] == []
     # one run a side: the pair's own comparison (loss_curves) says it all
     assert bench.curve_runs([stock[0], again[1]]) == []
+    # one reference run is a point, not a range; a longer run is cut to the pool's shortest
+    longer = dict(case="lora_8b_curve", variant="ours_claim", rep=1, losses=flat(2.2) + [5.0] * 40)
+    (short_ref,) = bench.curve_runs([stock[0], again[1], longer])
+    assert short_ref["above_ref_range"] is None and short_ref["steps"] == 60
+    assert [r["rolling_last50"] for r in short_ref["runs"]] == [2.2, 2.2]
+    bench.print_table({"summary": [], "curve_runs": [short_ref]})
+    out = capsys.readouterr().out
+    assert "vs stock_best (1 run)" in out and "range" not in out
+    # a variant redefined between merged runs is pooled, and said to be
+    redefined = dict(again[1], rep=1, overrides={"compile": False})
+    (mixed,) = bench.curve_runs([stock[0], again[0], again[1], redefined])
+    assert mixed["settings_differ"] == ["ours_claim"]
 
 
 def test_a_merge_of_recorded_runs_pools_them_and_names_each_parts_command_and_commit(tmp_path, monkeypatch):
@@ -246,6 +259,16 @@ def test_a_merge_of_recorded_runs_pools_them_and_names_each_parts_command_and_co
     (pooled,) = merged["curve_runs"]                     # ours' claim: 1 + 2 runs, stock's 1 + 2
     assert len(pooled["runs"]) == 3 and len(pooled["ref_runs"]) == 3
     assert out.with_suffix(".png").exists() and "curve runs" in out.with_suffix(".md").read_text()
+    assert merged["meta"]["date"] == "2026-12-02" and merged["meta"]["parts"][1]["file"] == str(parts[1])
+    # the chart: rep 0's pair, then every run of the pool (the last panel)
+    titles = bench.plot(merged, tmp_path / "chart.png")
+    assert titles[-2:] == ["lora_8b_curve: loss, ours_claim vs stock_best (max |diff| 0.3731)",
+                           "lora_8b_curve: rolling medians, ours_claim vs stock_best (-0.00%)"]
+    # a pool with no same-rep pair to draw still gets its panel
+    lone = {**merged, "loss_curves": []}
+    assert bench.plot(lone, tmp_path / "lone.png") == [
+        "lora_8b_curve: tokens/s (higher is better)", "lora_8b_curve: peak allocated GiB (lower is better)",
+        "lora_8b_curve: rolling medians, ours_claim vs stock_best (-0.00%)"]
 
 
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
@@ -275,6 +298,8 @@ def test_every_rep_runs_the_only_variants_of_each_case_every_repetition():
     plan = bench.plan_runs(ap.parse_args(argv + ["--every-rep"]), ap)
     for case in ("lora_8b_curve", "qlora_8b_curve"):
         assert [(rep, v["name"]) for rep, v in plan[case]] == [(0, n) for n in pair] + [(1, n) for n in pair[::-1]]
+    twice_named = bench.plan_runs(ap.parse_args(argv[:3] + ["ours_claim_lr3e4,ours_claim_lr3e4", "--every-rep"]), ap)
+    assert [(rep, v["name"]) for rep, v in twice_named["lora_8b_curve"]] == [(0, "ours_claim_lr3e4"), (1, "ours_claim_lr3e4")]
     once = bench.plan_runs(ap.parse_args(argv), ap)       # without it: each lever once
     assert [(rep, v["name"]) for rep, v in once["lora_8b_curve"]] == [(0, n) for n in pair]
 
@@ -284,6 +309,7 @@ def test_every_rep_runs_the_only_variants_of_each_case_every_repetition():
     (["--cases", "full_1b,ful_8b"], "no case(s) ['ful_8b']"),
     (["--cases", "lora_8b_curve", "--every-rep"], "--every-rep names its variants with --only"),
     (["--cases", "lora_8b_curve", "--every-rep", "--only", "ours_claim_lr3e"], "ours_claim_lr3e"),
+    (["--preset", "curves", "--every-rep", "--only", "ours_claim"], "--every-rep is for --only lists"),
 ])
 def test_a_case_outside_the_preset_or_unknown_is_refused_before_any_run(argv, message, monkeypatch, capsys, tmp_path):
     bench = _module("bench_recipes")
