@@ -105,10 +105,16 @@ _CLAIM_8B_LORA = dict(**_FP8_LORA, fp8_transposed_weight_layers=20)
 _LR3E4 = {"_component_": "torch.optim.AdamW", "lr": 3e-4, "fused": True}
 
 
+def _hooks(**env) -> dict:
+    """A variant's env that turns on scripts/bench_hooks (put first on the path by ``run``) with
+    these hook settings, e.g. ``_hooks(BENCH_SDPA_GQA="1")``."""
+    return {"BENCH_HOOKS": "1", **env}
+
+
 def _capped(gib: float) -> dict:
     """A variant's env: the CUDA caching allocator capped at ``gib`` GiB (bench hook
     BENCH_MEMORY_CAP_GIB), as on a smaller GPU; the CUDA context (~0.5 GiB) is outside it."""
-    return {"BENCH_HOOKS": "1", "BENCH_MEMORY_CAP_GIB": str(gib)}
+    return _hooks(BENCH_MEMORY_CAP_GIB=str(gib))
 
 
 def _stock_on_a_smaller_gpu(gpu_gib: int, micro_batch: int) -> list:
@@ -234,7 +240,7 @@ CASES = {
             # FP8 left off the 1B's small k/v projections (torchao's tensorwise heuristic).
             _v("ours_best_model_cstep_autofilter", "ours",
                "ours: whole model + compiled optimizer step, FP8 off the small k/v projections",
-               **_CSTEP_1B, env={"BENCH_HOOKS": "1", "BENCH_FP8_AUTO_FILTER": "1"}),
+               **_CSTEP_1B, env=_hooks(BENCH_FP8_AUTO_FILTER="1")),
             # Session 12: the backward FP8 products with cuBLAS's fast accumulation too (torchao
             # uses it only forward; scripts/bench_fp8_accum.py), and loss chunks of twice the
             # default (half the chunks: each re-reads the [V, D] weight and its gradient).
@@ -262,7 +268,7 @@ CASES = {
             # BENCH_SDPA_GQA): torchtune's copies expanded to 32 heads, saved for backward, are
             # ~0.75 GiB here; the claim's memory margin is 0.004 of stock's.
             _v("ours_claim_gqa", "ours", "ours: the claim, k/v not expanded for attention (SDPA enable_gqa)",
-               ref="ours_best_model_fast_mlp8_l1", env={"BENCH_HOOKS": "1", "BENCH_SDPA_GQA": "1"}, **_CLAIM_1B),
+               ref="ours_best_model_fast_mlp8_l1", env=_hooks(BENCH_SDPA_GQA="1"), **_CLAIM_1B),
             # Issue #15's rowwise lever at recipe level (until now measured on projection stacks,
             # 0.89-0.97x bf16): session 11's best with fp8_recipe_name rowwise.
             _v("ours_best_model_cstep_rowwise", "ours",
@@ -273,7 +279,7 @@ CASES = {
             _v("ours_best_model_fast_mlp8_l1_sync", "ours",
                "ours: best + fp8_mlp_layers 1, the fused loss reading grad_output (host sync)",
                **_CLAIM_1B,
-               env={"BENCH_HOOKS": "1", "BENCH_FLCE_READ_GRAD_OUTPUT": "1"}),
+               env=_hooks(BENCH_FLCE_READ_GRAD_OUTPUT="1")),
             # Per-layer compile with FP8 + fast accumulation: 78,851 tok/s at 15.00 GiB over
             # full_1b_curve's 220 steps in s14b, beside 78,294 for best + fp8_mlp_layers 1 over
             # these 30 (same machine, s14a): at 30 steps here, against the best.
@@ -283,20 +289,20 @@ CASES = {
             _v("ours_best_model_fast_mlp8_l1_cg", "ours",
                "ours: best + fp8_mlp_layers 1, compiled with mode=reduce-overhead",
                **_CLAIM_1B,
-               env={"BENCH_HOOKS": "1", "BENCH_COMPILE_MODE": "reduce-overhead"}),
+               env=_hooks(BENCH_COMPILE_MODE="reduce-overhead")),
             # Is the step waiting on the host? (s13prof: GPU busy 100.4 ms of ~105-107.) The whole
             # model under CUDA graphs (bench hook).
             _v("ours_best_model_fast_cg", "ours", "ours: s12e's best, compiled with mode=reduce-overhead",
-               **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_COMPILE_MODE": "reduce-overhead"}),
+               **_FAST_1B, env=_hooks(BENCH_COMPILE_MODE="reduce-overhead")),
             # cuDNN's attention is 12.8 ms of the step (s13prof): torch's flash kernel, and
             # FlashAttention-4 (bench hook; FA4 needs the wheels of scripts/fa4_wheels.sh).
             _v("ours_best_model_fast_flash", "ours", "ours: s12e's best, SDPA's flash kernel instead of cuDNN's",
-               **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_SDPA_IMPL": "flash"}),
+               **_FAST_1B, env=_hooks(BENCH_SDPA_IMPL="flash")),
             _v("ours_best_model_fast_fa4", "ours", "ours: s12e's best, FlashAttention-4 instead of cuDNN's",
-               **_FAST_1B, env={"BENCH_HOOKS": "1", "BENCH_SDPA_IMPL": "FA4"}),
+               **_FAST_1B, env=_hooks(BENCH_SDPA_IMPL="FA4")),
             _v("ours_best_model_fast_mlp8_rows", "ours",
                "ours: the same, g and u scaled per token (session 12's form)",
-               **_FAST_1B, fp8_mlp_activations=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_PER_ROW": "1"}),
+               **_FAST_1B, fp8_mlp_activations=True, env=_hooks(BENCH_FP8_MLP_PER_ROW="1")),
             *[_v(f"ours_best_model_fast_amb{round(budget * 100)}", "ours",
                  f"ours: the same, activation memory budget {budget}", **_FAST_1B,
                  activation_memory_budget=budget) for budget in (0.95, 0.99, 0.98)],
@@ -305,7 +311,7 @@ CASES = {
             _v("ours_best_model_cstep_memsnap", "ours",
                "ours: whole model + compiled optimizer step, allocations recorded (not a speed row)",
                steps=8, **_CSTEP_1B,
-               env={"BENCH_HOOKS": "1", "BENCH_MEMORY_SNAPSHOT": "/tmp/bw/memsnap_1b"}),
+               env=_hooks(BENCH_MEMORY_SNAPSHOT="/tmp/bw/memsnap_1b")),
             _v("ours_best_ac", "ours", "ours: best + activation checkpointing",
                loss=_FUSED, compile=True, enable_fp8_training=True, optimizer_in_bwd=True,
                enable_activation_checkpointing=True),
@@ -441,7 +447,7 @@ CASES = {
             _v("ours_fused_fp8_mlp8t_embcpu", "ours",
                "ours: FP8 base + MLP activations in FP8 (one scale per tensor) + embedding in CPU memory",
                loss=_FUSED, compile=True, enable_fp8_training=True, fp8_mlp_activations=True,
-               embedding_on_cpu=True, env={"BENCH_HOOKS": "1", "BENCH_FP8_MLP_PER_ROW": "0"}),
+               embedding_on_cpu=True, env=_hooks(BENCH_FP8_MLP_PER_ROW="0")),
             # The adapters' weight gradients from the FP8 base product's e4m3 input
             # (fp8_adapter_inputs): backward keeps 1 byte of each adapter input instead of 2.
             _v("ours_fp8_ain_embcpu", "ours",
@@ -453,7 +459,7 @@ CASES = {
                "ours: FP8 base + FP8 adapter inputs + embedding in CPU memory + 20 layers' weights also transposed",
                head=True, **_CLAIM_8B_LORA),
             _v("ours_fp8_ain_embcpu_t20_gqa", "ours", "ours: the claim, k/v not expanded for attention (SDPA enable_gqa)",
-               ref="ours_fp8_ain_embcpu_t20", env={"BENCH_HOOKS": "1", "BENCH_SDPA_GQA": "1"}, **_CLAIM_8B_LORA),
+               ref="ours_fp8_ain_embcpu_t20", env=_hooks(BENCH_SDPA_GQA="1"), **_CLAIM_8B_LORA),
             _v("ours_fused_fp8_model", "ours", "ours: FP8 base projections, the whole model compiled",
                loss=_FUSED, compile=True, compile_scope="model", enable_fp8_training=True),
             # Where the time goes at 8B: each side's best under torch.profiler (steps 7-9).
@@ -525,7 +531,7 @@ CASES = {
                "ours: the 1B claim's settings, packed, flex attention inside the compiled graph",
                head=True, packed=True, ref="ours_claim_packed", **_CLAIM_1B,
                # the logs (s17g_logs.tgz) say whether any step recompiled or broke the graph
-               env={"BENCH_HOOKS": "1", "BENCH_FLEX_IN_GRAPH": "1", "TORCH_LOGS": "recompiles,graph_breaks"}),
+               env=_hooks(BENCH_FLEX_IN_GRAPH="1", TORCH_LOGS="recompiles,graph_breaks")),
             _v("ours_claim_packed_profiled", "ours",
                "ours: the 1B claim's settings, packed, profiled (not a speed row)", steps=10,
                packed=True, profiler=_profiler("data_ours_claim_packed"), **_CLAIM_1B),

@@ -70,8 +70,6 @@ def union_ms(intervals):
 def summarize(path: Path) -> None:
     events = load(path)
     kernels = [e for e in events if e.get("cat") in DEVICE_WORK and "dur" in e]
-    # Each step is annotated twice (a CPU op and a GPU user annotation of the same name): count
-    # names; the wall time is the CPU annotations' (the last can run on to the profiler's stop).
     steps = _profiled_steps(events)
     n_steps = max(1, len({s["name"] for s in steps}))
     all_work = kernels  # the GPU's idle gaps count any work, whoever queued it
