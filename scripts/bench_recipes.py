@@ -1139,6 +1139,8 @@ def plan_runs(args, ap) -> dict:
     unknown = [name for name in wanted if name not in CASES]
     if unknown:
         ap.error(f"--cases: no case(s) {unknown}; cases: {', '.join(CASES)}")
+    # a name listed twice would run twice a rep under --every-rep
+    listed = list(dict.fromkeys(args.only.split(","))) if args.only else None
     if args.preset and args.every_rep:
         ap.error("--every-rep is for --only lists; a preset runs each of its variants every repetition already")
     if args.preset:
@@ -1150,14 +1152,13 @@ def plan_runs(args, ap) -> dict:
     elif args.every_rep:
         if not args.only:
             ap.error("--every-rep names its variants with --only")
-        listed = list(dict.fromkeys(args.only.split(",")))  # a name twice would run twice a rep
         selection = {name: [n for n in listed if n in {v["name"] for v in CASES[name]["variants"]}]
                      for name in wanted}
     else:
         selection = {name: None for name in wanted}
     if args.reps is None:
         args.reps = PRESET_REPS[args.preset] if args.preset else 2
-    only = set(args.only.split(",")) if args.only else None
+    only = set(listed) if listed else None
     plan = {}
     for name, names in selection.items():
         runs = [(rep, v) for rep, v in schedule(CASES[name], args.reps, names) if only is None or v["name"] in only]
