@@ -443,7 +443,7 @@ for step in "$@"; do
             timeout 560 python3 scripts/bench_recipes.py --preset curves --cases full_1b_curve --reps 1 \
               --work /tmp/bw --run-timeout 420 --out "$OUT/s16a_curve_full_1b.json" > /tmp/speed_s16a.log 2>&1
             finish_bench s16a ;;
-    s16f)   # Next (~8 min): FP8 rowwise at recipe level beside its tensorwise twin (session 11's best:
+    s16f)   # (run 2026-12-02, session 18, 432 s, after s18b): FP8 rowwise at recipe level beside its tensorwise twin (session 11's best:
             # whole model compiled + compiled optimizer step) and stock, 1 run each.
             timeout 560 python3 scripts/bench_recipes.py --cases full_1b --reps 1 \
               --only stock_best,ours_best_model_cstep,ours_best_model_cstep_rowwise \
@@ -473,7 +473,7 @@ for step in "$@"; do
             timeout 470 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
               --work /tmp/bw --run-timeout 220 --out "$OUT/s16e_memory_lora_8b.json" > /tmp/speed_s16e.log 2>&1
             finish_bench s16e ;;
-    s18a)   # Next (~8 min, the 8B checkpoint ~70 s of it): the 8B LoRA claim's curve against stock's at
+    s18a)   # (run 2026-12-02, session 18, 491 s with the 8B checkpoint): the 8B LoRA claim's curve against stock's at
             # torchtune's own lr 3e-4, each side twice more (s17f ran each once: matched, ours lower;
             # merge with it for 3 runs a side).
             ensure_ckpt8b
@@ -481,14 +481,14 @@ for step in "$@"; do
               --only stock_best_lr3e4,ours_claim_lr3e4 \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18a_curves_lora_8b_lr3e4.json" > /tmp/speed_s18a.log 2>&1
             finish_bench s18a ;;
-    s18b)   # Next (~8 min, after s18a on the same machine): the same for QLoRA, stock's NF4 against
+    s18b)   # (run 2026-12-02, session 18, 454 s, after s18a): the same for QLoRA, stock's NF4 against
             # ours' FP8 base at lr 3e-4 (torchtune's 8B QLoRA learning rate), each side twice.
             ensure_ckpt8b
             timeout 480 python3 scripts/bench_recipes.py --cases qlora_8b_curve --reps 2 --every-rep \
               --only stock_best_lr3e4,ours_claim_lr3e4 \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18b_curves_qlora_8b_lr3e4.json" > /tmp/speed_s18b.log 2>&1
             finish_bench s18b ;;
-    s18c)   # Next (~4 min, after s18a): at lr 1e-3, the 8B LoRA claim without FP8 adapter inputs, twice
+    s18c)   # (run 2026-12-02, session 18, 232 s, after s16f): at lr 1e-3, the 8B LoRA claim without FP8 adapter inputs, twice
             # (s17a: one of ours' 3 runs ended in a spike episode above all 4 of stock's; merge with
             # s16b, s16g and s17a for stock's runs).
             ensure_ckpt8b
@@ -496,8 +496,9 @@ for step in "$@"; do
               --only ours_claim_no_ain \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s18c_curves_lora_8b_no_ain.json" > /tmp/speed_s18c.log 2>&1
             finish_bench s18c ;;
-    s18d)   # Later (~5 min, after s18a: its checkpoint): ours' step-0 loss differs between machines
-            # (s16 12.6249, s17 12.6291). Runs compiled afresh, without and with inductor's
+    s18d)   # Next (~5 min with the 8B checkpoint already built, ~6.5 without): ours' step-0 loss
+            # differs between machines (s16 12.6249, s17 12.6291, s18 12.6300; stock's LoRA moved
+            # 5.7e-4 in s18, less than ours' 4.8e-3 spread). Runs compiled afresh, without and with inductor's
             # deterministic mode, twice each (6 steps): do the two modes' first losses differ, and
             # does the deterministic one match in a later session on another machine?
             ensure_ckpt8b
