@@ -858,6 +858,13 @@ def _rolling_median(losses: list, half: int = 2) -> list:
     return [statistics.median(losses[max(0, i - half):i + half + 1]) for i in range(len(losses))]
 
 
+def _signed_percent(fraction: float) -> str:
+    """``fraction`` as a signed percentage with 2 decimals; a gap that rounds to zero prints
+    "+0.00%", not "-0.00%" (a tiny negative is no gap at that precision)."""
+    text = f"{100 * fraction:+.2f}%"
+    return "+0.00%" if text == "-0.00%" else text
+
+
 def _tail_stats(losses: list) -> dict:
     """One run's end of curve, unrounded: the means of its last 20 and last 50 losses, the mean of
     its 5-step rolling medians over the last 50 (one spike does not move it), its spike count."""
@@ -1008,7 +1015,7 @@ def plot(result: dict, path: Path) -> list:
                 losses = rows[(p["case"], name, run_stats["rep"])]["losses"][:p.get("steps")]
                 ax.plot(_rolling_median(losses), style, color=color, linewidth=1,
                         label=f"{name}, {len(runs)} run{'s' if len(runs) != 1 else ''}" if k == 0 else None)
-        ax.set_title(f"{p['case']}: rolling medians, {p['variant']} vs {p['ref']} ({100 * p['gap_rel']:+.2f}%)",
+        ax.set_title(f"{p['case']}: rolling medians, {p['variant']} vs {p['ref']} ({_signed_percent(p['gap_rel'])})",
                      fontsize=9)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
@@ -1061,7 +1068,7 @@ def print_table(result: dict, path: Optional[Path] = None) -> None:
             f"{each(c['ref_runs'], 'last20')}; rolling-median last-50 means "
             f"{each(c['runs'], 'rolling_last50')} vs {each(c['ref_runs'], 'rolling_last50')}, "
             f"medians of runs {c['median_rolling_last50']} vs {c['ref_median_rolling_last50']} "
-            f"({100 * c['gap_rel']:+.2f}%)"
+            f"({_signed_percent(c['gap_rel'])})"
             + (f", of {len(c['runs'])} runs {c['above_ref_range']} above and {c['below_ref_range']} below "
                f"{c['ref']}'s range" if c.get("above_ref_range") is not None else "")
             + f"; spikes {each(c['runs'], 'spikes')} vs {each(c['ref_runs'], 'spikes')}"

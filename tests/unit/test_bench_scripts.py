@@ -263,12 +263,18 @@ def test_a_merge_of_recorded_runs_pools_them_and_names_each_parts_command_and_co
     # the chart: rep 0's pair, then every run of the pool (the last panel)
     titles = bench.plot(merged, tmp_path / "chart.png")
     assert titles[-2:] == ["lora_8b_curve: loss, ours_claim vs stock_best (max |diff| 0.3731)",
-                           "lora_8b_curve: rolling medians, ours_claim vs stock_best (-0.00%)"]
+                           "lora_8b_curve: rolling medians, ours_claim vs stock_best (+0.00%)"]
     # a pool with no same-rep pair to draw still gets its panel
     lone = {**merged, "loss_curves": []}
     assert bench.plot(lone, tmp_path / "lone.png") == [
         "lora_8b_curve: tokens/s (higher is better)", "lora_8b_curve: peak allocated GiB (lower is better)",
-        "lora_8b_curve: rolling medians, ours_claim vs stock_best (-0.00%)"]
+        "lora_8b_curve: rolling medians, ours_claim vs stock_best (+0.00%)"]
+
+
+def test_a_gap_that_rounds_to_zero_prints_without_a_minus_sign():
+    bench = _module("bench_recipes")
+    assert [bench._signed_percent(x) for x in (-3e-6, 0.0, 3e-6, -0.0006, 0.00044, 0.0125)] == [
+        "+0.00%", "+0.00%", "+0.00%", "-0.06%", "+0.04%", "+1.25%"]
 
 
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
