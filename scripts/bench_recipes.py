@@ -18,8 +18,10 @@ reverse); the others (one lever each) run in the first repetition only.
 
 Throughput is measured the same way for both sides: tokens over the wall time between metric
 rows after the warm-up rows. Both recipes wait for the GPU before a row is written (stock's
-``loss.item()`` before its clock read, ours a ``torch.cuda.synchronize()``), so the row times
-are synchronized; the recipe's own median tokens/s is recorded beside it as a cross-check.
+``loss.item()`` before its clock read; ours, on CUDA, writes step k's row one step late, after
+waiting on a CUDA event recorded at the end of step k: ``DeviceValues`` in
+tune_recipes/training/reporting/progress.py), so the row times are synchronized; the recipe's
+own median tokens/s is recorded beside it as a cross-check.
 Peak memory: the largest ``torch.cuda.max_memory_allocated`` a run logs (stock's
 ``peak_memory_alloc``, ours ``peak_memory_active_gib``; the same counter).
 
@@ -983,6 +985,14 @@ def curve_runs(rows: list) -> list:
     return found
 
 
+def _panel_title(ax, text: str) -> None:
+    """A panel's title, wrapped at 70 characters: a longer one ran past the panel's edge and was
+    cut off in the PNG (the gap at its end with it)."""
+    import textwrap
+
+    ax.set_title(textwrap.fill(text, 70), fontsize=9)
+
+
 def plot(result: dict, path: Path) -> list:
     """The chart (PNG at ``path``); returns the titles of the panels drawn, column by column."""
     import matplotlib
@@ -1016,15 +1026,14 @@ def plot(result: dict, path: Path) -> list:
                     ax.scatter([k] * len(s["each"]), s["each"], color="k", s=8, zorder=3)
             ax.set_xticks(range(len(lines)))
             ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-            ax.set_title(f"{case}: {title}", fontsize=9)
+            _panel_title(ax, f"{case}: {title}")
     rows = {(r["case"], r["variant"], r.get("rep", 0)): r for r in result["rows"] if "losses" in r}
     for i, c in enumerate(shown):
         ax = axes[i][ncol - 1]
         for name, rep, style in ((c["bf16"], c.get("rep_bf16", 0), "-"),
                                  (c["fp8"], c.get("rep_fp8", 0), "--")):
             ax.plot(rows[(c["case"], name, rep)]["losses"], style, label=f"{name} rep {rep}")
-        ax.set_title(f"{c['case']}: loss, {c['fp8']} vs {c['bf16']} (max |diff| {c['max_abs_diff']})",
-                     fontsize=9)
+        _panel_title(ax, f"{c['case']}: loss, {c['fp8']} vs {c['bf16']} (max |diff| {c['max_abs_diff']})")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
     for p in pooled:
@@ -1035,8 +1044,8 @@ def plot(result: dict, path: Path) -> list:
                 losses = rows[(p["case"], name, run_stats["rep"])]["losses"][:p.get("steps")]
                 ax.plot(_rolling_median(losses), style, color=color, linewidth=1,
                         label=f"{name}, {len(runs)} run{'s' if len(runs) != 1 else ''}" if k == 0 else None)
-        ax.set_title(f"{p['case']}: rolling medians, {p['variant']} vs {p['ref']} ({_signed_percent(p['gap_rel'])})",
-                     fontsize=9)
+        _panel_title(ax, f"{p['case']}: rolling medians, {p['variant']} vs {p['ref']} "
+                         f"({_signed_percent(p['gap_rel'])})")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
     if shown or pooled:
@@ -1047,7 +1056,8 @@ def plot(result: dict, path: Path) -> list:
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    titles = [axes[i][j].get_title() for j in range(axes.shape[1]) for i in range(2) if axes[i][j].axison]
+    titles = [axes[i][j].get_title().replace("\n", " ")
+              for j in range(axes.shape[1]) for i in range(2) if axes[i][j].axison]
     plt.close(fig)
     return titles
 

@@ -279,6 +279,22 @@ def test_a_gap_that_rounds_to_zero_prints_without_a_minus_sign():
         "+0.00%", "+0.00%", "+0.00%", "-0.06%", "+0.04%", "+1.25%"]
 
 
+def test_a_long_panel_title_is_wrapped_inside_the_panel_with_nothing_lost():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bench = _module("bench_recipes")
+    text = "qlora_8b_curve: rolling medians, ours_claim_lr3e4 vs stock_best_lr3e4 (+0.04%)"
+    fig, ax = plt.subplots()
+    bench._panel_title(ax, text)
+    drawn = ax.get_title()
+    plt.close(fig)
+    assert len(drawn.splitlines()) == 2 and max(map(len, drawn.splitlines())) <= 70
+    assert drawn.replace("\n", " ") == text
+
+
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
     bench = _module("bench_recipes")
     for preset, selection in bench.PRESETS.items():
