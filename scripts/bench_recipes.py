@@ -994,7 +994,8 @@ def _panel_title(ax, text: str) -> None:
 
 
 def plot(result: dict, path: Path) -> list:
-    """The chart (PNG at ``path``); returns the titles of the panels drawn, column by column."""
+    """The chart (PNG at ``path``); returns the titles of the panels as drawn (wrapped lines),
+    column by column."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1056,8 +1057,7 @@ def plot(result: dict, path: Path) -> list:
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    titles = [axes[i][j].get_title().replace("\n", " ")
-              for j in range(axes.shape[1]) for i in range(2) if axes[i][j].axison]
+    titles = [axes[i][j].get_title() for j in range(axes.shape[1]) for i in range(2) if axes[i][j].axison]
     plt.close(fig)
     return titles
 

@@ -5,7 +5,7 @@
 #   (<hash>: `git rev-parse --short HEAD` run here, written into the command: the machine's copy of
 #   the tree has no .git; BENCH_COMMIT puts the commit in the results' meta)
 #   (steps: tests gputests smoke dsmoke fp8smoke accept daccept profile scale fused recipes speed heads levers
-#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i s18a s18b s18c s18d s19a s19b s19c s19d fa4a fa4)
+#    fusedv3 fusedv4 fusedv4large fusedv5 where fp8dist offload tpsmoke fp8lora fp8lora8b curves1b fp8loramodel lag1b sac8b embcpu8b fp8mlp8b mem8b curve8b fusedv6 fusedv6large where8b qlora8b data1b ain8b final8b where1b tw8b s10a s10b s10c s10d s10e s10f s10g s10h next1b s11a s11b s11c s11d s12a s12b s12c s12d s12e s12f s13smoke s13prof s13c s14a s14b s14c s14d s14e s15a s15b s15c s15d s15e s16a s16b s16c s16d s16e s16f s16g s17a s17b s17c s17d s17e s17f s17g s17h s17i s18a s18b s18c s18d s19a s19b s19c s19d s19e fa4a fa4)
 #   speed: issue #15's bench (full_1b, lora_8b); on 2+ GPUs the two cases run at once, one per GPU
 #   accept: every shipped single-device config as shipped (LANES=2 on the x2 kind runs two at once)
 #   daccept: every shipped distributed config on 2 GPUs (the nvidia-h200-x2 kind)
@@ -475,28 +475,35 @@ for step in "$@"; do
             finish_bench s16e ;;
     s19a)   # Next (~6 min): issue #15's claim table as the one command a user runs (`--preset claim`,
             # 2 reps, alternating), split by case only because one device call may run 600 s at
-            # most: 1B here, the 8B cases in s19b; merge the two JSONs. s15c-e ran the same
-            # variants through --only.
+            # most: 1B here, 8B LoRA in s19b, QLoRA in s19c; merge the three JSONs. s15c-e ran the
+            # same variants through --only.
             timeout 560 python3 scripts/bench_recipes.py --preset claim --cases full_1b --reps 2 \
               --work /tmp/bw --run-timeout 300 --out "$OUT/s19a_claim_full_1b.json" > /tmp/speed_s19a.log 2>&1
             finish_bench s19a ;;
-    s19b)   # Next (~9 min with the 8B checkpoint, after s19a): the same for 8B LoRA and QLoRA.
+    s19b)   # Next (~5 min with the 8B checkpoint's ~70 s, which runs before the timeout below):
+            # the same for 8B LoRA (s15d: 205 s of runs).
             ensure_ckpt8b
-            timeout 560 python3 scripts/bench_recipes.py --preset claim --cases lora_8b,qlora_8b --reps 2 \
-              --work /tmp/bw --run-timeout 200 --out "$OUT/s19b_claim_8b.json" > /tmp/speed_s19b.log 2>&1
+            timeout 450 python3 scripts/bench_recipes.py --preset claim --cases lora_8b --reps 2 \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s19b_claim_lora_8b.json" > /tmp/speed_s19b.log 2>&1
             finish_bench s19b ;;
-    s19c)   # Next, on the nvidia-h200-x2 kind (~9 min; not lent in sessions 13-18): issue #15's
+    s19c)   # Next (~4.5 min, after s19b on the same machine): the same for QLoRA (s15e: 233 s).
+            ensure_ckpt8b
+            timeout 450 python3 scripts/bench_recipes.py --preset claim --cases qlora_8b --reps 2 \
+              --work /tmp/bw --run-timeout 200 --out "$OUT/s19c_claim_qlora_8b.json" > /tmp/speed_s19c.log 2>&1
+            finish_bench s19c ;;
+    s19d)   # Next, on the nvidia-h200-x2 kind (~6-9 min; not lent in sessions 13-18): issue #15's
             # last lever, FP8 full fine-tunes distributed: stock's best (compile) against ours'
             # (compile + fused CE + FP8 + fast accumulation in backward) on 2 GPUs, 2 reps.
             timeout 560 python3 scripts/bench_recipes.py --cases full_1b_2gpu_fp8 --reps 2 \
               --only stock_best,ours_fp8 \
-              --work /tmp/bw --run-timeout 300 --out "$OUT/s19c_fp8_full_1b_2gpu.json" > /tmp/speed_s19c.log 2>&1
-            finish_bench s19c ;;
-    s19d)   # After s19c on the same x2 machine (~4 min): ours' bf16 twin, once (what FP8 adds).
+              --work /tmp/bw --run-timeout 300 --out "$OUT/s19d_fp8_full_1b_2gpu.json" > /tmp/speed_s19d.log 2>&1
+            finish_bench s19d ;;
+    s19e)   # After s19d on the same x2 machine (~4 min): ours' bf16 twin once (what FP8 adds),
+            # beside stock's best once more (the ratio from this run's own stock row).
             timeout 400 python3 scripts/bench_recipes.py --cases full_1b_2gpu_fp8 --reps 1 \
               --only stock_best,ours_bf16 \
-              --work /tmp/bw --run-timeout 300 --out "$OUT/s19d_bf16_full_1b_2gpu.json" > /tmp/speed_s19d.log 2>&1
-            finish_bench s19d ;;
+              --work /tmp/bw --run-timeout 300 --out "$OUT/s19e_bf16_full_1b_2gpu.json" > /tmp/speed_s19e.log 2>&1
+            finish_bench s19e ;;
     s18a)   # (run 2026-12-02, session 18, 491 s with the 8B checkpoint): the 8B LoRA claim's curve against stock's at
             # torchtune's own lr 3e-4, each side twice more (s17f ran each once: matched, ours lower;
             # merge with it for 3 runs a side).
