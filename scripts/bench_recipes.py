@@ -71,6 +71,17 @@ _SAME_SETTINGS = [
     _v("ours_fused", "ours", "tune-recipes, fused linear CE", head=True, loss=_FUSED),
 ]
 
+# Llama-3.2-1B full fine-tune on two GPUs (FSDP2), per-rank batch 4 x 2048: the 2-GPU cases
+# share everything but the steps and variants.
+_FULL_1B_2GPU = dict(
+    recipe="full_finetune_distributed", nproc=2,
+    builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b", params=1.236e9,
+    model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+    batch_size=4, seq_len=2048,
+    extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True},
+    optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+)
+
 # Learnable synthetic data for the loss curves: each sequence is a random 256-token block from a
 # 4096-token sub-vocabulary, repeated (unigram statistics + in-context copying to learn).
 _CURVE_DATA = {"data_vocab": 4096, "data_repeat": 256}
@@ -378,26 +389,13 @@ CASES = {
         variants=_SAME_SETTINGS,
     ),
     # Two GPUs, FSDP2 (run on the nvidia-h200-x2 kind): per-rank batch 4 x 2048.
-    "full_1b_2gpu": dict(
-        recipe="full_finetune_distributed", nproc=2,
-        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b", params=1.236e9,
-        model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
-        batch_size=4, seq_len=2048, steps=20,
-        extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True},
-        optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
-        variants=_SAME_SETTINGS,
-    ),
+    "full_1b_2gpu": dict(**_FULL_1B_2GPU, steps=20, variants=_SAME_SETTINGS),
     # Issue #15's last lever, FP8 full fine-tunes distributed (the nvidia-h200-x2 kind; not lent
     # in sessions 13-18): each side's best on two GPUs, per-rank batch 4 x 2048. The distributed
     # recipe compiles per layer (no compile_scope or compiled optimizer step there), so ours' best
     # is compile + fused CE + FP8 + fast accumulation in backward; its bf16 twin is the lever.
     "full_1b_2gpu_fp8": dict(
-        recipe="full_finetune_distributed", nproc=2,
-        builder="torchtune.models.llama3_2.llama3_2_1b", ckpt="full_1b", params=1.236e9,
-        model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
-        batch_size=4, seq_len=2048, steps=30,
-        extra={"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True},
-        optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        **_FULL_1B_2GPU, steps=30,
         variants=[
             _v("stock_best", "stock", "stock: compile", head=True, loss=_CHUNKED, compile=True),
             _v("ours_fp8", "ours", "ours: compile + fused CE + FP8 + fast accumulation in backward",
