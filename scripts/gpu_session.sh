@@ -529,7 +529,7 @@ for step in "$@"; do
             finish_bench s18c ;;
     s18d)   # Next (~5 min with the 8B checkpoint already built, ~6.5 without): ours' step-0 loss
             # differs between machines (s16 12.6249, s17 12.6291, s18 12.6300; stock's LoRA moved
-            # 5.7e-4 in s18, less than ours' 4.8e-3 spread). Runs compiled afresh, without and with inductor's
+            # 5.7e-4 in s18, about a ninth of ours' 5.1e-3 spread). Runs compiled afresh, without and with inductor's
             # deterministic mode, twice each (6 steps): do the two modes' first losses differ, and
             # does the deterministic one match in a later session on another machine?
             ensure_ckpt8b
