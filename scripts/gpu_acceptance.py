@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import signal
 import statistics
 import subprocess
@@ -150,9 +151,9 @@ def run_one(name: str, work: Path, steps: int, nproc: int, save: bool, gpu: str 
     text = log.read_text(errors="replace")
     if timed_out:
         text += f"\nError: no result within {RUN_TIMEOUT_S} s (killed)"
+    row["disk_free_gib"] = round(shutil.disk_usage(work).free / 2**30, 1)
     if recipe == "quantize":
-        ok = proc.returncode == 0 and list(out_dir.glob("model-*.pt"))
-        row["status"] = "ok" if ok else _failure(text, proc.returncode)
+        row["status"] = quantize_status(out_dir, proc.returncode, text, keep=save)
         return row
     rows = [json.loads(l) for l in metrics.read_text().splitlines()] if metrics.exists() else []
     if len(rows) < steps:
@@ -170,6 +171,24 @@ def run_one(name: str, work: Path, steps: int, nproc: int, save: bool, gpu: str 
     row["peak_gib"] = round(max(mem), 2) if mem else None
     row["first_loss"], row["last_loss"] = rows[0]["loss"], rows[steps - 1]["loss"]
     return row
+
+
+def quantize_status(out_dir: Path, rc, text: str, keep: bool) -> str:
+    """"ok" when the quantize run exited 0 and wrote its checkpoint; the checkpoint is then
+    deleted unless ``keep`` (``--save``).
+
+    NOTE: the deletion is what keeps a full single-device pass on the machine's disk (64 GiB):
+    an 8B quantized checkpoint is 5.2 GiB, on top of the 8B and 7B random checkpoints (about 31
+    GiB). On 2026-12-02 a pass after the benchmarks (whose own checkpoints were still there)
+    filled the disk during the 8B quantize, and the next config died with ENOSPC.
+    """
+    written = sorted(out_dir.glob("model-*.pt"))
+    if rc != 0 or not written:
+        return _failure(text, rc)
+    if not keep:
+        for path in written:
+            path.unlink()
+    return "ok"
 
 
 def _failure(text: str, rc) -> str:

@@ -473,25 +473,25 @@ for step in "$@"; do
             timeout 470 python3 scripts/bench_recipes.py --preset memory --cases lora_8b \
               --work /tmp/bw --run-timeout 220 --out "$OUT/s16e_memory_lora_8b.json" > /tmp/speed_s16e.log 2>&1
             finish_bench s16e ;;
-    s19a)   # Next (~6 min): issue #15's claim table as the one command a user runs (`--preset claim`,
+    s19a)   # Run in session 19 (2026-12-02, 360 s: 1.308x at 0.746x): issue #15's claim table as the one command a user runs (`--preset claim`,
             # 2 reps, alternating), split by case only because one device call may run 600 s at
             # most: 1B here, 8B LoRA in s19b, QLoRA in s19c; merge the three JSONs. s15c-e ran the
             # same variants through --only.
             timeout 560 python3 scripts/bench_recipes.py --preset claim --cases full_1b --reps 2 \
               --work /tmp/bw --run-timeout 300 --out "$OUT/s19a_claim_full_1b.json" > /tmp/speed_s19a.log 2>&1
             finish_bench s19a ;;
-    s19b)   # Next (~5 min with the 8B checkpoint's ~70 s, which runs before the timeout below):
+    s19b)   # Run in session 19 (280 s with the 8B checkpoint's build, which runs before the timeout below; 1.329x at 0.729x):
             # the same for 8B LoRA (s15d: 205 s of runs).
             ensure_ckpt8b
             timeout 450 python3 scripts/bench_recipes.py --preset claim --cases lora_8b --reps 2 \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s19b_claim_lora_8b.json" > /tmp/speed_s19b.log 2>&1
             finish_bench s19b ;;
-    s19c)   # Next (~4.5 min, after s19b on the same machine): the same for QLoRA (s15e: 233 s).
+    s19c)   # Run in session 19 (252 s after s19b on the same machine; 1.357x at 0.561x): the same for QLoRA (s15e: 233 s).
             ensure_ckpt8b
             timeout 450 python3 scripts/bench_recipes.py --preset claim --cases qlora_8b --reps 2 \
               --work /tmp/bw --run-timeout 200 --out "$OUT/s19c_claim_qlora_8b.json" > /tmp/speed_s19c.log 2>&1
             finish_bench s19c ;;
-    s19d)   # Next, on the nvidia-h200-x2 kind (~6-9 min; not lent in sessions 13-18): issue #15's
+    s19d)   # Next, on the nvidia-h200-x2 kind (~6-9 min; not lent in sessions 13-19): issue #15's
             # last lever, FP8 full fine-tunes distributed: stock's best (compile) against ours'
             # (compile + fused CE + FP8 + fast accumulation in backward) on 2 GPUs, 2 reps.
             timeout 560 python3 scripts/bench_recipes.py --cases full_1b_2gpu_fp8 --reps 2 \
@@ -656,7 +656,11 @@ for step in "$@"; do
               echo "${r%%:*} rc=$? $(tail -1 /tmp/ss_${r##*:}/metrics.jsonl 2>/dev/null | cut -c1-160)"
               grep -m3 "Error" /tmp/ss_${r##*:}.log
             done; } 2>&1 | tee "$OUT/dsmoke.txt" ;;
-    accept) python3 scripts/gpu_acceptance.py --kind single --lanes "${LANES:-1}" --steps "${STEPS:-5}" \
+    accept) # NOTE: the bench steps' checkpoints (/tmp/bw: 8B 15 GiB, 1B 2.3 GiB) go first. With them
+            # a full pass (8B and 7B checkpoints, an 8B quantize) filled this machine's 64 GiB disk
+            # on 2026-12-02 (8B quantize and Qwen 7B LoRA failed); a later bench step rebuilds them.
+            rm -rf /tmp/bw/ckpt_* /tmp/bench_recipes/ckpt_*; df -h /tmp | tail -1
+            python3 scripts/gpu_acceptance.py --kind single --lanes "${LANES:-1}" --steps "${STEPS:-5}" \
               ${CONFIGS:+--configs "$CONFIGS"} --out "$OUT/acceptance_single.json" 2>&1 | grep -v "^{" | tail -30
             tar czf "$OUT/acceptance_single_logs.tgz" -C /tmp/acceptance logs configs 2>/dev/null ;;
     daccept) python3 scripts/gpu_acceptance.py --kind distributed --nproc 2 --steps "${STEPS:-5}" \

@@ -552,3 +552,20 @@ def test_every_bench_command_of_the_gpu_session_script_plans_runs(capsys):
     with pytest.raises(SystemExit):
         bench.plan_runs(ap.parse_args(["--cases", "full_1b", "--only", "stock_best,stock_ga2_24g"]), ap)
     assert "--only: ['stock_ga2_24g'] not run by this selection (cases full_1b)" in capsys.readouterr().err
+
+
+def test_acceptance_quantize_status_deletes_the_checkpoint_unless_saved(tmp_path):
+    """An acceptance pass deletes each quantized checkpoint once checked (an 8B one is 5.2 GiB of
+    the GPU machine's 64 GiB disk), keeps it with --save, and fails a run that wrote none."""
+    acceptance = load_script("gpu_acceptance")
+    written = tmp_path / "model-8da4w.pt"
+    written.write_bytes(b"x")
+    assert acceptance.quantize_status(tmp_path, 0, "", keep=True) == "ok"
+    assert written.exists()
+    assert acceptance.quantize_status(tmp_path, 0, "", keep=False) == "ok"
+    assert not written.exists()
+    status = acceptance.quantize_status(tmp_path, 0, "RuntimeError: nothing written", keep=False)
+    assert status.startswith("failed") and "nothing written" in status
+    written.write_bytes(b"x")
+    status = acceptance.quantize_status(tmp_path, 1, "OSError: [Errno 28] No space left", keep=False)
+    assert "No space left" in status and written.exists()
