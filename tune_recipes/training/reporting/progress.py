@@ -1,8 +1,10 @@
 """Progress bar and per-step metrics, the same in every recipe."""
 
+import atexit
 import contextlib
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -113,6 +115,29 @@ class _Row:
     memory: Dict[str, float]  # peak memory when the step was queued (a host-side counter)
 
 
+# Reporters that may hold a row waiting for its step's values (the lagging reporter).
+_REPORTERS: "weakref.WeakSet[StepReporter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _write_waiting_rows() -> None:
+    """At interpreter exit, write the row a lagging reporter still holds.
+
+    NOTE: keep this. A run that stops mid-epoch (an exception in a later step, Ctrl-C) never
+    reaches ``close()``; without it the last logged step's row, whose step had finished, was
+    lost from metrics.jsonl although the run got past that step.
+    """
+    for reporter in list(_REPORTERS):
+        if reporter._pending is None:
+            continue
+        try:
+            reporter.flush()
+        except Exception as e:  # noqa: BLE001  (a failed device: report, don't raise at exit)
+            reporter._pending = None
+            print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+
+
 class StepReporter:
     """Owns the progress bar and the metric logger calls of a training loop.
 
@@ -162,6 +187,8 @@ class StepReporter:
         self._pending: Optional[_Row] = None
         self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
         self._window_start = None
+        if self.lags and is_main:
+            _REPORTERS.add(self)
 
     def start_epoch(self, epoch: int, total_epochs: int, steps: int, done: int = 0) -> None:
         """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
@@ -251,8 +278,7 @@ class StepReporter:
     def close(self) -> None:
         # The last logged row is written if its values can still be read; an error reading them
         # (a failed device) is reported, not raised. (A run that dies mid-epoch never gets
-        # here: its waiting row is lost, but a checkpoint flushes first (driver.position), and
-        # a resumed run reruns and relogs the steps after its checkpoint.)
+        # here: _write_waiting_rows writes its waiting row at exit.)
         try:
             self.end_epoch()
         except Exception as e:  # noqa: BLE001

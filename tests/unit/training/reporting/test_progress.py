@@ -1,6 +1,10 @@
 """StepReporter timing: the clock is read only after the device is synchronized, and every
 step's time and tokens land in exactly one logged window."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -248,3 +252,30 @@ def test_cuda_rows_never_drain_the_queue():
     assert [(s, r["loss"], r["grad_norm"]) for s, r in log.rows] == [(s, float(s), 2.0 * s) for s in range(1, 7)]
     for _, r in log.rows:
         assert r["step_time_s"] > 0.01  # the device's time for the step, not the host's
+
+
+def test_a_run_that_dies_mid_epoch_still_writes_its_last_logged_row(tmp_path):
+    """The lagging reporter holds step 2's row when step 3 raises; the row reaches
+    metrics.jsonl at exit (it used to be lost: the run never reaches close())."""
+    script = f"""
+import torch
+from tune_recipes.training.reporting.metrics import JsonlMetricLogger
+from tune_recipes.training.reporting.progress import StepReporter
+class Mark:  # a point in the device's work (a CUDA event and a pinned copy on a GPU)
+    def __init__(self, values):
+        self._values = values
+    def values(self):
+        return dict(self._values)
+    def seconds_since(self, earlier):
+        return 1.0
+rep = StepReporter(JsonlMetricLogger({str(tmp_path)!r}), lag=True, show_progress=False, mark=Mark)
+rep.start_epoch(0, 1, steps=5)
+for step in (1, 2):
+    rep.add_tokens(10)
+    rep.step_done(step, torch.tensor(float(step)), lr=1e-3)
+raise RuntimeError("step 3 failed")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 1 and "step 3 failed" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0)]
