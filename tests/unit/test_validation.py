@@ -662,3 +662,30 @@ def test_an_ignored_section_without_the_deciding_field_is_shown_whole(capsys, mo
     err = capsys.readouterr().err
     assert "warning: full_finetune_single_device ignores fsdp={'foo': 1}" in err
     assert "cpu_offload=None" not in err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config,resume,folders,fragment", [
+    ("tiny/full_single_device", True, [], "holds no epoch_<n>/ or step_<n>/"),
+    ("tiny/lora_single_device", True, ["epoch_0"], "final checkpoint of a finished run"),
+    ("tiny/lora_single_device", False, ["step_3"], "holds mid-epoch checkpoints of an earlier run"),
+    ("tiny/kd_distributed", False, ["epoch_0", "step_3"], "not written by this recipe's checkpoint"),
+])
+def test_validate_checks_output_dir_for_the_resume_as_the_recipe_does(config, resume, folders,
+                                                                       fragment, tmp_path, capsys):
+    """`tune validate` used to pass a resume with nothing to resume (or a fresh run beside an
+    earlier run's step_<n>/) that `tune run` then refused; both now give the recipe's error."""
+    from tune_recipes.training.setup.recipe import load_checkpoint
+
+    for name in folders:
+        (tmp_path / name).mkdir()
+    overrides = [f"output_dir={tmp_path}", f"resume_from_checkpoint={resume}"]
+    rc = main(["validate", config, *overrides])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and fragment in line and str(tmp_path) in line
+    cfg = load_config(registry.resolve_config(config).path, overrides)
+    with pytest.raises(ConfigError) as run_error:
+        load_checkpoint(cfg, adapter="lora" in config or "kd" in config)
+    assert line == f"tune: error: {run_error.value}"
+    # --portable leaves this machine's files alone, as for every other path
+    assert main(["validate", config, *overrides, "--portable"]) == 0

@@ -169,6 +169,18 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     return cfg
 
 
+def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir: str, resume: bool,
+                                      full_weights: bool) -> DictConfig:
+    """What ``output_dir`` allows, checked before anything is loaded: a resume gets the
+    checkpointer pointed at its newest checkpoint (``checkpointer_config_for_resume``); a
+    fresh run is refused beside an earlier run's ``step_<n>/`` (``refuse_stale_step_checkpoints``).
+    Raises ConfigError. The recipes and ``tune validate`` both call it, so they agree."""
+    if resume:
+        return checkpointer_config_for_resume(cfg_checkpointer, output_dir, full_weights)
+    refuse_stale_step_checkpoints(Path(output_dir))
+    return cfg_checkpointer
+
+
 def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir: str):
     """The checkpointer for a resume, configured by ``checkpointer_config_for_resume``.
 

@@ -13,9 +13,8 @@ from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError
 from tune_recipes.training.checkpointing.io import (
-    checkpointer_config_for_resume,
+    checkpointer_config_for_output_dir,
     instantiate_checkpointer_for_resume,
-    refuse_stale_step_checkpoints,
 )
 from tune_recipes.training.checkpointing.lock import OutputDirLock
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
@@ -59,13 +58,9 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         # First, before anything is written: one run per output_dir (released at exit).
         OutputDirLock(cfg.output_dir).acquire()
     resume = cfg.get("resume_from_checkpoint", False)
-    if not resume:
-        refuse_stale_step_checkpoints(Path(cfg.output_dir))
-    cfg_checkpointer = cfg.checkpointer
-    if resume:
-        cfg_checkpointer = checkpointer_config_for_resume(
-            cfg.checkpointer, cfg.output_dir, full_weights=not adapter
-        )
+    cfg_checkpointer = checkpointer_config_for_output_dir(
+        cfg.checkpointer, cfg.output_dir, bool(resume), full_weights=not adapter
+    )
     if resume:
         if int(os.environ.get("RANK", "0")) == 0:
             state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
