@@ -151,9 +151,11 @@ def run_one(name: str, work: Path, steps: int, nproc: int, save: bool, gpu: str 
     text = log.read_text(errors="replace")
     if timed_out:
         text += f"\nError: no result within {RUN_TIMEOUT_S} s (killed)"
-    row["disk_free_gib"] = round(shutil.disk_usage(work).free / 2**30, 1)
     if recipe == "quantize":
         row["status"] = quantize_status(out_dir, proc.returncode, text, keep=save)
+    # What the next config has: a full disk fails runs in ways that look like recipe bugs.
+    row["disk_free_gib"] = round(shutil.disk_usage(work).free / 2**30, 1)
+    if recipe == "quantize":
         return row
     rows = [json.loads(l) for l in metrics.read_text().splitlines()] if metrics.exists() else []
     if len(rows) < steps:

@@ -14,9 +14,7 @@ What is checked, in order:
    recipe that implements a feature declares its key and this table steps aside.
 2. required keys (``REQUIRED``), those the recipe declares only.
 3. each value in ``SCHEMA`` whose key the recipe declares and the config has (type, range,
-   enum; ``env=True`` rules look at this machine: paths exist, device and dtype available,
-   and output_dir holds a checkpoint to resume, or for a fresh run no earlier run's
-   ``step_<n>/``).
+   enum; ``env=True`` rules look at this machine: paths exist, device and dtype available).
 4. ``CROSS_KEY`` rules (optimizer_in_bwd with accumulation or clipping, tensor parallelism
    with what it cannot run with, ...).
 5. launcher arguments (``check_launch``), in ``tune run`` only.
@@ -297,20 +295,6 @@ def _checkpoint_files(cfg: DictConfig, env: bool, key: str) -> None:
         p = Path(where) / str(f)
         if not p.is_file():
             raise ConfigError(f"{key}.checkpoint_files: {p}: no such file")
-
-
-def _output_dir_allows_the_run(cfg: DictConfig, keys: Optional[set]) -> None:
-    """A resume finds a checkpoint to resume in output_dir; a fresh run finds no earlier run's
-    step_<n>/ there: the recipe's own check (raises its ConfigError)."""
-    out, node = _value(cfg, "output_dir"), cfg.get("checkpointer")
-    if not isinstance(out, str) or not isinstance(node, DictConfig):
-        return
-    from tune_recipes.training.checkpointing.io import checkpointer_config_for_output_dir
-
-    resume = (keys is None or "resume_from_checkpoint" in keys) and \
-        cfg.get("resume_from_checkpoint", False) is True
-    # LoRA-type recipes (their student, for distillation) resume only the adapter's weights.
-    checkpointer_config_for_output_dir(node, out, resume, full_weights=not _is_lora_model(cfg))
 
 
 def _in_backward_rules(cfg: DictConfig) -> Optional[str]:
@@ -814,8 +798,6 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
         for key in ("checkpointer", "teacher_checkpointer"):
             if keys is None or key in keys:
                 _checkpoint_files(cfg, env, key)
-        if keys is None or {"output_dir", "checkpointer"} <= keys:
-            _output_dir_allows_the_run(cfg, keys)
         dtype = cfg.get("dtype", None)
         if dtype == "bf16" and str(cfg.get("device", "cpu")).startswith("cuda"):
             import torch

@@ -689,3 +689,23 @@ def test_validate_checks_output_dir_for_the_resume_as_the_recipe_does(config, re
     assert line == f"tune: error: {run_error.value}"
     # --portable leaves this machine's files alone, as for every other path
     assert main(["validate", config, *overrides, "--portable"]) == 0
+
+
+@pytest.mark.unit
+def test_output_dir_checks_name_a_live_run_first_and_spare_quantize(tmp_path, capsys):
+    """A second run in a live run's output_dir is told of that run, not told to resume or
+    remove its step_<n>/; quantize (no resume) may write beside a training run's checkpoints."""
+    import json
+    import os
+    import socket
+
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "epoch_0").mkdir()
+    (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").touch()
+    assert main(["validate", "tiny/quantize", f"output_dir={tmp_path}",
+                 f"checkpointer.checkpoint_dir={tmp_path / 'epoch_0'}"]) == 0
+    live = {"host": socket.gethostname(), "pid": os.getppid()}  # alive, not this process
+    (tmp_path / ".lock").write_text(json.dumps(live))
+    assert main(["validate", "tiny/lora_single_device", f"output_dir={tmp_path}"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"is in use by another run (pid {live['pid']}" in line

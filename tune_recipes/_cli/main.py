@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from omegaconf import DictConfig
+
 from tune_recipes._cli import registry
 from tune_recipes._cli.launch import run_script
 from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
@@ -94,6 +96,14 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
             raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
         return False
     check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node)
+    # Recipes that resume (quantize reads a checkpoint and writes one: no resume, no check).
+    output_dir, checkpointer = cfg.get("output_dir"), cfg.get("checkpointer")
+    if env and {"output_dir", "checkpointer", "resume_from_checkpoint"} <= set(known) \
+            and isinstance(output_dir, str) and isinstance(checkpointer, DictConfig):
+        from tune_recipes.training.checkpointing.io import check_output_dir_allows_the_run
+
+        check_output_dir_allows_the_run(output_dir, checkpointer,
+                                        cfg.get("resume_from_checkpoint", False) is True)
     return True
 
 

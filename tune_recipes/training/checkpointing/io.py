@@ -181,6 +181,20 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
     return cfg_checkpointer
 
 
+def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfig,
+                                    resume: bool) -> None:
+    """``load_checkpoint``'s checks of ``output_dir``, for ``tune run`` and ``tune validate``
+    to make before anything starts (raises its ConfigError): no live run holds it (first, so
+    that a second run is told of the live one, not told to resume or remove its step_<n>/); a
+    resume finds a checkpoint to resume; a fresh run finds no earlier run's step_<n>/."""
+    from tune_recipes.training.checkpointing.lock import OutputDirLock
+
+    OutputDirLock(output_dir).refuse_if_in_use()
+    # full_weights=False: only the recipe knows whether it resumes model weights or an
+    # adapter alone; its load_checkpoint checks the weight files with the right answer.
+    checkpointer_config_for_output_dir(cfg_checkpointer, output_dir, resume, full_weights=False)
+
+
 def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir: str):
     """The checkpointer for a resume, configured by ``checkpointer_config_for_resume``.
 

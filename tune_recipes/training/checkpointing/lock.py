@@ -42,13 +42,7 @@ class OutputDirLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                owner = self._owner()
-                if owner is not None and not self._stale(owner):
-                    raise ConfigError(
-                        f"output_dir {self.path.parent} is in use by another run (pid "
-                        f"{owner.get('pid')} on {owner.get('host')}); wait for it to finish or "
-                        f"choose another output_dir (if no such run exists, delete {self.path})"
-                    ) from None
+                self.refuse_if_in_use()
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 continue
             except OSError as e:
@@ -62,6 +56,17 @@ class OutputDirLock:
             atexit.register(self.release)
             return self
         raise ConfigError(f"cannot take the lock {self.path}; delete it if no run uses it")
+
+    def refuse_if_in_use(self) -> None:
+        """ConfigError naming the live run that holds the lock, if one does (a stale lock, or
+        none, passes)."""
+        owner = self._owner() if self.path.exists() else None
+        if owner is not None and not self._stale(owner):
+            raise ConfigError(
+                f"output_dir {self.path.parent} is in use by another run (pid "
+                f"{owner.get('pid')} on {owner.get('host')}); wait for it to finish or "
+                f"choose another output_dir (if no such run exists, delete {self.path})"
+            )
 
     def _owner(self) -> Optional[dict]:
         try:

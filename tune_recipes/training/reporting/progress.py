@@ -4,7 +4,6 @@ import atexit
 import contextlib
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -115,17 +114,22 @@ class _Row:
     memory: Dict[str, float]  # peak memory when the step was queued (a host-side counter)
 
 
-# Reporters that may hold a row waiting for its step's values (the lagging reporter).
-_REPORTERS: "weakref.WeakSet[StepReporter]" = weakref.WeakSet()
+# Reporters that may hold a row waiting for its step's values (the lagging reporter); each
+# leaves the set in close(). A plain set, not a weak one: a run that exits through
+# ``sys.exit`` (Ctrl-C, a ConfigError) has dropped its traceback, and with it the last
+# reference to its reporter, before the exit handlers run.
+_REPORTERS: "set[StepReporter]" = set()
+_EXIT_HANDLER_REGISTERED = False
 
 
-@atexit.register
 def _write_waiting_rows() -> None:
     """At interpreter exit, write the row a lagging reporter still holds.
 
     NOTE: keep this. A run that stops mid-epoch (an exception in a later step, Ctrl-C) never
     reaches ``close()``; without it the last logged step's row, whose step had finished, was
-    lost from metrics.jsonl although the run got past that step.
+    lost from metrics.jsonl although the run got past that step. Registered when the first
+    reporter is made, after the output_dir lock and the metric logger (wandb) register theirs:
+    exit handlers run last-registered first, so the row is written while both still stand.
     """
     for reporter in list(_REPORTERS):
         if reporter._pending is None:
@@ -136,6 +140,14 @@ def _write_waiting_rows() -> None:
             reporter._pending = None
             print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
                   file=sys.stderr)
+
+
+def _track_waiting_rows(reporter: "StepReporter") -> None:
+    global _EXIT_HANDLER_REGISTERED
+    _REPORTERS.add(reporter)
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_write_waiting_rows)
+        _EXIT_HANDLER_REGISTERED = True
 
 
 class StepReporter:
@@ -188,7 +200,7 @@ class StepReporter:
         self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
         self._window_start = None
         if self.lags and is_main:
-            _REPORTERS.add(self)
+            _track_waiting_rows(self)
 
     def start_epoch(self, epoch: int, total_epochs: int, steps: int, done: int = 0) -> None:
         """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
@@ -286,6 +298,7 @@ class StepReporter:
             print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
                   file=sys.stderr)
             self.end_epoch()
+        _REPORTERS.discard(self)
         if self.metric_logger is not None:
             self.metric_logger.close()
         if self.is_main and self.plot_dir is not None:

@@ -254,10 +254,17 @@ def test_cuda_rows_never_drain_the_queue():
         assert r["step_time_s"] > 0.01  # the device's time for the step, not the host's
 
 
-def test_a_run_that_dies_mid_epoch_still_writes_its_last_logged_row(tmp_path):
-    """The lagging reporter holds step 2's row when step 3 raises; the row reaches
+@pytest.mark.parametrize("ending,returncode", [
+    ('raise RuntimeError("step 3 failed")', 1),
+    # as `tune run` ends on Ctrl-C (launch.run_script): the traceback, and with it the last
+    # reference to the reporter, is gone before the exit handlers run
+    ("raise KeyboardInterrupt", 130),
+])
+def test_a_run_that_dies_mid_epoch_still_writes_its_last_logged_row(tmp_path, ending, returncode):
+    """The lagging reporter holds step 2's row when step 3 stops the run; the row reaches
     metrics.jsonl at exit (it used to be lost: the run never reaches close())."""
     script = f"""
+import sys
 import torch
 from tune_recipes.training.reporting.metrics import JsonlMetricLogger
 from tune_recipes.training.reporting.progress import StepReporter
@@ -268,14 +275,29 @@ class Mark:  # a point in the device's work (a CUDA event and a pinned copy on a
         return dict(self._values)
     def seconds_since(self, earlier):
         return 1.0
-rep = StepReporter(JsonlMetricLogger({str(tmp_path)!r}), lag=True, show_progress=False, mark=Mark)
-rep.start_epoch(0, 1, steps=5)
-for step in (1, 2):
-    rep.add_tokens(10)
-    rep.step_done(step, torch.tensor(float(step)), lr=1e-3)
-raise RuntimeError("step 3 failed")
+def train():
+    rep = StepReporter(JsonlMetricLogger({str(tmp_path)!r}), lag=True, show_progress=False,
+                       mark=Mark)
+    rep.start_epoch(0, 1, steps=5)
+    for step in (1, 2):
+        rep.add_tokens(10)
+        rep.step_done(step, torch.tensor(float(step)), lr=1e-3)
+    {ending}
+try:
+    train()
+except KeyboardInterrupt:
+    sys.exit(130)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert proc.returncode == 1 and "step 3 failed" in proc.stderr
+    assert proc.returncode == returncode, proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0)]
+
+
+def test_a_closed_reporter_writes_nothing_more_at_exit(tmp_path):
+    from tune_recipes.training.reporting import progress
+
+    rep = StepReporter(_Log(), lag=True, show_progress=False, mark=_Timeline().mark)
+    assert rep in progress._REPORTERS
+    rep.close()
+    assert rep not in progress._REPORTERS
