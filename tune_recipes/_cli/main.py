@@ -258,8 +258,10 @@ examples:
         description="Check CONFIG with its overrides applied, without building anything:\n"
                     "every _component_ imports, every key binds to its signature, every\n"
                     "top-level key is one the recipe reads, and every value has the right type\n"
-                    "and range, paths exist and the device is available (the checks `tune run`\n"
-                    "and the recipe make before any work).",
+                    "and range, paths exist and the device is available, and output_dir allows\n"
+                    "the run (no live run in it; a checkpoint to resume, or for a fresh run no\n"
+                    "earlier run's step_<n>/): the checks `tune run` and the recipe make before\n"
+                    "any work.",
         epilog=_OVERRIDES_HELP + """
 example:
   tune validate llama3_2/1B_lora_single_device optimizer.lr=1e-4 ~lr_scheduler
