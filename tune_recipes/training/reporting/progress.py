@@ -132,14 +132,7 @@ def _write_waiting_rows() -> None:
     exit handlers run last-registered first, so the row is written while both still stand.
     """
     for reporter in list(_REPORTERS):
-        if reporter._pending is None:
-            continue
-        try:
-            reporter.flush()
-        except Exception as e:  # noqa: BLE001  (a failed device: report, don't raise at exit)
-            reporter._pending = None
-            print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
-                  file=sys.stderr)
+        reporter._write_last_row()
 
 
 def _track_waiting_rows(reporter: "StepReporter") -> None:
@@ -287,17 +280,21 @@ class StepReporter:
             self._pbar.close()
             self._pbar = None
 
-    def close(self) -> None:
-        # The last logged row is written if its values can still be read; an error reading them
-        # (a failed device) is reported, not raised. (A run that dies mid-epoch never gets
-        # here: _write_waiting_rows writes its waiting row at exit.)
+    def _write_last_row(self) -> None:
+        """Write the waiting row if its values can still be read; an error reading them (a
+        failed device) is reported, not raised: the run's end or exit must go on."""
         try:
-            self.end_epoch()
+            self.flush()
         except Exception as e:  # noqa: BLE001
             self._pending = None
             print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
                   file=sys.stderr)
-            self.end_epoch()
+
+    def close(self) -> None:
+        # (A run that dies mid-epoch never gets here: _write_waiting_rows writes its waiting
+        # row at exit.)
+        self._write_last_row()
+        self.end_epoch()
         _REPORTERS.discard(self)
         if self.metric_logger is not None:
             self.metric_logger.close()

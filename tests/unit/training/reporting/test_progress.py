@@ -301,3 +301,31 @@ def test_a_closed_reporter_writes_nothing_more_at_exit(tmp_path):
     assert rep in progress._REPORTERS
     rep.close()
     assert rep not in progress._REPORTERS
+
+
+def test_a_row_whose_values_cannot_be_read_is_reported_not_raised(capsys):
+    """A failed device at the end (close) or at exit: a note on stderr, the logger still
+    closed, and the exit handler has nothing left to retry."""
+    from tune_recipes.training.reporting import progress
+
+    class FailingMark:
+        def __init__(self, values):
+            self.failing = bool(values)
+
+        def values(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def seconds_since(self, earlier):
+            return 1.0
+
+    closed = []
+    log = _Log()
+    log.close = lambda: closed.append(True)
+    rep = StepReporter(log, lag=True, show_progress=False, mark=FailingMark)
+    rep.start_epoch(0, 1, steps=2)
+    rep.step_done(1, torch.tensor(1.0), lr=1e-3)
+    rep.close()
+    assert "row was not written (RuntimeError: CUDA error" in capsys.readouterr().err
+    assert closed and log.rows == [] and rep not in progress._REPORTERS
+    progress._write_waiting_rows()  # nothing pending: silent
+    assert capsys.readouterr().err == ""
