@@ -1,4 +1,4 @@
-"""torchtune 0.6.1's own configs run on our recipes unchanged (issue 12).
+"""torchtune 0.6.1's own configs run on our recipes unchanged.
 
 Every config torchtune's recipe registry lists for a recipe we ship is checked with
 ``tune validate --portable --recipe <ours> <stock yaml>`` (``--portable``: the stock configs

@@ -4,8 +4,8 @@ Tolerances: fp32 inputs rtol 1e-5 / relative-L2 1e-6 class; bf16 inputs relative
 with the weight gradient accumulated in fp32 (``weight_grad_fp32=True``). The default
 accumulates it in bf16, one rounding per chunk: its bound grows with the chunk count (below).
 Peaked, trained-LM-like logits (``_peaked_inputs``): at Llama-3's vocabulary the gradients must
-be no worse than a plain loss that keeps every logit in fp32 without the target split (issue
-11), and at a small vocabulary within a measured multiple of the bf16 rounding of the exact
+be no worse than a plain loss that keeps every logit in fp32 without the target split, and at
+a small vocabulary within a measured multiple of the bf16 rounding of the exact
 gradients (the two peaked tests).
 """
 
@@ -167,14 +167,14 @@ def _fp32_logits_grads(h, w, y):
 
 
 def test_peaked_logits_at_llama3_vocab_within_the_fp32_logits_bound():
-    """Issue 11's check, on the CPU: trained-LM-like logits at Llama-3's vocabulary (128256).
-    The logits are bf16, but each row's target logit is recomputed in fp32 and the target terms
-    never go through bf16. Measured (seeds 0-2, torch 2.13 on CPU, 2026-12-02): hidden
-    1.87-2.08e-3, weight 1.87-2.06e-3, against 2.28-2.55e-3 for a plain fp32-logits loss without
-    the target split (``_fp32_logits_grads``) and a bf16 floor of 1.65-1.66e-3;
-    with the target's logit taken from the bf16 logits, as before issue 11, 4.3e-3. So the bound
-    is the fp32-logits method's own error, measured here on the same inputs, and issue 11's
-    2.5e-3. ~30 s on 2 cores (the float64 reference dominates)."""
+    """On the CPU: trained-LM-like logits at Llama-3's vocabulary (128256). The logits are
+    bf16, but each row's target logit is recomputed in fp32 and the target terms never go
+    through bf16. On seeds 0-2 (torch 2.13, CPU): hidden 1.87-2.08e-3, weight 1.87-2.06e-3,
+    against 2.28-2.55e-3 for a plain fp32-logits loss without the target split
+    (``_fp32_logits_grads``) and a bf16 floor of 1.65-1.66e-3; with the target's logit taken
+    from the bf16 logits, 4.3e-3. So the bound is the fp32-logits method's own error, measured
+    here on the same inputs, and 2.5e-3, the loss's accuracy target. ~30 s on 2 cores (the
+    float64 reference dominates)."""
     h, w, y = _peaked_inputs(192, 1024, 128256, seed=1)
     loss = fused_linear_cross_entropy(h, w, y)
     loss.backward()
@@ -194,7 +194,7 @@ def test_peaked_logits_gradients_near_the_bf16_floor(labels):
     accumulation over 6 chunks). With fewer logits to average over, the bf16 rounding of the
     non-target logits shows more than at 128256: measured over seeds 0-2 and both label kinds,
     1.50-1.82x the error of rounding the float64 gradients to bf16 (a plain fp32-logits loss
-    without the split: 1.4-1.5x; fp32 logits with the split, v4: 1.02-1.05x). The
+    without the split: 1.4-1.5x; fp32 logits with the split: 1.02-1.05x). The
     bound is 2x. What it guards: the target's logit taken from the bf16 logits instead of
     recomputed gave 2.25-2.92x. ``repeated``: a few labels that recur within and across chunks
     (frequent tokens), whose target terms must be summed apart before the one rounding."""

@@ -195,7 +195,7 @@ def test_cuda_peaked_logits_near_the_bf16_floor(labels):
 
 
 def test_cuda_peaked_logits_at_llama3_vocab_within_the_fp32_logits_bound():
-    """Issue 11's shape class on the CUDA path: 2048 x 4096 x 128256, default chunks, gradients
+    """A Llama-3-sized shape on the CUDA path: 2048 x 4096 x 128256, default chunks, gradients
     no worse than a plain fp32-logits loss's (test_fused_loss._fp32_logits_grads, computed here on
     the same inputs) and within 2.5e-3; float64 reference on the GPU."""
     from test_fused_loss import _fp32_logits_grads

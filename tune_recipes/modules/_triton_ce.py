@@ -16,8 +16,8 @@ rounding to bf16 was what doubled the gradient error; the other logits' rounding
 (loss.py gives the numbers).
 
 The log-sum-exp keeps a running max and sum per lane and reduces across the block once per
-row, not once per block: at 128k columns that was about a quarter faster on the H200
-(scripts/profile_fused_ce.py, softmax part). It takes one exponential per element, not two.
+row, not once per block: at 128k columns that is about a quarter faster on the H200. It takes
+one exponential per element, not two.
 """
 
 import functools
@@ -26,7 +26,7 @@ import os
 import torch
 
 # (programs per multiprocessor, 0 = one program per row; elements per block; warps per
-# program). scripts/profile_fused_ce.py times alternatives.
+# program): the fastest of the layouts timed on an H200 at a 128256-column vocabulary.
 LAUNCH = (0, 4096, 16)
 
 

@@ -43,8 +43,8 @@ adapter in one function and lora_a's gradient from that e4m3 copy instead, so wh
 needs of x is 1 byte an element. The saving is made by compile: in eager mode each projection
 keeps its own e4m3 copy where plain LoRA shares one bf16 x between siblings (q and v, gate and
 up), so little is saved; under per-layer compile the partitioner recomputes the copies in
-backward from tensors the layer keeps anyway (scripts/saved_bytes_per_layer.py: the MLP's
-SwiGLU output and most of the normed inputs are no longer kept). Llama-3.1-8B, batch 2 x
+backward from tensors the layer keeps anyway (measured on the compiled layer's saved tensors:
+the MLP's SwiGLU output and most of the normed inputs are no longer kept). Llama-3.1-8B, batch 2 x
 2048, compiled, on an H200: 26.73 -> 21.43 GiB at the same speed. Only lora_a's gradient
 changes: it sees x rounded to e4m3 (at most 2^-4 relative per element), as torchao's float8
 training does for every weight gradient (there with an FP8 output gradient too); the forward,
@@ -187,8 +187,8 @@ class _FrozenFP8LoRAMatmul(torch.autograd.Function):
 
     NOTE: the adapter's second product stays a cuBLAS rank-r matmul. Computing it inside the
     kernel that adds it to the base output (a multiply-sum over the rank, no [tokens, out]
-    product in memory) was measured slower under compile: 8.71 ms per 8B layer against 5.61
-    (docs/benchmarks.md, issue #15, session 9)."""
+    product in memory) is slower under compile: 8.71 ms per 8B layer against 5.61 on an H200
+    (docs/benchmarks.md, "Tried, and did not pay")."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_fp8: torch.Tensor, weight_inv_scale: torch.Tensor,

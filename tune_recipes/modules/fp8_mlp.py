@@ -22,7 +22,7 @@ products already apply. The forward, the loss and the weights' dtypes are unchan
 
 In a full fine-tune the down projection trains, and its weight gradient needs ``h`` too: in
 bf16 the compiled graph keeps ``g`` and ``u`` (recomputing ``h``), 4.0 GiB at Llama-3.2-1B
-batch 4 x 2048 (docs/benchmarks.md, issue #15: the largest share of its peak). There the
+batch 4 x 2048 (the largest share of its peak). There the
 module runs the down product itself (``_SwiGLUTrainedDown``): the forward is unchanged (``h``
 from the exact ``g`` and ``u``), backward recomputes ``h`` from the e4m3 ``g`` and ``u`` for
 the down weight's gradient. With ``enable_fp8_training`` (the down projection a torchao
@@ -33,15 +33,14 @@ difference is the weight gradient's ``h``, e4m3(h recomputed from e4m3 g and u) 
 e4m3(h). Half the MLP's saved bytes: 1.75 GiB less at that 1B shape (13.37 GiB peak).
 
 NOTE: one scale per tensor for ``g`` and ``u`` in a full fine-tune, not per token, for speed
-(measured on an H200, 2026-12-02, docs/benchmarks.md issue #15, session 13). Per token, inductor
+(measured on an H200). Per token, inductor
 compiles the forward's casts into one kernel that walks each 8192-wide row four times (amax and
 cast of ``g``, then of ``u``) and the backward's amax of the recomputed ``h`` into a pass of its
-own: +0.9 ms an MLP (4.04 against torchao's 3.13 ms, scripts/bench_fp8_mlp.py), 10-12% of the
-1B step (68,640 tok/s against 76,530-78,262 without the key, on other machines). Per tensor,
+own: +0.9 ms an MLP (4.04 against torchao's 3.13 ms), 10-12% of the 1B step. Per tensor,
 all the amaxes share one split reduction and all the casts one pointwise kernel, as torchao's
-own casts do: 3.15 ms, and 2.3% of the step (same machine). The precision is torchao's
+own casts do: 3.15 ms, and 2.3% of the step. The precision is torchao's
 for the down projection's input ``h`` (one e4m3 scale a tensor). LoRA keeps per-token scales
-(measured there at 8B; per tensor is not yet measured with LoRA).
+(measured there at 8B; per tensor is not measured with LoRA).
 
 Supported: ``FeedForward`` with ``nn.SiLU`` and an up projection (Llama, Qwen2.5), whose down
 projection is a plain frozen linear or a ``LoRALinear`` (bf16, NF4 or FP8 base) with no dropout,

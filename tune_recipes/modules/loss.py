@@ -17,10 +17,10 @@ logits and its term never rounded to bf16:
 - the hidden gradient starts from ``coef * W[y]`` in fp32 and adds the rest's product before its
   one rounding; the weight gradient's chunk products accumulate only the rest, and ``coef * h``
   is summed per label in fp32 and added once after the chunks.
-On the H200 at 8192 x 4096 x 128256 (docs/benchmarks.md, v6) both gradients come within ~15% of
+On the H200 at 8192 x 4096 x 128256 (docs/benchmarks.md) both gradients come within ~15% of
 the bf16 rounding of the exact gradients on peaked logits: 1.89e-3 / 1.90e-3 against 1.66e-3
-(1.66e-3 on near-uniform logits). Keeping all logits in fp32 as well (v4) gave 1.66e-3 at twice
-the logits' memory and 3-4% more time; a plain fp32-logits loss without the target split gives
+(1.66e-3 on near-uniform logits). Keeping all logits in fp32 as well gives 1.66e-3 at twice the
+logits' memory and 3-4% more time; a plain fp32-logits loss without the target split gives
 ~2.3e-3 (tests/unit/test_fused_loss.py).
 
 Backward rules (tests/unit/test_fused_loss.py covers each):
@@ -49,9 +49,9 @@ from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 # ones leaner: 0.6-0.8 ms a chunk at 128256 x 4096 on an H200. 160 MiB is 654 bf16 rows at
 # V=128256: a forward+backward at 8192 x 4096 (30% of labels ignored) runs in 9 chunks within
 # 1.2 GiB above its inputs, the weight gradient included (fp32 models: 327 rows a chunk).
-# NOTE: the logits stay in the model's dtype on purpose. fp32 logits (issue 11's first fix)
-# needed 320 MiB for the same 9 chunks (1.337 GiB) and 2-4% more time; what they fixed, the
-# target's rounding, is fixed here by recomputing that one logit in fp32 (see above).
+# NOTE: the logits stay in the model's dtype on purpose. fp32 logits would need 320 MiB for the
+# same 9 chunks (1.337 GiB) and 2-4% more time; what they would fix, the target's rounding, is
+# fixed here by recomputing that one logit in fp32 (see above).
 DEFAULT_CHUNK_BYTES = 160 * 1024**2
 
 
@@ -460,7 +460,7 @@ def declare_grad_output(loss: torch.Tensor, grad_output: float) -> bool:
     backward: the host waits for the forward to finish on the GPU, and the GPU then idles while
     the host launches the backward (1.0-1.3 ms a step in the profile of the compiled FP8 1B full
     fine-tune, and the host's lead over the GPU is lost, so the forward's launch gaps of the
-    next step are exposed too; docs/benchmarks.md, session 14).
+    next step are exposed too).
     """
     if not isinstance(loss.grad_fn, _FusedLinearCrossEntropy._backward_cls):
         return False

@@ -195,7 +195,7 @@ def test_the_path_is_logged_once_at_startup(monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("loss normalization: skip")
 
 
-# ---------------------------------------------------------------- on_nonfinite (issue 13)
+# ---------------------------------------------------------------- on_nonfinite
 from tune_recipes.config import ConfigError  # noqa: E402
 from tune_recipes.training.step.nonfinite import NonFiniteError  # noqa: E402
 
