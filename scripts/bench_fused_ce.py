@@ -21,10 +21,9 @@ Input kinds (``make_inputs``):
   ``ref_loss``). The labels of the first 30% of every 2048-token sequence (the prompt) are
   ignored. Here rounding the logits to bf16 before the softmax doubles the gradient error.
 
-``--baseline DIR`` adds the loss as it was before issue 11 (bf16 logits), loaded from copies of
-its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show 4f17736:tune_recipes/modules/loss.py``);
-``--previous DIR`` the same for another earlier version, named by ``--previous-label`` (e.g.
-4247504's: fp32 logits with the target terms split off, issue 11's first fix).
+``--baseline DIR`` adds an earlier version of our loss (by default named as the bf16-logits one),
+loaded from copies of its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show
+4f17736:tune_recipes/modules/loss.py``); ``--previous DIR`` another, named by ``--previous-label``.
 """
 
 import argparse
@@ -127,7 +126,7 @@ def cce(h, w, y):
 
 
 METHODS = {
-    "baseline": ("tune-recipes fused before issue 11 (bf16 logits)", baseline),
+    "baseline": ("tune-recipes fused, bf16 logits (--baseline)", baseline),
     "previous": ("tune-recipes fused, an earlier version (--previous DIR)", previous),
     "ours": ("tune-recipes fused (default)", ours),
     "ours_fp32": ("tune-recipes fused, weight_grad_fp32=True", ours_fp32),
@@ -289,7 +288,7 @@ def main():
                     help="shapes timed on every kind and also after idle pauses")
     ap.add_argument("--time-kinds", default="peaked",
                     help="kinds timed at the other shapes (the rest: one run for the errors)")
-    ap.add_argument("--baseline", default=None, help="directory with the pre-issue-11 loss.py and _triton_ce.py")
+    ap.add_argument("--baseline", default=None, help="directory with an earlier loss.py and _triton_ce.py (bf16 logits)")
     ap.add_argument("--previous", default=None,
                     help="directory with an earlier version's loss.py and _triton_ce.py")
     ap.add_argument("--previous-label", default=None, help="the row label of --previous")

@@ -20,10 +20,11 @@ to completion.
 Columns: tokens/s is the median of the recipe's own ``tokens_per_second_per_gpu`` over the
 steps after the first; "wall check" divides the tokens over those steps by the wall time between
 their metric rows (the logger's own clock) and compares: 1.00 means the reported rate is the
-real one (the issue's bar: within 2%).
+real one.
 """
 
 import argparse
+import fnmatch
 import json
 import os
 import queue
@@ -55,7 +56,8 @@ def base_builder(component: str) -> str:
 
 
 def ensure_checkpoint(builder: str, work: Path) -> Path:
-    out = work / "ckpt" / builder.rsplit(".", 1)[-1]
+    # The name scripts/bench_recipes.py gives it: with the same --work, both share the files.
+    out = work / f"ckpt_{builder.rsplit('.', 1)[-1]}_bf16"
     if not (out / "model.safetensors").exists():
         # Its own process: the random model's GPU memory is returned before training starts.
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_random_checkpoint.py"),
@@ -179,10 +181,9 @@ def quantize_status(out_dir: Path, rc, text: str, keep: bool) -> str:
     """"ok" when the quantize run exited 0 and wrote its checkpoint; the checkpoint is then
     deleted unless ``keep`` (``--save``).
 
-    NOTE: the deletion is what keeps a full single-device pass on the machine's disk (64 GiB):
-    an 8B quantized checkpoint is 5.2 GiB, on top of the 8B and 7B random checkpoints (about 31
-    GiB). On 2026-12-02 a pass after the benchmarks (whose own checkpoints were still there)
-    filled the disk during the 8B quantize, and the next config died with ENOSPC.
+    NOTE: the deletion is what keeps a single-device pass on the GPU machine's disk (64 GiB):
+    an 8B quantized checkpoint is 5.2 GiB, on top of the random checkpoints (8B and 7B: about
+    31 GiB); without it the next config can die with ENOSPC.
     """
     written = sorted(out_dir.glob("model-*.pt"))
     if rc != 0 or not written:
@@ -203,7 +204,8 @@ def _failure(text: str, rc) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=("single", "distributed", "all"), default="single")
-    ap.add_argument("--configs", default="", help="comma-separated subset (default: all of kind)")
+    ap.add_argument("--configs", default="", help="comma-separated names or shell patterns, e.g. "
+                    "'llama3_1/*,qwen2_5/7B_*' (default: every config of --kind)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--lanes", type=int, default=1,
@@ -220,7 +222,7 @@ def main():
     global DEVICE_OVERRIDE, RUN_TIMEOUT_S
     DEVICE_OVERRIDE, RUN_TIMEOUT_S = args.device, args.run_timeout
     if args.configs:
-        names = [c for c in names if c in args.configs.split(",")]
+        names = [c for c in names if any(fnmatch.fnmatchcase(c, p) for p in args.configs.split(","))]
     single = [c for c in names if registry.recipe_for_config(c) not in DISTRIBUTED]
     dist = [c for c in names if registry.recipe_for_config(c) in DISTRIBUTED]
     import torch

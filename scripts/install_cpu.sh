@@ -14,8 +14,8 @@ fi
 # pip backtracks through dozens of huggingface_hub releases before settling.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" \
     "huggingface_hub>=0.30,<1.0" "datasets==3.6.0" "transformers==4.57.6"
-# NOTE: keep pip's byte-compiling. --no-compile made CI slower, not faster (2026-12-02): where
+# NOTE: keep pip's byte-compiling. --no-compile makes CI slower, not faster: where
 # PYTHONDONTWRITEBYTECODE is set (as on our CPU machines) nothing writes the .pyc files later, so
-# every test process compiled torch's modules from source again.
+# every test process compiles torch's modules from source again.
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
 .venv/bin/tune-recipes --version

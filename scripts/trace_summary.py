@@ -159,7 +159,7 @@ def _launches(events):
 def _launched_in_steps(events, work, steps):
     """Split device work into what the profiled steps launched and what was queued before them.
     When the host runs ahead of the GPU, the window opens while the GPU still runs the previous
-    step's work, whose launches were not recorded (s14e: 43 ms of it). A trace without any launch
+    step's work, whose launches were not recorded (tens of ms of it). A trace without any launch
     records keeps all its work."""
     launched = _launches(events)
     if not launched or not steps:

@@ -1,0 +1,189 @@
+"""What scripts/bench_recipes.py measures: each side's settings, the models, the data, the cases
+and the presets. To add a measurement, add a variant (config overrides for one side) to a case,
+or a case (a model on data with its variants) to CASES.
+
+A variant named ``stock_best`` or ``ours_best`` (or marked ``head``) runs every repetition; the
+others are levers, run once. Ratios are taken against ``stock_best`` (``stock`` for a shipped
+config; else the case's first stock variant).
+"""
+
+import yaml
+
+_CHUNKED = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
+_FUSED = {"_component_": "tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"}
+# Stock's best at every size: compile on, activation checkpointing off (it fits; AC only adds
+# recompute at a fixed number of tokens per step).
+STOCK_BEST = dict(loss=_CHUNKED, compile=True)
+# Ours' best, the README's fastest settings. 1B full: the whole model compiled as one graph,
+# the optimizer step compiled, the fused loss, FP8 (tensorwise) with fast accumulation in
+# backward, the first layer's MLP gate/up outputs kept in e4m3.
+OURS_1B = dict(loss={**_FUSED, "chunk_size": 1312}, compile=True, compile_scope="model",
+               compile_optimizer_step=True, enable_fp8_training=True, fp8_fast_accum_backward=True,
+               fp8_mlp_activations=True, fp8_mlp_layers=1)
+# 8B LoRA: the frozen base in FP8, the adapters' inputs in e4m3, the frozen embedding in CPU
+# memory; OURS_8B_LORA also keeps 20 layers' FP8 weights transposed (speed for memory).
+OURS_8B_FP8 = dict(loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True,
+                   embedding_on_cpu=True)
+OURS_8B_LORA = dict(**OURS_8B_FP8, fp8_transposed_weight_layers=20)
+
+
+def _v(name, side, label, head=None, env=None, **cfg):
+    """A variant: config overrides on top of its case's config (``env``: extra environment
+    variables for its run, e.g. a scripts/bench_hooks lever)."""
+    head = name in ("stock_best", "ours_best") if head is None else head
+    return dict(name=name, side=side, label=label, head=head, cfg=cfg, env=env or {})
+
+
+def _on_a_smaller_gpu(gib: int, micro_batch: int, ours: dict) -> list:
+    """What ours' memory buys on a GPU of ``gib`` GiB (the allocator capped 0.5 GiB below, bench
+    hook BENCH_MEMORY_CAP_GIB): stock's best there, with activation checkpointing, at half the
+    micro-batch with gradient accumulation 2, and ours there."""
+    cap = {"BENCH_MEMORY_CAP_GIB": str(gib - 0.5)}
+    return [_v(f"stock_best_{gib}g", "stock", f"stock: compile, {gib} GiB GPU", env=cap, **STOCK_BEST),
+            _v(f"stock_ac_{gib}g", "stock", f"stock: compile + AC, {gib} GiB GPU", env=cap,
+               enable_activation_checkpointing=True, **STOCK_BEST),
+            _v(f"stock_ga2_{gib}g", "stock", f"stock: compile, batch {micro_batch} x GA 2, {gib} GiB GPU",
+               env=cap, batch_size=micro_batch, gradient_accumulation_steps=2, **STOCK_BEST),
+            _v(f"ours_best_{gib}g", "ours", f"ours: fastest settings, {gib} GiB GPU", env=cap, **ours)]
+
+
+_LORA = {"lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+         "lora_rank": 8, "lora_alpha": 16}
+_ADAMW = {"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True}
+MODELS = {
+    "tiny": dict(recipe="full_finetune_single_device", builder="tune_recipes.models.tiny_llama3",
+                 model={"_component_": "tune_recipes.models.tiny_llama3"}, batch_size=4,
+                 device="cpu", dtype="fp32", seq_len=512, median_words=24,
+                 optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5},
+                 extra={"optimizer_in_bwd": False, "enable_activation_checkpointing": False}),
+    # Llama-3.2-1B full fine-tune, 4 sequences (or packs) of 2048 tokens a step.
+    "1b": dict(recipe="full_finetune_single_device", builder="torchtune.models.llama3_2.llama3_2_1b",
+               model={"_component_": "torchtune.models.llama3_2.llama3_2_1b"}, batch_size=4,
+               optimizer=_ADAMW, extra={"optimizer_in_bwd": False, "enable_activation_checkpointing": False}),
+    # Llama-3.1-8B LoRA (rank 8 on q/v/output and the MLP), 2 x 2048 tokens a step.
+    "8b_lora": dict(recipe="lora_finetune_single_device", builder="torchtune.models.llama3_1.llama3_1_8b",
+                    model={"_component_": "torchtune.models.llama3_1.lora_llama3_1_8b", **_LORA},
+                    batch_size=2, optimizer={**_ADAMW, "lr": 3e-4},
+                    extra={"enable_activation_checkpointing": False, "save_adapter_weights_only": True}),
+}
+MODELS["8b_qlora"] = {**MODELS["8b_lora"], "model": {
+    **MODELS["8b_lora"]["model"], "_component_": "torchtune.models.llama3_1.qlora_llama3_1_8b"}}
+# Two GPUs, FSDP2 (the nvidia-h200-x2 kind): per-rank batch 4 x 2048.
+_FSDP = {"enable_activation_checkpointing": False, "fsdp_reshard_after_forward": True}
+MODELS["1b_2gpu"] = {**MODELS["1b"], "recipe": "full_finetune_distributed", "nproc": 2, "extra": _FSDP}
+MODELS["1b_lora_2gpu"] = {**MODELS["1b_2gpu"], "recipe": "lora_finetune_distributed",
+                          "model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", **_LORA},
+                          "optimizer": {**_ADAMW, "lr": 3e-4}, "extra": {**_FSDP, "save_adapter_weights_only": True}}
+
+# Full-length rows: a learnable synthetic stream (a random 256-token block from a 4096-token
+# sub-vocabulary, repeated), every sequence seq_len long: no padding, no document masks.
+# Instruction rows: scripts/make_instruction_data.py, packed with document masks or padded.
+DATA = {"synthetic": {"kind": "synthetic", "data_vocab": 4096, "data_repeat": 256},
+        "packed": {"kind": "instruct", "packed": True},
+        "padded": {"kind": "instruct", "packed": False}}
+
+
+def _case(model: str, data: str, variants: list, **kw) -> dict:
+    """``steps``: the least optimizer steps a run (a loss curve); ``warmup``/``window``: the
+    clock's batches (default 5 and 20)."""
+    return {"seq_len": 2048, "median_words": 90, **MODELS[model], "data": DATA[data],
+            "variants": variants, **kw}
+
+
+_STOCK = _v("stock_best", "stock", "stock: compile", **STOCK_BEST)
+_OURS_1B = _v("ours_best", "ours", "ours: README fastest settings", **OURS_1B)
+# The same settings as stock's best but for the loss: what the recipe itself costs.
+_SAME = _v("ours_same", "ours", "ours: compile + fused CE, bf16 (stock's settings)", loss=_FUSED, compile=True)
+_OURS_1B_LEVERS = [
+    _SAME, _v("ours_bf16_model", "ours", "ours: whole model compiled + fused CE, bf16", loss=_FUSED,
+              compile=True, compile_scope="model", compile_optimizer_step=True),
+    _v("ours_fp8_layers", "ours", "ours: per-layer compile + fused CE + FP8", loss=_FUSED,
+       compile=True, enable_fp8_training=True)]
+_OURS_8B = _v("ours_best", "ours", "ours: README fastest settings", **OURS_8B_LORA)
+_OURS_8B_NO_T = _v("ours_fp8_ain_embcpu", "ours", "ours: fastest without fp8_transposed_weight_layers",
+                   **OURS_8B_FP8)
+# What QLoRA is for (an 8B fine-tune in less memory), ours' way: the bf16-base LoRA model with its
+# frozen base in FP8 instead of NF4, at stock QLoRA's tokens and steps.
+_FP8_INSTEAD = _v("ours_fp8_instead", "ours", "ours: FP8 base instead of NF4", head=True,
+                  model=MODELS["8b_lora"]["model"], **OURS_8B_FP8)
+_QLORA = [_STOCK, _v("ours_best", "ours", "ours: compile + fused CE (NF4)", loss=_FUSED, compile=True),
+          _FP8_INSTEAD]
+_SAME_2GPU = [_v("stock_chunked", "stock", "stock, chunked CE", loss=_CHUNKED),
+              _v("ours_chunked", "ours", "ours, chunked CE", loss=_CHUNKED),
+              _v("ours_fused", "ours", "ours, fused CE", loss=_FUSED)]
+
+CASES = {
+    # A CPU dry run of the whole pipeline (both CLIs, the hook, the summary; numbers meaningless);
+    # ``--set dataset.packed=False`` runs it padded.
+    "tiny_cpu": _case("tiny", "packed", [_v("stock_best", "stock", "stock", loss=_CHUNKED),
+                                         _v("ours_best", "ours", "ours: fused CE", loss=_FUSED)],
+                      warmup=2, window=4),
+    "full_1b": _case("1b", "synthetic", [_STOCK, _OURS_1B, *_OURS_1B_LEVERS, *_on_a_smaller_gpu(20, 2, OURS_1B)]),
+    "full_1b_packed": _case("1b", "packed", [
+        _STOCK, _OURS_1B, *_OURS_1B_LEVERS,
+        # attention traced into the whole-model graph (torchtune's flex call is a graph break)
+        _v("ours_best_flex", "ours", "ours: fastest, flex attention inside the compiled graph",
+           env={"BENCH_FLEX_IN_GRAPH": "1"}, **OURS_1B)]),
+    "full_1b_padded": _case("1b", "padded", [_STOCK, _OURS_1B, *_OURS_1B_LEVERS]),
+    "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,
+                                              *_on_a_smaller_gpu(24, 1, OURS_8B_FP8)]),
+    "lora_8b_packed": _case("8b_lora", "packed", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME]),
+    "lora_8b_padded": _case("8b_lora", "padded", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME]),
+    "qlora_8b": _case("8b_qlora", "synthetic", _QLORA),
+    "qlora_8b_packed": _case("8b_qlora", "packed", _QLORA),
+    # Loss curves: 220 steps where the loss moves (1B at lr 3e-4; 8B at torchtune's own 3e-4).
+    "full_1b_curve": _case("1b", "synthetic", [_STOCK, _OURS_1B], steps=220, optimizer={**_ADAMW, "lr": 3e-4}),
+    "lora_8b_curve": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B], steps=220),
+    "qlora_8b_curve": _case("8b_qlora", "synthetic", [_STOCK, _FP8_INSTEAD], steps=220),
+    # FSDP2 on two GPUs: the same settings on both sides; then each side's best (the distributed
+    # recipe compiles per layer).
+    "full_1b_2gpu": _case("1b_2gpu", "synthetic", [
+        *_SAME_2GPU, _STOCK, _v("ours_best", "ours", "ours: compile + fused CE + FP8 + fast accumulation",
+                                compile=True, enable_fp8_training=True, fp8_fast_accum_backward=True, loss=_FUSED)]),
+    "lora_1b_2gpu": _case("1b_lora_2gpu", "synthetic", _SAME_2GPU),
+}
+
+
+def shipped_cases() -> dict:
+    """``shipped:<config>`` for each of our single-device fine-tune configs that torchtune 0.6.1
+    ships under the same name: both as shipped, on the padded or packed instruction data as
+    each config's ``dataset.packed`` says."""
+    from tune_recipes._cli import registry
+
+    out, stock_root = {}, registry._stock()[1] / "configs"
+    for name in registry.list_configs():
+        recipe = registry.recipe_for_config(name)
+        if recipe in ("full_finetune_single_device", "lora_finetune_single_device") and \
+                (stock_root / f"{name}.yaml").is_file():
+            ours = registry.resolve_config(name).path
+            module, fn = yaml.safe_load(ours.read_text())["model"]["_component_"].rsplit(".", 1)
+            out[f"shipped:{name}"] = dict(
+                recipe=recipe, shipped={"stock": stock_root / f"{name}.yaml", "ours": ours},
+                builder=f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}", seq_len=2048,
+                median_words=90, data={"kind": "instruct"},
+                variants=[_v("stock", "stock", "torchtune 0.6.1's config as shipped", head=True),
+                          _v("ours", "ours", "our config as shipped", head=True)])
+    return out
+
+
+CASES.update(shipped_cases())
+
+# Ours' variant per case whose settings the README's fastest-settings commands give
+# (tests/unit/test_readme_fast.py holds them equal).
+CLAIM = {"full_1b": "ours_best", "lora_8b": "ours_best", "qlora_8b": "ours_fp8_instead"}
+# --preset NAME: cases and the variants of each, every one run every repetition.
+PRESETS = {
+    # the headline: instruction rows, packed and padded, each side's best
+    "instruct": {**{c: ["stock_best", "ours_best"] for c in
+                    ("full_1b_packed", "full_1b_padded", "lora_8b_packed", "lora_8b_padded")},
+                 "qlora_8b_packed": ["stock_best", "ours_fp8_instead"]},
+    "shipped": {c: ["stock", "ours"] for c in CASES if c.startswith("shipped:")},
+    # the reference: full-length rows, each side's best
+    "claim": {case: ["stock_best", variant] for case, variant in CLAIM.items()},
+    # what ours' memory buys on a smaller GPU
+    "memory": {"full_1b": ["stock_best", *[v["name"] for v in _on_a_smaller_gpu(20, 2, {})]],
+               "lora_8b": ["stock_best", *[v["name"] for v in _on_a_smaller_gpu(24, 1, {})]]},
+    # 220-step loss curves, each side's best
+    "curves": {c: [v["name"] for v in CASES[c]["variants"]] for c in ("full_1b_curve", "lora_8b_curve", "qlora_8b_curve")},
+}
+PRESET_REPS = {"instruct": 2, "shipped": 1, "claim": 2, "memory": 1, "curves": 1}

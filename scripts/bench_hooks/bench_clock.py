@@ -1,0 +1,137 @@
+"""The benchmark's clock: one timer outside both recipes, identical for torchtune's stock recipe
+and ours (scripts/bench_recipes.py turns it on with ``BENCH_CLOCK=<json path>``;
+sitecustomize.py installs it in the training process).
+
+It wraps every DataLoader iterator of the process. When the recipe asks for batch ``W`` and
+again for batch ``W + N`` (``BENCH_CLOCK_WARMUP``, ``BENCH_CLOCK_WINDOW``), it waits for the
+GPU (``torch.cuda.synchronize``) and only then reads ``time.perf_counter()``: the span holds the
+work of batches ``W .. W+N-1`` whatever each recipe synchronizes (or not) on its own. Tokens are
+counted from the batches themselves: every token of the batch (``tokens.numel()``, padding and
+pack filler included: that is what the GPU computes) and the label tokens (``labels != -100``).
+Batches arrive on the CPU, so counting them never waits for the GPU.
+
+Peak memory is the run's true peak: both recipes reset CUDA's peak counters while they log,
+so the hook makes ``torch.cuda.reset_peak_memory_stats`` a no-op in this process and reads
+``max_memory_allocated`` / ``max_memory_reserved`` at exit.
+
+The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
+``<path>.rank<r>``), written when the window closes and again at exit.
+"""
+
+import atexit
+import json
+import os
+import time
+
+import torch
+
+IGNORE_INDEX = -100  # torchtune's CROSS_ENTROPY_IGNORE_IDX
+GIB = 2**30
+
+
+def _sync_and_read_clock() -> float:
+    # NOTE: the synchronize must come first: CUDA work is queued asynchronously, and a clock read
+    # before it would time how fast Python queues work, not how fast the GPU does it.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class Clock:
+    def __init__(self, path: str, warmup: int = 5, window: int = 20):
+        if warmup < 0 or window < 1:
+            raise ValueError(f"bench clock: need warmup >= 0 and window >= 1, got {warmup}, {window}")
+        self.path, self.warmup, self.window = path, warmup, window
+        self.fetched = 0  # batches handed to the recipe so far
+        self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
+        self.start = self.seconds = None
+
+    def before_fetch(self) -> None:
+        """The recipe asks for batch number ``self.fetched``."""
+        if self.fetched == self.warmup:
+            self.start = _sync_and_read_clock()
+        elif self.fetched == self.warmup + self.window:
+            self.seconds = _sync_and_read_clock() - self.start
+            self.write()
+
+    def count(self, batch) -> None:
+        if self.warmup <= self.fetched < self.warmup + self.window:
+            self.tokens += batch["tokens"].numel()
+            if "labels" in batch:
+                self.label_tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+        self.fetched += 1
+
+    def result(self) -> dict:
+        out = {"warmup_batches": self.warmup, "window_batches": self.window,
+               "batches_fetched": self.fetched}
+        if self.seconds is not None:
+            out.update(tokens=self.tokens, label_tokens=self.label_tokens, seconds=self.seconds,
+                       tokens_per_s=self.tokens / self.seconds,
+                       label_tokens_per_s=self.label_tokens / self.seconds)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out.update(peak_alloc_gib=torch.cuda.max_memory_allocated() / GIB,
+                       peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+        return out
+
+    def write(self) -> None:
+        if self.fetched == 0:  # a launcher (torchrun, the CLI before it) that trains nothing
+            return
+        with open(self.path, "w") as f:
+            json.dump(self.result(), f, indent=1)
+
+
+class ClockedIterator:
+    """A DataLoader iterator that tells the clock about every batch it hands out."""
+
+    def __init__(self, inner, clock: Clock):
+        self._inner, self._clock = inner, clock
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._clock.before_fetch()
+        batch = next(self._inner)
+        self._clock.count(batch)
+        return batch
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):  # anything else a loader's iterator offers
+        return getattr(self._inner, name)
+
+
+def install(clock: Clock) -> None:
+    """Wrap the iterators of torch's DataLoader and torchdata's StatefulDataLoader (each defines
+    its own ``__iter__``), keep peak memory counters from being reset, and write at exit."""
+    import torch.utils.data
+
+    classes = [torch.utils.data.DataLoader]
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        classes.append(StatefulDataLoader)
+    except ImportError:
+        pass
+    for cls in classes:
+        original = cls.__dict__["__iter__"]
+
+        def __iter__(self, _original=original):
+            it = _original(self)
+            # a subclass's __iter__ may call its parent's: wrap once
+            return it if isinstance(it, ClockedIterator) else ClockedIterator(it, clock)
+
+        cls.__iter__ = __iter__
+    torch.cuda.reset_peak_memory_stats = torch.cuda.memory.reset_peak_memory_stats = lambda *a, **k: None
+    atexit.register(clock.write)
+
+
+def install_from_env() -> Clock:
+    path = os.environ["BENCH_CLOCK"]
+    rank = int(os.environ.get("RANK", "0"))
+    clock = Clock(path if rank == 0 else f"{path}.rank{rank}",
+                  int(os.environ.get("BENCH_CLOCK_WARMUP", "5")),
+                  int(os.environ.get("BENCH_CLOCK_WINDOW", "20")))
+    install(clock)
+    return clock

@@ -1,0 +1,107 @@
+"""scripts/bench_hooks/bench_clock.py, the benchmark's timer for both sides: it waits for the GPU
+before each clock read, times exactly batches W .. W+N-1, counts every token and the label
+tokens of those batches, and reports the run's true peak memory (nobody can reset it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from script_loader import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS / "bench_hooks"))
+import bench_clock  # noqa: E402
+
+
+def _batches(n, rows=2, seq=8):
+    out = []
+    for k in range(n):
+        labels = torch.full((rows, seq), k, dtype=torch.long)
+        labels[:, :k % seq] = bench_clock.IGNORE_INDEX  # batch k: k ignored positions a row
+        out.append({"tokens": torch.zeros(rows, seq, dtype=torch.long), "labels": labels})
+    return out
+
+
+def test_the_clock_synchronizes_before_each_read_and_times_batches_w_to_w_plus_n(monkeypatch, tmp_path):
+    events, now = [], iter([10.0, 12.5])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 4 * 2**30)
+
+    def clock():
+        events.append("clock")
+        return next(now)
+
+    monkeypatch.setattr(bench_clock.time, "perf_counter", clock)
+
+    def loader():
+        for k, batch in enumerate(_batches(10)):
+            events.append(f"fetch {k}")
+            yield batch
+
+    path = tmp_path / "clock.json"
+    timer = bench_clock.Clock(str(path), warmup=2, window=5)
+    for _ in bench_clock.ClockedIterator(loader(), timer):
+        pass
+    # The GPU waits before the clock is read, at the request for batch 2 and for batch 7.
+    assert events[:2] == ["fetch 0", "fetch 1"]
+    assert events[2:5] == ["sync", "clock", "fetch 2"]
+    assert events[9:12] == ["sync", "clock", "fetch 7"] and events.count("clock") == 2
+    result = json.loads(path.read_text())  # written when the window closed
+    assert result["tokens"] == 5 * 2 * 8  # batches 2..6, every token
+    assert result["label_tokens"] == sum(2 * (8 - k) for k in range(2, 7))
+    assert result["seconds"] == 2.5 and result["tokens_per_s"] == 80 / 2.5
+    assert result["label_tokens_per_s"] == result["label_tokens"] / 2.5
+    assert result["peak_alloc_gib"] == 3.0 and result["peak_reserved_gib"] == 4.0
+    assert timer.fetched == 10
+
+
+def test_a_run_too_short_for_the_window_reports_no_rate(tmp_path):
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
+    batches = bench_clock.ClockedIterator(iter(_batches(10)), timer)
+    for _ in range(7):  # the recipe stops before it asks for batch 7
+        next(batches)
+    timer.write()
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert "tokens_per_s" not in result and result["batches_fetched"] == 7
+    with pytest.raises(ValueError, match="window >= 1"):
+        bench_clock.Clock("x", warmup=0, window=0)
+
+
+_RECIPE = """
+import torch
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+rows = [{"tokens": torch.zeros(8, dtype=torch.long), "labels": torch.full((8,), -100)} for _ in range(12)]
+rows[5]["labels"][:3] = 1
+torch.cuda.reset_peak_memory_stats()  # the recipes' logging: a no-op here (on a CPU it would raise)
+for loader in (StatefulDataLoader(rows[:6], batch_size=2), DataLoader(rows[6:], batch_size=2)):
+    for batch in loader:
+        pass
+"""
+
+
+@pytest.mark.parametrize("fetch", [True, False])
+def test_the_hook_times_both_loaders_of_a_recipe_process_and_writes_at_exit(tmp_path, fetch):
+    """Through sitecustomize, as a run of either side sees it: a script in a ``recipes`` folder
+    that iterates torchdata's and torch's loaders (6 batches of 2 x 8 tokens; the clock counts
+    batches 1..4 across both), and that resets CUDA's peak counters. A process that fetches no
+    batch (a launcher) writes nothing."""
+    (tmp_path / "recipes").mkdir()
+    script = tmp_path / "recipes" / "full_finetune_single_device.py"
+    script.write_text(_RECIPE if fetch else "import torch\n")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS / "bench_hooks"), "CUDA_VISIBLE_DEVICES": "",
+           "BENCH_CLOCK": str(tmp_path / "clock.json"), "BENCH_CLOCK_WARMUP": "1", "BENCH_CLOCK_WINDOW": "4"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if not fetch:
+        assert not (tmp_path / "clock.json").exists()
+        return
+    result = json.loads((tmp_path / "clock.json").read_text())
+    assert result["batches_fetched"] == 6 and result["tokens"] == 4 * 2 * 8
+    assert result["label_tokens"] == 3 and result["tokens_per_s"] > 0
