@@ -86,7 +86,7 @@ DATA = {"synthetic": {"kind": "synthetic", "data_vocab": 4096, "data_repeat": 25
 def _case(model: str, data: str, variants: list, **kw) -> dict:
     """``steps``: the least optimizer steps a run (a loss curve); ``warmup``/``window``: the
     clock's batches (default 5 and 20)."""
-    return {"seq_len": 2048, "median_words": 90, **MODELS[model], "data": DATA[data],
+    return {"seq_len": 2048, "median_words": 40, **MODELS[model], "data": DATA[data],
             "variants": variants, **kw}
 
 
@@ -160,7 +160,7 @@ def shipped_cases() -> dict:
             out[f"shipped:{name}"] = dict(
                 recipe=recipe, shipped={"stock": stock_root / f"{name}.yaml", "ours": ours},
                 builder=f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}", seq_len=2048,
-                median_words=90, data={"kind": "instruct"},
+                median_words=40, data={"kind": "instruct"},
                 variants=[_v("stock", "stock", "torchtune 0.6.1's config as shipped", head=True),
                           _v("ours", "ours", "our config as shipped", head=True)])
     return out

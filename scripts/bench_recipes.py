@@ -439,9 +439,9 @@ def main():
         shapes = {v["name"]: run_shape(case, v, args.steps) for _, v in runs}
         data_file = None
         if case["data"]["kind"] == "instruct":  # one file for the case: the same rows on both sides
-            # enough for every run, with a margin: a pack holds ~seq_len / (6 x median_words) rows
-            # (~6 bytes a word, a token a byte)
-            per_seq = max(1, case["seq_len"] // (6 * case["median_words"]))
+            # enough for every run, with a margin: a pack holds ~seq_len / (6 x median_words + 200)
+            # rows (~6 bytes a word, a token a byte, ~200 for alpaca's prompt)
+            per_seq = max(1, case["seq_len"] // (6 * case["median_words"] + 200))
             rows = max(int(1.5 * (steps + 2) * batch * ga * case.get("nproc", 1) * per_seq) + 64
                        for batch, ga, _, _, steps in shapes.values())
             data_file = work / f"instruct_{case['median_words']}w_{rows}.json"

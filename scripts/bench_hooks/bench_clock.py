@@ -12,7 +12,8 @@ Batches arrive on the CPU, so counting them never waits for the GPU.
 
 Peak memory is the run's true peak: both recipes reset CUDA's peak counters while they log,
 so the hook makes ``torch.cuda.reset_peak_memory_stats`` a no-op in this process and reads
-``max_memory_allocated`` / ``max_memory_reserved`` at exit.
+``max_memory_allocated`` / ``max_memory_reserved`` at exit (and, as ``window_peak_*``, when the
+window closes: the training steps' peak, before the recipe's final checkpoint save).
 
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
@@ -45,6 +46,7 @@ class Clock:
         self.fetched = 0  # batches handed to the recipe so far
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
+        self.at_window_end = {}
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
@@ -52,6 +54,7 @@ class Clock:
             self.start = _sync_and_read_clock()
         elif self.fetched == self.warmup + self.window:
             self.seconds = _sync_and_read_clock() - self.start
+            self.at_window_end = self._peaks("window_")  # training only: before the final save
             self.write()
 
     def count(self, batch) -> None:
@@ -68,10 +71,14 @@ class Clock:
             out.update(tokens=self.tokens, label_tokens=self.label_tokens, seconds=self.seconds,
                        tokens_per_s=self.tokens / self.seconds,
                        label_tokens_per_s=self.label_tokens / self.seconds)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out.update(peak_alloc_gib=torch.cuda.max_memory_allocated() / GIB,
-                       peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
-        return out
+        return {**out, **self.at_window_end, **self._peaks("")}
+
+    @staticmethod
+    def _peaks(prefix: str) -> dict:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return {}
+        return {f"{prefix}peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
+                f"{prefix}peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
 
     def write(self) -> None:
         if self.fetched == 0:  # a launcher (torchrun, the CLI before it) that trains nothing

@@ -57,6 +57,7 @@ def test_the_clock_synchronizes_before_each_read_and_times_batches_w_to_w_plus_n
     assert result["seconds"] == 2.5 and result["tokens_per_s"] == 80 / 2.5
     assert result["label_tokens_per_s"] == result["label_tokens"] / 2.5
     assert result["peak_alloc_gib"] == 3.0 and result["peak_reserved_gib"] == 4.0
+    assert result["window_peak_alloc_gib"] == 3.0 and result["window_peak_reserved_gib"] == 4.0
     assert timer.fetched == 10
 
 

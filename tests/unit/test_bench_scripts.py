@@ -262,7 +262,7 @@ def test_instruction_rows_spread_around_the_median_and_keep_their_prefix(tmp_pat
     assert {tuple(r) for r in rows} == {("instruction", "input", "output")}
     assert 0.35 < sum(not r["input"] for r in rows) / 400 < 0.65
     assert data.instruction_rows(50, 90) == rows[:50]  # the same first rows whatever the count
-    data.main(["--rows", "3", "--out", str(tmp_path / "d.json")])
+    data.main(["--rows", "3", "--median-words", "90", "--out", str(tmp_path / "d.json")])
     assert json.loads((tmp_path / "d.json").read_text()) == rows[:3]
 
 
