@@ -388,3 +388,22 @@ def test_the_sdpa_gqa_hook_hands_unexpanded_kv_to_attention_with_the_same_gradie
     values = {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines()
               if line.startswith(("logits_rel", "grad_rel"))}
     assert values["logits_rel"] < 1e-6 and values["grad_rel"] < 1e-6, out.stdout
+
+
+@pytest.mark.slow
+def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
+    """The CPU dry run, as a user runs it: both CLIs (stock's recipe file, ours through ``python
+    -m tune_recipes run``) on the instruction rows, packed, timed by the hook; both sides count
+    the same tokens and label tokens in the window (the same batches) and log the same losses."""
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_recipes.py"), "--cases", "tiny_cpu", "--reps", "1",
+                           "--work", str(tmp_path / "w"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"stock_best", "ours_best"} and not [r for r in rows.values() if "error" in r]
+    stock, ours = rows["stock_best"], rows["ours_best"]
+    assert stock["tokens"] == ours["tokens"] == 4 * 4 * 512  # 4 packs of 512 a batch, batches 2..5
+    assert stock["label_tokens"] == ours["label_tokens"] > 0
+    assert stock["losses"] == pytest.approx(ours["losses"], rel=1e-4)
+    assert "| tiny_cpu | ours: fused CE |" in out.with_suffix(".md").read_text()
