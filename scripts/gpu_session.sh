@@ -15,14 +15,16 @@
 #   tests      the GPU tests (pytest -m gpu)                                            ~4 min
 #   packed1b   Llama-3.2-1B full fine-tune on packed instruction rows: stock's best vs
 #              ours' README fastest settings, 2 alternating repetitions                 ~7 min
-#   padded1b   the same on unpacked rows, padded per batch as shipped                    ~7 min
+#   padded1b   the same on unpacked rows, padded per batch as shipped, 1 repetition (a
+#              compiled run may recompile for new batch lengths: 300 s a run at most)    ~7 min
 #   packed8b   Llama-3.1-8B LoRA, packed (first builds the 8B checkpoint, ~2.5 min)      ~8 min
 #   padded8b   Llama-3.1-8B LoRA, padded                                                 ~5 min
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   reference  full-length synthetic rows (the claim preset): 1B full, 2 repetitions     ~6 min
-#   reference8b  the same: 8B LoRA and QLoRA, 1 repetition                               ~6 min
+#   reference8b  the same: 8B LoRA and QLoRA, 1 repetition (after an 8B step: its checkpoint) ~6 min
 #   shipped1b  Llama-3.2 1B/3B single-device configs as shipped, ours vs torchtune's     ~7 min
-#   shipped8b  Llama-3.1-8B LoRA and QLoRA configs as shipped                            ~6 min
+#   shipped8b  the Llama-3.1-8B LoRA config as shipped                                   ~5 min
+#   shippedq8b the Llama-3.1-8B QLoRA config as shipped                                  ~5 min
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
 #   accept     shipped-config acceptance, single device: Llama-3.2 1B/3B, Qwen2.5 0.5B/1.5B ~8 min
 #   accept8b   the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~7 min
@@ -30,7 +32,8 @@
 #   daccept    distributed configs on 2 GPUs (the nvidia-h200-x2 kind): Llama-3.2 1B/3B ~7 min
 #   daccept8b  the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~8 min
 #   daccept7b  the same: Qwen2.5-7B                                                      ~6 min
-#   profile    each side's best 1B step on packed rows under torch.profiler, by kernel   ~6 min
+#   profile    each side's best 1B step on packed rows under torch.profiler (steps 7-9), by
+#              kernel kind (its tokens/s include the profiler: not a speed row)          ~6 min
 # REPS=N changes the benchmark steps' repetitions.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -70,7 +73,7 @@ for step in "$@"; do
                  $(grep -rlE "pytest.mark.gpu|mark\.gpu" tests --include="*.py") 2>&1 \
                  | grep -v "Warning\|warn" | tail -30 | tee "$OUT/tests.txt" ;;
     packed1b)  bench packed1b --preset instruct --cases full_1b_packed --reps "${REPS:-2}" ;;
-    padded1b)  bench padded1b --preset instruct --cases full_1b_padded --reps "${REPS:-2}" ;;
+    padded1b)  bench padded1b --preset instruct --cases full_1b_padded --reps "${REPS:-1}" ;;
     packed8b)  bench packed8b --preset instruct --cases lora_8b_packed --reps "${REPS:-1}" ;;
     padded8b)  bench padded8b --preset instruct --cases lora_8b_padded --reps "${REPS:-1}" ;;
     qlora8b)   bench qlora8b --preset instruct --cases qlora_8b_packed --reps "${REPS:-1}" ;;
@@ -78,8 +81,8 @@ for step in "$@"; do
     reference8b) bench reference8b --preset claim --cases lora_8b,qlora_8b --reps "${REPS:-1}" ;;
     shipped1b) bench shipped1b --preset shipped --reps "${REPS:-1}" --cases \
                  shipped:llama3_2/1B_full_single_device,shipped:llama3_2/1B_lora_single_device,shipped:llama3_2/3B_lora_single_device ;;
-    shipped8b) bench shipped8b --preset shipped --reps "${REPS:-1}" --cases \
-                 shipped:llama3_1/8B_lora_single_device,shipped:llama3_1/8B_qlora_single_device ;;
+    shipped8b) bench shipped8b --preset shipped --reps "${REPS:-1}" --cases shipped:llama3_1/8B_lora_single_device ;;
+    shippedq8b) bench shippedq8b --preset shipped --reps "${REPS:-1}" --cases shipped:llama3_1/8B_qlora_single_device ;;
     fused)     timeout 540 python3 scripts/bench_fused_ce.py --out "$OUT/fused.json" > "$W/fused.log" 2>&1
                echo "bench_fused_ce.py exit $?"; grep -h "^|\|rror" "$W/fused.log" | cut -c1-200 ;;
     accept)    accept accept single "llama3_2/1B_*,llama3_2/3B_*,qwen2_5/0.5B_*,qwen2_5/1.5B_*" ;;
