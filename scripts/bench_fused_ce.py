@@ -71,7 +71,7 @@ def load_baseline(path, key="baseline"):
     sys.modules[f"{key}_triton_ce"] = tce
     src = (d / "loss.py").read_text()
     src = src.replace("from tune_recipes.modules import _triton_ce", f"import {key}_triton_ce as _triton_ce")
-    # The ignore-index constant has moved since (tune_recipes.constants).
+    # Older copies import the ignore-index constant from where it lived then.
     src = src.replace("from tune_recipes.training.normalization import", "from tune_recipes.constants import")
     mod = type(sys)(f"{key}_loss")
     exec(compile(src, str(d / "loss.py"), "exec"), mod.__dict__)

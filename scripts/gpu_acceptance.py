@@ -244,8 +244,8 @@ def main():
         for c in single:
             acceptance_config(c, work, args.steps, 1)
         lanes = max(1, min(args.lanes, ngpu))
-        # NOTE: a lane owns its GPU until its run ends. Binding GPUs to configs by index (as a
-        # first version did) let a long run and the next config on the same index share a GPU.
+        # NOTE: a lane owns its GPU until its run ends. Binding GPUs to configs by index would
+        # let a long run and the next config on the same index share a GPU.
         free_gpus = queue.Queue()
         for g in range(lanes):
             free_gpus.put(str(g))
