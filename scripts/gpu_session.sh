@@ -39,6 +39,8 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
+# No network there: the instruction rows load from a local JSON, and nothing waits on the hub.
+export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
 W=/tmp/bw  # checkpoints, data, configs and logs, shared by every step
 mkdir -p "$OUT" "$W"
