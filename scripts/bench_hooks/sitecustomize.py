@@ -1,7 +1,7 @@
 """Hooks set from the environment when a Python process starts: scripts/bench_recipes.py puts
-this folder first on PYTHONPATH for every run it launches. Each applies only to the training
-process (ours through ``-m tune_recipes``, or a recipe file in a ``recipes`` folder, stock's or
-ours), never to inductor's compile workers.
+this folder first on PYTHONPATH for every run it launches. They apply only to a training process,
+never to inductor's compile workers: the clock and the memory cap to both sides' (ours through
+``-m tune_recipes``, or any recipe file in a ``recipes`` folder), the attention levers to ours'.
 
 - BENCH_CLOCK=PATH: the benchmark's timer and true peak memory, identical for both sides
   (bench_clock.py says how it measures).
