@@ -394,21 +394,28 @@ def test_module_and_input_validation():
         mod(h, w.detach().bfloat16(), y)
 
 
-def test_chunks_are_even_and_within_the_byte_budget():
+def test_chunks_are_even_aligned_and_within_the_byte_budget():
     """Chunks never exceed DEFAULT_CHUNK_BYTES of logits, use no more chunks than that bound
-    needs (each costs a pass over the weight gradient), and differ in size by at most one row
-    per chunk (no sliver at the end)."""
-    from tune_recipes.modules.loss import DEFAULT_CHUNK_BYTES, chunk_rows
+    needs (each costs a pass over the weight gradient), hold a multiple of 16 rows (so every
+    chunk's slices of the per-row buffers start 16-byte aligned and the Triton kernel compiles
+    one variant, whatever the batch's count of valid labels), and differ in size by less than
+    16 rows per chunk (no sliver at the end)."""
+    from tune_recipes.modules.loss import CHUNK_ROW_MULTIPLE as M, DEFAULT_CHUNK_BYTES, chunk_rows
 
     vocab = 128256
     max_rows = DEFAULT_CHUNK_BYTES // (vocab * 2)
-    for n in (1, 7, max_rows, max_rows + 1, 5734, 22938):
+    limit = max_rows - max_rows % M
+    for n in (1, 7, max_rows, max_rows + 1, 5734, 7043, 7044, 22938):
         rows = chunk_rows(n, vocab, 2)
         chunks = math.ceil(n / rows)
-        assert rows <= max_rows
-        assert chunks == math.ceil(n / max_rows)
-        assert rows - (n - (chunks - 1) * rows) < chunks
-    assert chunk_rows(100, vocab, 2, chunk_size=30) == 25  # 4 even chunks, not 30+30+30+10
+        assert rows % M == 0 and rows <= max_rows, (n, rows)
+        assert chunks == math.ceil(n / limit), (n, rows)
+        assert rows - (n - (chunks - 1) * rows) <= M * chunks, (n, rows)
+    # Every count of valid labels a batch may have: chunk starts stay on multiples of 16 rows.
+    starts = {s % M for n in range(1, 3000) for s in range(0, n, chunk_rows(n, vocab, 2, 300))}
+    assert starts == {0}
+    assert chunk_rows(100, vocab, 2, chunk_size=40) == 32  # the limit rounds down to 32 rows
+    assert chunk_rows(100, vocab, 2, chunk_size=10) == 10  # below 16 rows: as asked
 
 
 def test_known_valid_count_gives_identical_results_without_the_host_sync():

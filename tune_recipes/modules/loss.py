@@ -259,13 +259,31 @@ def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> N
                          f"ignore_index={ignore_index}; got {bad[0].item()}")
 
 
+# Chunks start at multiples of this many rows (when the chunk size allows it).
+CHUNK_ROW_MULTIPLE = 16
+
+
 def chunk_rows(n_rows: int, vocab: int, element_size: int, chunk_size: Optional[int] = None) -> int:
     """Rows per chunk: at most ``chunk_size`` (default: DEFAULT_CHUNK_BYTES of logits of
     ``element_size`` bytes), spread evenly so the last chunk is not a sliver (every chunk costs
-    one weight-gradient pass)."""
+    one weight-gradient pass), and a multiple of CHUNK_ROW_MULTIPLE wherever the limit is at
+    least that.
+
+    NOTE: keep the multiple. Each chunk hands the Triton kernel slices of per-row buffers
+    (labels, losses, target terms) that start at the chunk's first row, and Triton compiles
+    one variant per pointer alignment (16 bytes or not). With an arbitrary chunk size, the
+    number of valid labels (which changes with every batch of variable-length or masked data)
+    moved the chunk starts across alignments, and each new combination stalled training for a
+    0.4-0.9 s compile; starts at multiples of 16 rows are 16-byte aligned for every dtype."""
     max_rows = chunk_size or max(1, DEFAULT_CHUNK_BYTES // (vocab * element_size))
+    m = CHUNK_ROW_MULTIPLE
+    if max_rows >= m:
+        max_rows -= max_rows % m
     n_chunks = -(-n_rows // max_rows)
-    return -(-n_rows // max(1, n_chunks))
+    rows = -(-n_rows // max(1, n_chunks))
+    if max_rows >= m:
+        rows = min(max_rows, -(-rows // m) * m)
+    return rows
 
 
 def _chunked_loss_and_grads(hidden, weight, bias, labels, ignore_index, reduction, scaling,
