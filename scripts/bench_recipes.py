@@ -432,9 +432,15 @@ def main():
         dtype = case.get("dtype", "bf16")
         ckpt = work / f"ckpt_{case['builder'].rsplit('.', 1)[-1]}_{dtype}"
         if not (ckpt / "model.safetensors").exists():
-            t0 = time.time()
+            # NOTE: built aside and renamed into place (atomic): a bench on another GPU may be
+            # looking for the same checkpoint meanwhile, and must never read half of one.
+            t0, tmp = time.time(), ckpt.with_name(f"{ckpt.name}.{os.getpid()}")
             run([sys.executable, "scripts/make_random_checkpoint.py", "--builder", case["builder"],
-                 "--out", str(ckpt), "--dtype", dtype], work / f"{ckpt.name}.log", args.run_timeout, {})
+                 "--out", str(tmp), "--dtype", dtype], work / f"{ckpt.name}.log", args.run_timeout, {})
+            try:
+                tmp.rename(ckpt)
+            except OSError:  # the other bench's copy came first
+                subprocess.run(["rm", "-rf", str(tmp)])
             print(f"checkpoint {ckpt.name}: {time.time() - t0:.0f} s", flush=True)
         shapes = {v["name"]: run_shape(case, v, args.steps) for _, v in runs}
         data_file = None

@@ -34,10 +34,11 @@
 #   daccept7b  the same: Qwen2.5-7B                                                      ~6 min
 #   profile    each side's best 1B step on packed rows under torch.profiler (steps 7-9), by
 #              kernel kind (its tokens/s include the profiler: not a speed row)          ~6 min
-# REPS=N changes the benchmark steps' repetitions.
+# REPS=N changes the benchmark steps' repetitions. A+B runs step A on GPU 0 and step B on GPU 1
+# at once (the nvidia-h200-x2 kind; 8 files come back: two benchmark steps), e.g. packed1b+packed8b.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
+[ -n "${ONE_OF_TWO:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
 # No network there: the instruction rows load from a local JSON, and nothing waits on the hub.
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
@@ -47,8 +48,8 @@ mkdir -p "$OUT" "$W"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, torchtune, torchao; print('torch', torch.__version__, 'triton',
 triton.__version__, 'torchtune', torchtune.__version__, 'torchao', torchao.__version__)" 2>&1 | grep -v Skipping
-  df -h /tmp | tail -1; } > "$OUT/machine.txt"
-cat "$OUT/machine.txt"
+  df -h /tmp | tail -1; } > "$W/machine.txt"
+cat "$W/machine.txt"
 
 # bench NAME ARGS...: one scripts/bench_recipes.py run (540 s at most, 300 s a run; a run cut
 # short keeps the rows before it in NAME.json), its table printed and its logs kept.
@@ -58,18 +59,24 @@ bench() {
     "$@" > "$W/$name.log" 2>&1
   echo "bench_recipes.py exit $?"
   grep -h "^|\|^loss\|^checkpoint\|rror" "$W/$name.log" | cut -c1-300
-  tar czf "$OUT/${name}_logs.tgz" "$W/$name.log" "$W"/*_rep*.log "$W"/*_rep*.yaml "$W"/*.clock.json 2>/dev/null
+  tar czf "$OUT/${name}_logs.tgz" "$W/machine.txt" "$W/$name.log" "$W"/*_rep*.log "$W"/*_rep*.yaml \
+    "$W"/*.clock.json 2>/dev/null
 }
 # accept NAME KIND CONFIGS: scripts/gpu_acceptance.py over the configs matching CONFIGS
 # (comma-separated shell patterns), 5 steps each, its checkpoints shared with the benchmarks.
 accept() {
   timeout 540 python3 scripts/gpu_acceptance.py --kind "$2" --nproc 2 --steps 5 --configs "$3" \
     --work $W --out "$OUT/$1.json" 2>&1 | grep -v "^{" | tail -30
-  tar czf "$OUT/$1_logs.tgz" -C $W logs configs 2>/dev/null
+  tar czf "$OUT/$1_logs.tgz" -C $W machine.txt logs configs 2>/dev/null
 }
 
 for step in "$@"; do
   echo "=== $step"
+  if [[ $step == *+* ]]; then  # A+B: one step a GPU, at once
+    CUDA_VISIBLE_DEVICES=0 ONE_OF_TWO=1 bash "$0" "${step%%+*}" > "$W/gpu0.out" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 ONE_OF_TWO=1 bash "$0" "${step#*+}" > "$W/gpu1.out" 2>&1
+    wait; cat "$W/gpu0.out" "$W/gpu1.out"; continue
+  fi
   case $step in
     tests)     timeout 540 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -q -rfE \
                  $(grep -rlE "pytest.mark.gpu|mark\.gpu" tests --include="*.py") 2>&1 \

@@ -15,6 +15,7 @@ under 250, 5% over 1,000). The same seed gives the same first rows whatever ``--
 import argparse
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -43,8 +44,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rows < 1 or args.median_words < 5:
         ap.error(f"need --rows >= 1 and --median-words >= 5, got {args.rows} and {args.median_words}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(instruction_rows(args.rows, args.median_words, args.seed)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written aside and renamed into place: a run on another GPU may be reading the same file
+    tmp = out.with_name(f"{out.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(instruction_rows(args.rows, args.median_words, args.seed)))
+    tmp.replace(out)
 
 
 if __name__ == "__main__":
