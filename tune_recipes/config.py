@@ -62,15 +62,52 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
         raise ConfigError(f"cannot parse {path}: {' '.join(str(e).split())}") from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path} must hold a mapping of keys, not a {type(cfg).__name__}")
-    sets = [o for o in overrides if not o.startswith("~")]
-    try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(sets)))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot apply overrides {list(sets)}: {str(e).splitlines()[0]}") from None
+    for item in overrides:
+        if not item.startswith("~"):
+            cfg = _apply_override(cfg, item)
     for item in overrides:
         if item.startswith("~"):
             _delete_key(cfg, item[1:], path)
     return cfg
+
+
+def _apply_override(cfg: DictConfig, item: str) -> DictConfig:
+    """``key=value`` merged into ``cfg``: a mapping merges into a mapping (``optimizer={lr: 1}``
+    keeps the other keys), anything else replaces the node.
+
+    NOTE: OmegaConf's merge refuses a list where the config holds a mapping or the reverse
+    ("Cannot merge incompatible container types", a TypeError): a user writing
+    ``checkpointer.checkpoint_files=[a.safetensors]`` over torchtune's
+    ``{filename_format, max_filename}`` form, or ``some_list.0=x``, means to replace that node
+    or item, so it is replaced and the result is validated like any other config."""
+    key = item.split("=", 1)[0]
+    try:
+        part = OmegaConf.from_dotlist([item])
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"bad override '{item}': {str(e).splitlines()[0]}") from None
+    try:
+        return OmegaConf.merge(cfg, part)
+    except TypeError:
+        pass  # incompatible container types: replace the node below
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot apply override '{item}': {str(e).splitlines()[0]}") from None
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        node = OmegaConf.select(cfg, ".".join(parts[:i]), default=None)
+        if isinstance(node, ListConfig) and not parts[i].isdigit():
+            raise ConfigError(
+                f"bad override '{item}': {'.'.join(parts[:i])} is a list here ({_short(node)}), "
+                f"whose items are numbered; replace it whole ({'.'.join(parts[:i])}=...)")
+    try:
+        OmegaConf.update(cfg, key, OmegaConf.select(part, key), merge=False)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:
+        raise ConfigError(f"cannot apply override '{item}': {str(e).splitlines()[0]}") from None
+    return cfg
+
+
+def _short(node: Any) -> str:
+    text = str(OmegaConf.to_container(node, resolve=False))
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _delete_key(cfg: DictConfig, dotted: str, path: Path) -> None:
@@ -212,7 +249,8 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             check_config(cfg, Path(g.get("__file__") or "recipe").stem, g.get("CONFIG_KEYS"))
             return recipe_main(cfg)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            # The prefix `tune` itself prints (tune_recipes/_cli/main.py): one form everywhere.
+            print(f"tune: error: {e}", file=sys.stderr)
             sys.exit(2)
 
     return wrapper

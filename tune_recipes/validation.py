@@ -595,6 +595,176 @@ def fsdp_offload_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def _call_problem(fn: Callable, args: tuple, kwargs: dict) -> Optional[str]:
+    """What ``fn(*args, **kwargs)`` raises for a bad argument value, or None."""
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, TypeError, IndexError, KeyError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return text if isinstance(e, ValueError) and text else f"{type(e).__name__}: {text}"
+    return None
+
+
+def optimizer_problem(cfg: DictConfig) -> Optional[str]:
+    """The optimizer's own argument checks (``betas``, ``eps``, ``lr`` ...), run by building it
+    on a one-element CPU parameter, or None. The same constructor the recipe calls, so ``tune
+    validate`` and the run's start refuse exactly what the run would crash on, naming the
+    argument (each one is tried alone to find it). An optimizer that cannot be built on a CPU
+    tensor at all (a CUDA-only one) is a warning that its arguments were not checked."""
+    section = _value(cfg, "optimizer")
+    if not isinstance(section, dict):
+        return None
+    component = section.get("_component_")
+    fn = _resolves_to(component)
+    if fn is None:
+        return None  # a path that does not import is the component check's to report
+    import torch
+
+    kwargs = {k: v for k, v in section.items() if k != "_component_"}
+
+    def params():
+        return [torch.nn.Parameter(torch.zeros(1))]
+
+    try:
+        problem = _call_problem(fn, (params(),), kwargs)
+    except Exception as e:  # noqa: BLE001 - e.g. an optimizer that needs CUDA tensors
+        _warn(f"optimizer: {component}'s arguments were not checked: it cannot be built on a "
+              f"CPU tensor here ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+        return None
+    if problem is None:
+        return None
+    for key, value in kwargs.items():
+        try:
+            alone = _call_problem(fn, (params(),), {key: value})
+        except Exception:  # noqa: BLE001 - only looking for the argument to name
+            continue
+        if alone is not None:
+            return f"optimizer.{key}={_show(value)}: {component} refuses it: {alone}"
+    shown = ", ".join(f"{k}={_show(v)}" for k, v in kwargs.items())
+    return f"optimizer ({component} with {shown}): {problem}"
+
+
+def _model_type_problem(cfg: DictConfig, key: str) -> Optional[str]:
+    """``<key>.model_type`` against torchtune's ``ModelType`` names, for torchtune's
+    checkpointers (which look it up as ``ModelType[model_type]``); None for any other."""
+    component = _value(cfg, f"{key}._component_")
+    model_type = _value(cfg, f"{key}.model_type")
+    if not isinstance(component, str) or not component.startswith("torchtune.") \
+            or model_type is _MISSING:
+        return None
+    from torchtune.training import ModelType
+
+    names = list(ModelType.__members__)
+    if isinstance(model_type, str) and model_type in names:
+        return None
+    close = difflib.get_close_matches(str(model_type), names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"{key}.model_type={_show(model_type)}: not a model type torchtune's checkpointers "
+            f"know ({hint}one of {', '.join(names)})")
+
+
+def checkpointer_model_type_problem(cfg: DictConfig) -> Optional[str]:
+    return _model_type_problem(cfg, "checkpointer")
+
+
+def teacher_model_type_problem(cfg: DictConfig) -> Optional[str]:
+    return _model_type_problem(cfg, "teacher_checkpointer")
+
+
+def lora_model_problem(cfg: DictConfig) -> Optional[str]:
+    """A LoRA-type recipe (one that declares ``save_adapter_weights_only``) given a model
+    without LoRA adapters (a full fine-tune config), or None. A ``lora_*``/``qlora_*`` builder
+    or ``lora_rank`` passes by name; any other builder is built on the meta device (no memory,
+    no weights) and its adapter parameters are looked for, as the recipe does after building
+    it (training/setup/model.py, distributed.py)."""
+    if _is_lora_model(cfg):
+        return None
+    model_cfg = cfg.get("model", None)
+    component = _value(cfg, "model._component_")
+    if not isinstance(model_cfg, DictConfig) or _resolves_to(component) is None:
+        return None
+    import torch
+    from torchtune import config as tt_config
+    from torchtune.modules.peft import get_adapter_params
+
+    try:
+        with torch.device("meta"):
+            model = tt_config.instantiate(model_cfg)
+    except Exception:  # noqa: BLE001 - a bad model config is reported where it is built
+        return None
+    if get_adapter_params(model):
+        return None
+    return (f"model._component_={component}: this model has no LoRA adapters, and this recipe "
+            "trains only adapters; use a lora_*/qlora_* builder (e.g. a LoRA config) or a "
+            "full fine-tune recipe")
+
+
+def warmup_problem(num_warmup_steps: Any, total_steps: int, how: str = "") -> Optional[str]:
+    """``lr_scheduler.num_warmup_steps`` longer than the run's ``total_steps`` optimizer steps
+    (the learning rate never reaches ``optimizer.lr``), or None. ``how``: where the total
+    comes from, appended to it."""
+    if not _is_int(num_warmup_steps) or not _is_int(total_steps) or num_warmup_steps <= total_steps:
+        return None
+    return (f"lr_scheduler.num_warmup_steps={num_warmup_steps} is longer than the whole run "
+            f"({total_steps} optimizer steps{how}): the learning rate never reaches optimizer.lr")
+
+
+def _warmup_warning(cfg: DictConfig) -> None:
+    """``warmup_problem`` with what the config alone bounds: epochs x max_steps_per_epoch."""
+    warmup = _value(cfg, "lr_scheduler.num_warmup_steps")
+    epochs, max_steps = cfg.get("epochs", None), cfg.get("max_steps_per_epoch", None)
+    if _is_int(epochs) and _is_int(max_steps):
+        problem = warmup_problem(warmup, epochs * max_steps,
+                                 f" at most: epochs={epochs} x max_steps_per_epoch={max_steps}")
+        if problem:
+            _warn(problem)
+
+
+def wandb_credentials_problem(mode: Any = None) -> Optional[str]:
+    """Why W&B would stop a run at ``wandb.init`` for want of an API key, found without the
+    network, or None. W&B logs in from ``WANDB_API_KEY``, a netrc entry for its host
+    (``WANDB_BASE_URL``, default api.wandb.ai; ``NETRC`` or ~/.netrc) or an identity token
+    file; ``mode`` (or ``WANDB_MODE``) ``offline``/``disabled`` needs none."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    mode = mode or os.environ.get("WANDB_MODE")
+    if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_DISABLED") in ("true", "1"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    files = [os.environ["NETRC"]] if os.environ.get("NETRC") else \
+        [os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")]
+    for f in files:
+        try:
+            if netrc.netrc(f).authenticators(host):
+                return None
+        except (OSError, netrc.NetrcParseError):
+            continue
+    return (f"W&B has no API key on this machine (no WANDB_API_KEY, no {host} entry in "
+            f"{files[0]}): run `wandb login`, or log without it with metric_logger.mode=offline "
+            "(`wandb sync` uploads later) or metric_logger.mode=disabled")
+
+
+# The W&B logger classes whose start needs credentials (ours wraps torchtune's).
+WANDB_LOGGERS = ("tune_recipes.loggers.WandBLogger", "torchtune.training.metric_logging.WandBLogger")
+
+
+def metric_logger_problem(cfg: DictConfig) -> Optional[str]:
+    """A W&B ``metric_logger`` on a machine with no W&B credentials (``env`` check)."""
+    component = _value(cfg, "metric_logger._component_")
+    if not isinstance(component, str):
+        return None
+    target = _resolves_to(component)
+    if target is None or target not in [_resolves_to(n) for n in WANDB_LOGGERS]:
+        return None
+    mode = _value(cfg, "metric_logger.mode")
+    problem = wandb_credentials_problem(None if mode is _MISSING else mode)
+    return f"metric_logger._component_={component}: {problem}" if problem else None
+
+
 # (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
 CROSS_KEY: List[tuple] = [
     (("tensor_parallel_dim",), _tensor_parallel_rules),
@@ -607,6 +777,11 @@ CROSS_KEY: List[tuple] = [
     (("enable_activation_offloading",), activation_offloading_problem),
     (("ac_mode",), activation_checkpointing_problem),
     (("fsdp",), fsdp_offload_problem),
+    (("optimizer",), optimizer_problem),
+    (("checkpointer",), checkpointer_model_type_problem),
+    (("teacher_checkpointer",), teacher_model_type_problem),
+    # LoRA-type recipes are the ones with save_adapter_weights_only.
+    (("save_adapter_weights_only", "model"), lora_model_problem),
 ]
 
 
@@ -798,6 +973,10 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
         for key in ("checkpointer", "teacher_checkpointer"):
             if keys is None or key in keys:
                 _checkpoint_files(cfg, env, key)
+        if keys is None or "metric_logger" in keys:
+            problem = metric_logger_problem(cfg)
+            if problem:
+                raise ConfigError(problem)
         dtype = cfg.get("dtype", None)
         if dtype == "bf16" and str(cfg.get("device", "cpu")).startswith("cuda"):
             import torch
@@ -811,6 +990,8 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
                 and _feature_off(cfg, needs):
             # A warning, not an error: a config may set both and a command line turn one off.
             _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
+    if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
+        _warmup_warning(cfg)
     for needs, rule in CROSS_KEY:
         if keys is not None and not set(needs) <= keys:
             continue

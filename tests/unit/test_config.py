@@ -79,10 +79,35 @@ def test_parse_checks_values_with_the_recipes_own_config_keys(tmp_path, capsys):
     p = _yaml(tmp_path, f"output_dir: {tmp_path}\nbatch_size: 2\nseed: 0\n")
     namespace["recipe_main"](["--config", str(p)])
     assert len(ran) == 1
-    for bad, fragment in ((["batch_size=0"], "error: batch_size=0: expected an integer >= 1"),
+    # The one prefix `tune` prints too (tune_recipes/_cli/main.py).
+    for bad, fragment in ((["batch_size=0"], "tune: error: batch_size=0: expected an integer >= 1"),
                           (["bach_size=2"], "my_recipe does not use config key(s) 'bach_size' "
                                             "(did you mean 'batch_size'?)")):
         with pytest.raises(SystemExit) as e:
             namespace["recipe_main"](["--config", str(p), *bad])
         assert e.value.code == 2 and fragment in capsys.readouterr().err
     assert len(ran) == 1
+
+
+def test_an_override_of_another_container_type_replaces_the_node(tmp_path):
+    # torchtune's sharded form {filename_format, max_filename} replaced by a list, and back;
+    # OmegaConf's merge refuses both ("Cannot merge incompatible container types").
+    p = _yaml(tmp_path, "ckpt:\n  files:\n    filename_format: m-{}-of-{}.safetensors\n"
+                        "    max_filename: '00002'\n  dir: d\nlst: [1, 2]\nopt: {lr: 1, eps: 2}\n")
+    cfg = load_config(p, ["ckpt.files=[a.safetensors,b.safetensors]", "lst={k: 1}",
+                          "opt={lr: 3}"])
+    assert OmegaConf.to_container(cfg) == {
+        "ckpt": {"files": ["a.safetensors", "b.safetensors"], "dir": "d"},
+        "lst": {"k": 1},
+        "opt": {"lr": 3, "eps": 2},  # a mapping over a mapping still merges
+    }
+    cfg = load_config(p, ["lst.0=5", "ckpt.files=[x]", "ckpt.files={f: 1}"])
+    assert list(cfg.lst) == [5, 2] and dict(cfg.ckpt.files) == {"f": 1}
+
+
+def test_an_override_into_a_list_by_name_or_out_of_range_is_one_line(tmp_path):
+    p = _yaml(tmp_path, "lst: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"bad override 'lst.key=3': lst is a list here \(\[1, 2\]\)"):
+        load_config(p, ["lst.key=3"])
+    with pytest.raises(ConfigError, match="cannot apply override 'lst.5=3'"):
+        load_config(p, ["lst.5=3"])

@@ -233,6 +233,34 @@ CASES = [
     # a misspelt torchtune key gets a did-you-mean too
     ("tiny/full_single_device", ["cudnn_determinstic_mode=null"],
      "'cudnn_determinstic_mode' (did you mean 'cudnn_deterministic_mode'?)"),
+    # the optimizer's own argument checks (torch's, run on a one-element parameter), named
+    ("tiny/lora_single_device", ["optimizer.betas=[0.9]"],
+     "optimizer.betas=[0.9]: torch.optim.AdamW refuses it: IndexError"),
+    ("tiny/full_single_device", ["optimizer.betas=[0.9,2.0]"],
+     "optimizer.betas=[0.9, 2.0]: torch.optim.AdamW refuses it: Invalid beta parameter at index 1"),
+    ("tiny/lora_distributed", ["optimizer.eps=-1"], "optimizer.eps=-1: torch.optim.AdamW refuses it"),
+    ("tiny/qat_single_device", ["optimizer._component_=torch.optim.SGD", "optimizer.momentum=-0.5"],
+     "optimizer.momentum=-0.5: torch.optim.SGD refuses it: Invalid momentum value: -0.5"),
+    # torchtune's checkpointers look model_type up in their ModelType enum
+    ("tiny/lora_single_device", ["checkpointer.model_type=LLAMA4"],
+     "checkpointer.model_type=LLAMA4: not a model type torchtune's checkpointers know (did you "
+     "mean LLAMA3?"),
+    ("tiny/kd_single_device", ["teacher_checkpointer.model_type=llama3"],
+     "teacher_checkpointer.model_type=llama3"),
+    # a LoRA recipe given a full fine-tune's model
+    ("tiny/lora_single_device", ["model._component_=tune_recipes.models.tiny_llama3",
+                                 "~model.lora_attn_modules", "~model.apply_lora_to_mlp",
+                                 "~model.apply_lora_to_output", "~model.lora_rank",
+                                 "~model.lora_alpha", "~model.lora_dropout", "~model.use_dora"],
+     "model._component_=tune_recipes.models.tiny_llama3: this model has no LoRA adapters"),
+    # a mapping where the config holds a list: a key of a list item is named as such
+    ("tiny/full_single_device", ["checkpointer.checkpoint_files.filename_format=a"],
+     "checkpointer.checkpoint_files is a list here"),
+    # a list replacing a mapping (torchtune's {filename_format, max_filename}) is applied, then
+    # validated like any other value
+    ("tiny/full_single_device", ["checkpointer.checkpoint_files={filename_format: x, max_filename: '1'}",
+                                 "checkpointer.checkpoint_files=[nothere.safetensors]"],
+     "checkpointer.checkpoint_files: "),
 ]
 
 
@@ -369,7 +397,8 @@ def test_every_tiny_config_passes_and_schema_keys_are_recipe_keys():
     # The recipe's own check, as each torchrun child starts it (the launcher installs the
     # third-party noise filters first).
     (["-m", "tune_recipes._cli.launch", str(REPO / "recipes" / "full_finetune_single_device.py"), "--config",
-      str(REPO / "configs" / "tiny" / "full_single_device.yaml"), "epochs=0"], "epochs=0", "error:"),
+      str(REPO / "configs" / "tiny" / "full_single_device.yaml"), "epochs=0"], "epochs=0",
+     "tune: error:"),
 ])
 def test_real_processes_fail_in_one_line(argv, fragment, prefix, tmp_path):
     p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path,
@@ -709,3 +738,104 @@ def test_output_dir_checks_name_a_live_run_first_and_spare_quantize(tmp_path, ca
     assert main(["validate", "tiny/lora_single_device", f"output_dir={tmp_path}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"is in use by another run (pid {live['pid']}" in line
+
+
+@pytest.mark.unit
+def test_a_lora_recipe_given_a_full_fine_tune_config_is_refused_by_validate(capsys):
+    # The recipe refuses it after building the model; validate builds it on the meta device.
+    rc = main(["validate", "tiny/full_single_device", "--recipe", "lora_finetune_single_device"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "tune_recipes.models.tiny_llama3: this model has no LoRA adapters" in line
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("override,fragment", [
+    ("optimizer.betas=[0.9]", "optimizer.betas=[0.9]"),
+    ("optimizer.eps=-1", "optimizer.eps=-1"),
+    ("checkpointer.model_type=LLAMA4", "checkpointer.model_type=LLAMA4"),
+])
+def test_tune_run_refuses_what_validate_refuses_before_the_recipe_starts(override, fragment,
+                                                                         capsys, monkeypatch):
+    import tune_recipes._cli.main as cli
+
+    started = []
+    monkeypatch.setattr(cli, "run_script", lambda *a, **k: started.append(a))
+    rc = main(["run", "lora_finetune_single_device", "--config", "tiny/lora_single_device",
+               override])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and not started and fragment in line, line
+
+
+@pytest.mark.unit
+def test_the_recipes_own_check_refuses_the_optimizer_arguments_too(tmp_path, capsys):
+    # @parse (every recipe process, tune run or not) runs the same check_config.
+    from tune_recipes.config import parse
+
+    namespace = {"__file__": str(tmp_path / "my_recipe.py"), "parse": parse,
+                 "CONFIG_KEYS": {"output_dir", "optimizer"}}
+    exec("@parse\ndef recipe_main(cfg):\n    raise AssertionError('ran')\n", namespace)
+    p = tmp_path / "c.yaml"
+    p.write_text(f"output_dir: {tmp_path}\noptimizer:\n  _component_: torch.optim.SGD\n"
+                 "  lr: 0.1\n  momentum: -1\n")
+    with pytest.raises(SystemExit) as e:
+        namespace["recipe_main"](["--config", str(p)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert e.value.code == 2 and "optimizer.momentum=-1: torch.optim.SGD refuses it" in line
+
+
+@pytest.mark.unit
+def test_an_optimizer_that_cannot_be_built_on_cpu_is_said_to_be_unchecked(capsys, monkeypatch):
+    import tune_recipes.validation as v
+
+    def cuda_only(params, **kwargs):
+        raise RuntimeError("needs CUDA tensors")
+
+    monkeypatch.setattr(v, "_resolves_to", lambda dotted: cuda_only)
+    cfg = OmegaConf.create({"optimizer": {"_component_": "my.CudaOptimizer", "lr": 1e-3}})
+    assert v.optimizer_problem(cfg) is None
+    assert "optimizer: my.CudaOptimizer's arguments were not checked" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_warmup_longer_than_the_run_is_a_warning_naming_both(capsys, monkeypatch):
+    import tune_recipes.validation as v
+
+    monkeypatch.setattr(v, "_WARNED", set())
+    assert main(["validate", "tiny/full_single_device", "lr_scheduler.num_warmup_steps=100",
+                 "epochs=2", "max_steps_per_epoch=3"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: lr_scheduler.num_warmup_steps=100 is longer than the whole run (6 optimizer "
+            "steps at most: epochs=2 x max_steps_per_epoch=3)") in err, err
+    assert main(["validate", "tiny/full_single_device", "lr_scheduler.num_warmup_steps=6",
+                 "epochs=2", "max_steps_per_epoch=3"]) == 0
+    assert "num_warmup_steps" not in capsys.readouterr().err
+    assert v.warmup_problem(5, 4) and v.warmup_problem(4, 4) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("env,mode,refused", [
+    ({}, None, True),
+    ({"WANDB_MODE": "offline"}, None, False),
+    ({}, "disabled", False),
+    ({"WANDB_API_KEY": "x" * 40}, None, False),
+    ({"NETRC": "{netrc}"}, None, False),
+])
+def test_the_wandb_logger_without_credentials_is_one_line(env, mode, refused, tmp_path, capsys,
+                                                         monkeypatch):
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    for k in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL",
+              "WANDB_DISABLED", "NETRC"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc
+    for k, val in env.items():
+        monkeypatch.setenv(k, val.replace("{netrc}", str(tmp_path / "netrc")))
+    overrides = ["metric_logger._component_=tune_recipes.loggers.WandBLogger"]
+    if mode:
+        overrides.append(f"metric_logger.mode={mode}")
+    rc = main(["validate", "tiny/lora_single_device", *overrides])
+    err = capsys.readouterr().err
+    if refused:
+        line = _one_error_line(err)
+        assert rc == 2 and "W&B has no API key on this machine" in line and "wandb login" in line
+    else:
+        assert rc == 0, err
