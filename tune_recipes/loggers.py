@@ -66,11 +66,26 @@ class _WithJsonl:
         if self._jsonl is not None:
             self._jsonl.log_dict(payload, step)
 
+    def begin_run(self, resume_step: Optional[int]) -> None:
+        """Fresh (None) or resumed at ``resume_step``: metrics.jsonl is started anew (an
+        earlier run's kept aside) or continued (``JsonlMetricLogger.begin_run``); the other
+        backend keeps its own history."""
+        if self._jsonl is not None:
+            self._jsonl.begin_run(resume_step)
+
     def drop_rows_after(self, step: int) -> None:
         """A resumed run drops the rows a killed run logged after its checkpoint (the file
         ``tune plot`` and resume read; the other backend keeps its own history)."""
         if self._jsonl is not None:
             self._jsonl.drop_rows_after(step)
+
+    def _write_config(self, config: DictConfig) -> Optional[Path]:
+        """``write_config``, after the metrics.jsonl logger has read the config.yaml it
+        replaces (a fresh run keeps the earlier run's beside its rows)."""
+        if self._jsonl is not None:
+            where = config.get("output_dir", None) if isinstance(config, DictConfig) else None
+            self._jsonl.remember_config(Path(where or self._log_dir) / "config.yaml")
+        return write_config(config, self._log_dir)
 
     def _close_jsonl(self) -> None:
         if self._jsonl is not None:
@@ -96,7 +111,7 @@ class StdoutLogger(_WithJsonl):
         self._jsonl_row(payload, step)
 
     def log_config(self, config: DictConfig) -> None:
-        write_config(config, self._log_dir)
+        self._write_config(config)
 
     def close(self) -> None:
         self._close_jsonl()
@@ -129,7 +144,7 @@ class TensorBoardLogger(_WithJsonl):
         self._jsonl_row(payload, step)
 
     def log_config(self, config: DictConfig) -> None:
-        write_config(config, self._log_dir)
+        self._write_config(config)
         if self._tb._writer is not None:
             text = OmegaConf.to_yaml(config, resolve=True)
             # Markdown: indent by 4 so TensorBoard shows it as a code block.
@@ -155,9 +170,23 @@ class WandBLogger(_WithJsonl):
 
         if mode is not None:
             kwargs["mode"] = mode
-        self._wb = _TorchtuneWandB(project=project,
-                                   log_dir=str(log_dir) if log_dir is not None else None,
-                                   **kwargs)
+        try:
+            self._wb = _TorchtuneWandB(project=project,
+                                       log_dir=str(log_dir) if log_dir is not None else None,
+                                       **kwargs)
+        except Exception as e:
+            # wandb.init's own refusals (no API key where it cannot prompt, a bad mode) as one
+            # line; the schema refuses a missing key before the run (validation.py,
+            # metric_logger_problem), this is the last line for what it cannot see.
+            from wandb.errors import Error as WandbError
+
+            if not isinstance(e, WandbError):
+                raise
+            from tune_recipes.config import ConfigError
+
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"metric_logger (W&B): {first}; or set metric_logger.mode=offline "
+                              "or disabled") from None
         self._init_jsonl(log_dir, jsonl)
 
     @property
@@ -173,7 +202,7 @@ class WandBLogger(_WithJsonl):
         self._jsonl_row(payload, step)
 
     def log_config(self, config: DictConfig) -> None:
-        path = write_config(config, self._log_dir)
+        path = self._write_config(config)
         run = self.run
         if run is not None:
             run.config.update(OmegaConf.to_container(config, resolve=True),
@@ -236,7 +265,7 @@ class MLFlowLogger(_WithJsonl):
         from mlflow.entities import Param
         from torchtune.training.metric_logging import flatten_dict
 
-        path = write_config(config, self._log_dir)
+        path = self._write_config(config)
         flat: Dict[str, Any] = flatten_dict(OmegaConf.to_container(config, resolve=True))
         params = [Param(k, str(v)[:6000]) for k, v in flat.items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch

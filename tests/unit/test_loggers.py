@@ -64,3 +64,43 @@ def test_mlflow_loggers_in_one_process_write_to_their_own_stores(tmp_path, monke
         (metric,) = (tmp_path / name / "mlruns").glob("*/*/metrics/loss")
         _, value, step = metric.read_text().split()
         assert float(value) == loss and step == "7"
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: loggers.StdoutLogger(log_dir=d),
+    lambda d: loggers.TensorBoardLogger(log_dir=d),
+])
+def test_every_jsonl_logger_starts_a_fresh_runs_metrics_anew(make, tmp_path, capsys):
+    # The rows and config.yaml of an earlier run into the same output_dir are kept aside.
+    first = make(tmp_path)
+    first.log_config(_cfg(tmp_path))
+    first.log_dict({"loss": 1.0}, step=1)
+    first.log_dict({"loss": 1.0}, step=2)
+    first.close()
+    second = make(tmp_path)
+    second.log_config(_cfg(tmp_path))
+    second.log_dict({"loss": 2.0}, step=1)
+    second.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 2.0)]
+    (kept,) = tmp_path.glob("metrics.*.jsonl")
+    assert len(kept.read_text().splitlines()) == 2
+    assert len(list(tmp_path.glob("config.*.yaml"))) == 1
+    assert "held an earlier run's metrics" in capsys.readouterr().err
+
+
+def test_wandb_refusing_to_start_is_one_config_error(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from wandb.errors import UsageError
+
+    import torchtune.training.metric_logging as ml
+
+    def refuse(**kwargs):
+        raise UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(ml, "WandBLogger", refuse)
+    from tune_recipes.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"metric_logger \(W&B\): No API key configured.*"
+                                          r"metric_logger.mode=offline"):
+        loggers.WandBLogger(log_dir=tmp_path)

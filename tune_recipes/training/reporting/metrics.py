@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Union
@@ -25,15 +26,27 @@ class JsonlMetricLogger:
 
     Same interface as torchtune's metric loggers (``log``, ``log_dict``, ``log_config``,
     ``close``), so any of them can be swapped in through the config. Lines are flushed as they
-    are written: a crash loses nothing already logged. Append mode keeps a resumed run's history
-    in the same file.
+    are written: a crash loses nothing already logged.
+
+    A resume continues the file; a fresh run starts a new one. ``begin_run(resume_step)`` says
+    which (``drop_rows_after(step)`` is the resume's form of it); a logger that is told nothing
+    before its first row is a fresh run's. A fresh run into a ``log_dir`` that holds an earlier
+    run's rows keeps them: ``metrics.jsonl``, ``metrics.png`` and ``config.yaml`` are renamed to
+    ``metrics.<time>.jsonl``, ``metrics.<time>.png`` and ``config.<time>.yaml`` (the earlier
+    file's last write) and one line says so.
     """
 
     def __init__(self, log_dir: Union[str, Path], filename: str = "metrics.jsonl") -> None:
         self._fh = None  # NOTE: first, so close()/__del__ work when the open below fails
         self.path = Path(log_dir) / filename
+        self._begun = False
+        # config.yaml as it was before log_config replaced it, kept aside with the earlier
+        # run's rows if this run turns out fresh (log_config comes before begin_run).
+        self._earlier_config: Optional[str] = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Append mode writes nothing yet: whether the rows are kept aside or continued is
+            # decided by begin_run.
             self._fh = open(self.path, "a", buffering=1)
         except OSError as e:
             raise ConfigError(
@@ -41,7 +54,55 @@ class JsonlMetricLogger:
                 "writable?"
             ) from None
 
+    def begin_run(self, resume_step: Optional[int]) -> None:
+        """``resume_step`` None: a fresh run (an earlier run's rows are kept aside, see the class
+        docstring); an int: a resumed run continuing from that step (rows after it dropped).
+        Only the first call counts; the first row logged without one means a fresh run."""
+        if self._begun:
+            return
+        self._begun = True
+        if resume_step is None:
+            self._keep_earlier_run()
+        else:
+            self._drop_rows_after(resume_step)
+
     def drop_rows_after(self, step: int) -> None:
+        """A resumed run: ``begin_run(step)``. (The name the recipes' setup calls.)"""
+        if self._begun:
+            self._drop_rows_after(step)
+        else:
+            self.begin_run(step)
+
+    def _keep_earlier_run(self) -> None:
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            return
+        self._fh.close()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
+        stem = self.path.stem
+        suffix, n = stamp, 1
+        while self.path.with_name(f"{stem}.{suffix}{self.path.suffix}").exists():
+            n += 1
+            suffix = f"{stamp}-{n}"
+        kept = [self.path.with_name(f"{stem}.{suffix}{self.path.suffix}")]
+        os.replace(self.path, kept[0])
+        png = self.path.with_suffix(".png")
+        if png.is_file():
+            kept.append(png.with_name(f"{stem}.{suffix}.png"))
+            os.replace(png, kept[-1])
+        config = self.path.parent / "config.yaml"
+        config_kept = self.path.parent / f"config.{suffix}.yaml"
+        if self._earlier_config is not None:
+            config_kept.write_text(self._earlier_config)
+            kept.append(config_kept)
+        elif config.is_file():
+            os.replace(config, config_kept)
+            kept.append(config_kept)
+        self._fh = open(self.path, "a", buffering=1)
+        print(f"{self.path.parent} held an earlier run's metrics: kept as "
+              f"{', '.join(p.name for p in kept)}; this run starts a new {self.path.name} "
+              "(a resume continues the file)", file=sys.stderr)
+
+    def _drop_rows_after(self, step: int) -> None:
         """Keep only rows logged at or before ``step``: a resumed run continues from its
         checkpoint's step, and the rows a killed run logged after it would appear twice.
         Rewritten to a temporary file and renamed, so a kill here loses nothing."""
@@ -60,10 +121,18 @@ class JsonlMetricLogger:
         os.replace(tmp, self.path)
         self._fh = open(self.path, "a", buffering=1)
 
+    def remember_config(self, config_file: Path) -> None:
+        """Called before ``config_file`` (config.yaml) is replaced: a fresh run keeps the
+        earlier one beside the earlier rows."""
+        if not self._begun and self._earlier_config is None and Path(config_file).is_file():
+            self._earlier_config = Path(config_file).read_text()
+
     def log(self, name: str, data: Any, step: int) -> None:
         self.log_dict({name: data}, step)
 
     def log_dict(self, payload: Mapping[str, Any], step: int) -> None:
+        if not self._begun:
+            self.begin_run(None)
         row: Dict[str, Any] = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: _plain(v) for k, v in payload.items()})
         self._fh.write(json.dumps(row) + "\n")
@@ -72,6 +141,7 @@ class JsonlMetricLogger:
         from omegaconf import OmegaConf
 
         out = self.path.parent / "config.yaml"
+        self.remember_config(out)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(OmegaConf.to_yaml(config, resolve=True))
         os.replace(tmp, out)  # never a half-written config.yaml

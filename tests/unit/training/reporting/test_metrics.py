@@ -19,16 +19,52 @@ def test_rows_round_trip_with_tensors_and_non_finite_values(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl", "lr") == [0.1]
 
 
-def test_appends_across_runs_and_writes_the_config(tmp_path):
+def test_a_fresh_run_starts_a_new_file_and_keeps_the_earlier_runs_beside_it(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    for step in (1, 2):
-        logger = JsonlMetricLogger(tmp_path)
-        logger.log_dict({"loss": 1.0}, step=step)
-        logger.close()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
-    JsonlMetricLogger(tmp_path).log_config(OmegaConf.create({"a": 1}))
-    assert (tmp_path / "config.yaml").read_text().strip() == "a: 1"
+    first = JsonlMetricLogger(tmp_path)
+    first.log_config(OmegaConf.create({"run": 1}))
+    for step in (1, 2, 3):
+        first.log_dict({"loss": 1.0}, step=step)
+    first.close()
+    (tmp_path / "metrics.png").write_bytes(b"png of run 1")
+    capsys.readouterr()
+    # A second fresh run (told nothing before its first row, as a fresh run is).
+    second = JsonlMetricLogger(tmp_path)
+    second.log_config(OmegaConf.create({"run": 2}))
+    second.log_dict({"loss": 2.0}, step=1)
+    second.close()
+    assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [2.0]
+    assert (tmp_path / "config.yaml").read_text().strip() == "run: 2"
+    (kept,) = tmp_path.glob("metrics.*.jsonl")
+    stamp = kept.name[len("metrics."):-len(".jsonl")]
+    assert read_metrics(kept, "step") == [1, 2, 3]
+    assert (tmp_path / f"metrics.{stamp}.png").read_bytes() == b"png of run 1"
+    assert (tmp_path / f"config.{stamp}.yaml").read_text().strip() == "run: 1"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"kept as metrics.{stamp}.jsonl" in err, err
+    # A third run in the same second keeps the second's under a name of its own.
+    third = JsonlMetricLogger(tmp_path)
+    third.begin_run(None)
+    third.close()
+    assert len(list(tmp_path.glob("metrics.*.jsonl"))) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_resume_continues_the_file_and_an_empty_file_is_not_kept(tmp_path, capsys):
+    logger = JsonlMetricLogger(tmp_path)
+    logger.log_dict({"loss": 1.0}, step=1)
+    logger.close()
+    resumed = JsonlMetricLogger(tmp_path)
+    resumed.begin_run(1)
+    resumed.log_dict({"loss": 2.0}, step=2)
+    resumed.close()
+    assert read_metrics(tmp_path / "metrics.jsonl", "step") == [1, 2]
+    empty = tmp_path / "empty"
+    JsonlMetricLogger(empty).close()  # a run that failed before its first row
+    JsonlMetricLogger(empty).begin_run(None)
+    assert [p.name for p in empty.iterdir()] == ["metrics.jsonl"]
+    assert "kept as" not in capsys.readouterr().err
 
 
 def test_the_configs_component_path_still_resolves():
