@@ -11,6 +11,7 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
+from tune_recipes.modules.flex_in_graph import trace_flex_attention_when_compiled
 from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
@@ -81,7 +82,7 @@ def set_activation_memory_budget(budget: Optional[float]) -> None:
     cheapest (by FLOPs: pointwise ops first, matrix products last) in backward instead of
     saving their outputs. None leaves torch's setting as it is (as ``cudnn_deterministic_mode:
     null`` does), so a caller that set it in its own code keeps it. Measured:
-    docs/benchmarks.md (issue #15, session 11).
+    docs/benchmarks.md.
 
     NOTE: the setting is process-wide and read when a graph is traced, and torch.compile reuses
     a graph it already traced for another instance of the same module class without checking
@@ -107,8 +108,10 @@ def set_activation_memory_budget(budget: Optional[float]) -> None:
 def compile_layers_or_model(model: nn.Module, scope: Optional[str],
                             activation_memory_budget: Optional[float] = None) -> None:
     """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model,
-    under ``activation_memory_budget`` (``set_activation_memory_budget``)."""
+    under ``activation_memory_budget`` (``set_activation_memory_budget``), with packed batches'
+    flex attention inside the compiled graphs (``modules.flex_in_graph``)."""
     set_activation_memory_budget(activation_memory_budget)
+    trace_flex_attention_when_compiled(model)
     if scope in (None, "layers"):
         training.compile_model(model)
     elif scope == "model":

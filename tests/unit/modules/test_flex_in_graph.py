@@ -1,0 +1,103 @@
+"""Packed batches' flex attention traced into the compiled graph (tune_recipes.modules.flex_in_graph)."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from tune_recipes.modules.flex_in_graph import _flex_call_traced_while_compiling
+
+pytestmark = pytest.mark.unit
+
+
+def _document_mask(doc_ids: torch.Tensor):
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    b, s = doc_ids.shape
+    return create_block_mask(mask_mod, b, None, s, s, device=doc_ids.device, BLOCK_SIZE=16)
+
+
+def _qkv(seed=0, b=2, h=2, s=64, d=16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, s, d, generator=g) for _ in range(3)]
+
+
+def _doc_ids(lengths, s=64):
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    return torch.cat([ids, torch.full((s - len(ids),), len(lengths))])
+
+
+def test_outside_compile_every_call_takes_the_fallback():
+    calls = []
+
+    def fallback(q, k, v, mask=None, dropout_p=0.0, is_causal=True):
+        calls.append((mask, dropout_p, is_causal))
+        return q
+
+    call = _flex_call_traced_while_compiling(fallback)
+    q, k, v = _qkv()
+    block_mask = _document_mask(torch.stack([_doc_ids([20, 44]), _doc_ids([64])]))
+    assert call(q, k, v, mask=block_mask, dropout_p=0.0, is_causal=False) is q
+    assert call(q, k, v, mask=None, dropout_p=0.1, is_causal=True) is q
+    assert calls == [(block_mask, 0.0, False), (None, 0.1, True)]
+
+
+def _check_against_dense_reference(device, backward):
+    def fallback(*args, **kwargs):
+        raise AssertionError("the compiled call must not take the fallback")
+
+    call = _flex_call_traced_while_compiling(fallback)
+    doc_ids = torch.stack([_doc_ids([20, 30, 10]), _doc_ids([64])]).to(device)
+    block_mask = _document_mask(doc_ids)
+    q, k, v = (t.to(device).requires_grad_(backward) for t in _qkv(1))
+    out = torch.compile(call, backend="aot_eager", fullgraph=True)(q, k, v, mask=block_mask)
+    qr, kr, vr = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
+    pos = torch.arange(doc_ids.shape[1], device=device)
+    dense = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=dense[:, None])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    if backward:
+        out.sum().backward()
+        ref.sum().backward()
+        for t, r in zip((q, k, v), (qr, kr, vr)):
+            torch.testing.assert_close(t.grad.double(), r.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_block_mask_attention_matches_the_document_masked_reference():
+    """Under torch.compile the call is flex attention on the block mask: the output of plain
+    attention with the dense document-causal mask (fp32 against float64, 1e-5). CPU flex
+    attention has no backward; the gradients are checked on CUDA below."""
+    _check_against_dense_reference("cpu", backward=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_block_mask_attention_gradients_match_on_cuda():
+    _check_against_dense_reference("cuda", backward=True)
+
+
+def test_compiled_call_refuses_dropout():
+    call = _flex_call_traced_while_compiling(lambda *a, **k: None)
+    q, k, v = _qkv()
+    block_mask = _document_mask(torch.stack([_doc_ids([64]), _doc_ids([64])]))
+    with pytest.raises(Exception, match="no dropout"):
+        torch.compile(call, backend="aot_eager", fullgraph=True)(q, k, v, mask=block_mask, dropout_p=0.1)
+
+
+def test_every_attention_layer_gets_the_call_and_eager_outputs_are_unchanged(monkeypatch):
+    """Where flex attention is supported, each MultiHeadAttention gets the traced call; outside
+    torch.compile the model computes exactly what it did before (unpacked: SDPA)."""
+    import torchtune.utils._import_guard as guard
+
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.modules.flex_in_graph import trace_flex_attention_when_compiled
+
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    tokens = torch.randint(0, 100, (2, 24))
+    before = model(tokens)
+    monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", True)
+    assert trace_flex_attention_when_compiled(model) == len(model.layers)
+    torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
+    monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", False)
+    assert trace_flex_attention_when_compiled(tiny_llama3()) == 0
