@@ -1,6 +1,7 @@
 """Dataset and dataloader, the same for every recipe."""
 
 from functools import partial
+from pathlib import Path
 
 from omegaconf import ListConfig
 from torch.utils.data import DataLoader, Dataset
@@ -14,12 +15,114 @@ from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
 
-def build_dataset(cfg_dataset, tokenizer) -> Dataset:
-    """One dataset, or a list of them concatenated."""
+def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
+    """One dataset, or a list of them concatenated. ``key``: the config key, for errors.
+
+    What a user can fix is one ``ConfigError`` naming ``key``: a dataset that needs the
+    network on a machine that cannot reach it, a data file that is missing or unreadable, a
+    column the data lacks, and a ``tokenizer.max_seq_len`` that leaves no response token in
+    the first examples (``check_first_examples``)."""
     if isinstance(cfg_dataset, ListConfig):
-        parts = [tt_config.instantiate(c, tokenizer) for c in cfg_dataset]
+        parts = [_instantiate(c, tokenizer, f"{key}[{i}]") for i, c in enumerate(cfg_dataset)]
         return ConcatDataset(datasets=parts)
-    return tt_config.instantiate(cfg_dataset, tokenizer)
+    return _instantiate(cfg_dataset, tokenizer, key)
+
+
+# Exception class names (anywhere in the cause chain) that mean "the network was needed and
+# not reachable": huggingface_hub's offline/cache misses, requests/urllib3/httpx connection
+# errors. By name: none of these packages is imported here for the sake of an isinstance.
+_NETWORK_ERRORS = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError",
+                   "ConnectTimeout", "ConnectError", "MaxRetryError", "NameResolutionError",
+                   "ReadTimeout", "Timeout"}
+
+# How many examples ``check_first_examples`` tokenizes (each one costs a tokenization).
+EXAMPLES_CHECKED = 16
+
+
+def _causes(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _raised_in_datasets(e: BaseException) -> bool:
+    """Whether Hugging Face ``datasets`` raised ``e`` (its innermost frame is in that package):
+    loading data files, their format, an empty split. NOTE: by where, not by type: its errors
+    are many (DatasetGenerationError, EmptyDatasetError, plain ValueErrors) and all of them say
+    what is wrong with the data a config names."""
+    import datasets
+
+    root = str(Path(datasets.__file__).parent)
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_filename.startswith(root)
+
+
+def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
+    component = cfg_dataset.get("_component_", "?") if hasattr(cfg_dataset, "get") else "?"
+    try:
+        dataset = tt_config.instantiate(cfg_dataset, tokenizer)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - sorted below: what a user can fix, or re-raised
+        if any(isinstance(c, ConnectionError) or type(c).__name__ in _NETWORK_ERRORS
+               for c in _causes(e)):
+            raise ConfigError(
+                f"{key}: {component} needs the network to fetch its data and cannot reach it "
+                f"({_first_line(e)}); fetch it once while online (it is cached), or point "
+                f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
+        if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
+            raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
+        if _raised_in_datasets(e):
+            cause = next((c for c in list(_causes(e))[1:]), None)
+            detail = f"{_first_line(e)}" + (f": {_first_line(cause)}" if cause else "")
+            raise ConfigError(f"{key}: {component} cannot load its data ({detail})") from None
+        raise
+    check_first_examples(dataset, tokenizer, key)
+    return dataset
+
+
+def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> None:
+    """Tokenize the first ``EXAMPLES_CHECKED`` examples now, before any model is built: a
+    column the data lacks (a ``column_map`` to set) is one line here rather than a traceback
+    at the first batch, and if none of them keeps a label token (every one truncated before
+    its response by ``tokenizer.max_seq_len``, or masked) no step could compute a loss."""
+    import torch
+
+    n = min(len(dataset), EXAMPLES_CHECKED) if hasattr(dataset, "__len__") else 0
+    if n == 0:
+        raise ConfigError(f"{key}: the dataset is empty")
+    masked = 0
+    for i in range(n):
+        try:
+            example = dataset[i]
+        except KeyError as e:
+            raise ConfigError(
+                f"{key}: example {i} has no column {e} (map the data's columns with "
+                f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})"
+            ) from None
+        labels = example.get("labels") if isinstance(example, dict) else None
+        if labels is None:
+            return  # not a labelled example (a custom dataset): nothing to check here
+        labels = torch.as_tensor(labels)
+        if not bool((labels != CROSS_ENTROPY_IGNORE_INDEX).any()):
+            masked += 1
+    if masked == n:
+        max_seq_len = getattr(tokenizer, "max_seq_len", None)
+        raise ConfigError(
+            f"tokenizer.max_seq_len={max_seq_len}: none of the first {n} examples of {key} "
+            "keeps a label token (each is cut before its response, or fully masked), so no "
+            "step has a loss; raise tokenizer.max_seq_len, or set "
+            f"{key}.train_on_input=True to train on the prompts too")
 
 
 def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int):
@@ -45,7 +148,7 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
         return None
     from tune_recipes.training.step.validation import shard_for_rank
 
-    dataset = build_dataset(cfg.dataset_val, tokenizer)
+    dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
                            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"))
     return DataLoader(shard_for_rank(dataset, world_size, rank),

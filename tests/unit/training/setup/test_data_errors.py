@@ -1,0 +1,89 @@
+"""tune_recipes.training.setup.data: what a user can fix in a dataset is one ConfigError
+naming the key (a run prints it as one line, exit 2), not a traceback at the first batch."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from tune_recipes.config import ConfigError
+from tune_recipes.data import tiny_tokenizer
+from tune_recipes.training.setup.data import build_dataset
+
+pytestmark = pytest.mark.unit
+
+
+def _instruct(tmp_path, rows=None, **kw):
+    path = tmp_path / "data.json"
+    if rows is not None:
+        path.write_text(json.dumps(rows))
+    return OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset",
+                             "source": "json", "data_files": str(path), "split": "train", **kw})
+
+
+def test_a_max_seq_len_that_cuts_every_response_names_the_key():
+    cfg = OmegaConf.create({"_component_": "tune_recipes.data.tiny_alpaca_dataset"})
+    with pytest.raises(ConfigError, match=r"tokenizer.max_seq_len=16: none of the first 16 "
+                                          r"examples of dataset keeps a label token"):
+        build_dataset(cfg, tiny_tokenizer(max_seq_len=16))
+    # Training on the prompts too leaves label tokens: no error.
+    cfg.train_on_input = True
+    assert len(build_dataset(cfg, tiny_tokenizer(max_seq_len=16))) > 0
+    # A list of datasets is checked part by part, named by its index.
+    both = OmegaConf.create([{"_component_": "tune_recipes.data.tiny_alpaca_dataset"}])
+    with pytest.raises(ConfigError, match=r"of dataset\[0\] keeps"):
+        build_dataset(both, tiny_tokenizer(max_seq_len=16))
+
+
+def test_a_missing_data_file_and_a_missing_column_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^dataset: torchtune.datasets.instruct_dataset"):
+        build_dataset(_instruct(tmp_path), tiny_tokenizer())
+    rows = [{"prompt": "hi", "answer": "yes"}] * 4
+    with pytest.raises(ConfigError, match=r"dataset: example 0 has no column 'input'.*column_map"):
+        build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+    ok = build_dataset(_instruct(tmp_path, rows, column_map={"input": "prompt", "output": "answer"}),
+                       tiny_tokenizer())
+    assert len(ok) == 4
+
+
+def test_an_unreadable_data_file_and_an_empty_one_name_the_key(tmp_path):
+    (tmp_path / "data.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"^dataset: torchtune.datasets.instruct_dataset cannot "
+                                          r"load its data"):
+        build_dataset(_instruct(tmp_path), tiny_tokenizer())
+    (tmp_path / "data.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"^dataset: "):
+        build_dataset(_instruct(tmp_path), tiny_tokenizer())
+
+
+def test_a_dataset_that_needs_the_network_offline_is_one_line(monkeypatch):
+    from torchtune import config as tt_config
+
+    def offline(*args, **kwargs):
+        try:
+            raise OSError("Name or service not known")
+        except OSError as cause:
+            raise ConnectionError("Couldn't reach 'tatsu-lab/alpaca' on the Hub") from cause
+
+    monkeypatch.setattr(tt_config, "instantiate", offline)
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.alpaca_dataset"})
+    with pytest.raises(ConfigError, match=r"^dataset: torchtune.datasets.alpaca_dataset needs the "
+                                          r"network .*Couldn't reach 'tatsu-lab/alpaca'"):
+        build_dataset(cfg, tiny_tokenizer())
+
+    class LocalEntryNotFoundError(Exception):  # huggingface_hub's, matched by name
+        pass
+
+    def cache_miss(*args, **kwargs):
+        raise RuntimeError("loading failed") from LocalEntryNotFoundError("not in the cache")
+
+    monkeypatch.setattr(tt_config, "instantiate", cache_miss)
+    with pytest.raises(ConfigError, match="needs the network"):
+        build_dataset(cfg, tiny_tokenizer())
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug in a dataset builder")
+
+    monkeypatch.setattr(tt_config, "instantiate", bug)
+    with pytest.raises(RuntimeError, match="a bug"):  # not ours to reword
+        build_dataset(cfg, tiny_tokenizer())
