@@ -1,5 +1,7 @@
 """Every recipe's ``save_checkpoint``: full or LoRA-type, one device or FSDP, in one place."""
 
+import contextlib
+import logging
 import os
 import shutil
 import sys
@@ -47,6 +49,44 @@ from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.nonfinite import NonFiniteError
+
+
+class _DropInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO
+
+
+@contextlib.contextmanager
+def _without_torchtune_save_lines():
+    """Drop torchtune's INFO lines while its checkpointer writes: they name the staging
+    folder (``.saving/epoch_<n>/...``), gone once the folder is renamed into place, and call
+    adapter_config.json an "Adapter checkpoint". ``saved_line`` says what was saved where.
+    Its warnings still print."""
+    logger = logging.getLogger("torchtune.utils._logging")
+    f = _DropInfo()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def saved_line(what: str, folder: Path) -> str:
+    """``<what> saved to <folder>: <file> (<size>), ...``: the published folder's files as
+    they are on disk, largest first."""
+    files = sorted((p for p in Path(folder).iterdir() if p.is_file()),
+                   key=lambda p: (-p.stat().st_size, p.name))
+    listing = ", ".join(f"{p.name} ({_size(p.stat().st_size)})" for p in files)
+    what = what[len("the "):] if what.startswith("the ") else what
+    return f"{what} saved to {folder}: {listing}"
 
 
 def refuse_nonfinite_weights(state_dict: Dict[str, torch.Tensor], epoch: int,
@@ -167,9 +207,10 @@ class CheckpointWriter:
             staging.mkdir(parents=True)
             self.checkpointer._output_dir = staging
             try:
-                self.checkpointer.save_checkpoint(ckpt, epoch=epoch,
-                                                  intermediate_checkpoint=intermediate,
-                                                  adapter_only=adapter_only)
+                with _without_torchtune_save_lines():
+                    self.checkpointer.save_checkpoint(ckpt, epoch=epoch,
+                                                      intermediate_checkpoint=intermediate,
+                                                      adapter_only=adapter_only)
             finally:
                 self.checkpointer._output_dir = real_output_dir
             # torchtune names its folder by the epoch; a step checkpoint is renamed below.
@@ -180,8 +221,8 @@ class CheckpointWriter:
                 # The folder's own copy travels with it: resume reads it from there.
                 os.replace(staging / RECIPE_STATE_FILE, written / EPOCH_STATE_FILE)
             publish_dir(written, out / name, staging / "replaced")
-            # torchtune's own lines name the staging folder; this names where it ended up.
-            print(f"saved {what}: {out / name}", file=sys.stderr)
+            # One line naming where each file ended up (torchtune's lines are dropped above).
+            print(saved_line(what, out / name), file=sys.stderr)
             run_status.checkpoint_saved(out / name)
             if intermediate and shared_state:
                 # Where torchtune's tools look for it. NOTE: epoch checkpoints only: the

@@ -182,3 +182,38 @@ def test_a_lora_step_checkpoint_holds_the_adapter_only(tmp_path):
     saved, _, _, adapter_only = ckpt.saved[-1]
     assert adapter_only and training.ADAPTER_KEY in saved and training.MODEL_KEY not in saved
     assert (tmp_path / "step_1" / "adapter_config.json").is_file()
+
+
+class _LoggingCheckpointer(_Checkpointer):
+    """Also logs what it wrote, as torchtune's checkpointers do (under the staging folder)."""
+
+    def save_checkpoint(self, ckpt, epoch, intermediate_checkpoint, adapter_only):
+        from torchtune.utils import get_logger
+
+        super().save_checkpoint(ckpt, epoch, intermediate_checkpoint, adapter_only)
+        log = get_logger("INFO")
+        for f in ("model.safetensors", "adapter_config.json"):
+            log.info(f"Adapter checkpoint of size 0.00 GiB saved to {self._output_dir / f'epoch_{epoch}' / f}")
+        log.warning("a torchtune warning")
+
+
+def test_the_save_line_names_each_file_where_it_ends_up(tmp_path, capsys, caplog):
+    model = _lora_model()
+    ckpt = _LoggingCheckpointer(tmp_path)
+    writer = CheckpointWriter(ckpt, output_dir=str(tmp_path), lora=_spec(), base_checkpoint_dir="/b")
+    with caplog.at_level("INFO"):
+        writer.save(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    RecipeState(seed=3, total_epochs=1, max_steps_per_epoch=None), epoch=0)
+    # torchtune's lines name the staging folder, gone after the save: dropped; its warnings stay.
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["a torchtune warning"], logged
+    err = capsys.readouterr().err
+    size = (tmp_path / "epoch_0" / "adapter_config.json").stat().st_size
+    assert err == (f"epoch 0 checkpoint saved to {tmp_path / 'epoch_0'}: adapter_config.json "
+                   f"({size} B), model.safetensors (9 B)\n"), err
+    # Later INFO lines (not a save) print again.
+    from torchtune.utils import get_logger
+
+    with caplog.at_level("INFO"):
+        get_logger("INFO").info("after the save")
+    assert "after the save" in caplog.text
