@@ -2,7 +2,7 @@
 built for saving tensor by tensor in a memory-mapped scratch file instead of CPU memory
 (tune_recipes/training/checkpointing/low_ram.py). It must change where the bytes live, never
 what is written: a tiny QLoRA run saves bit-identical files with it on and off, and leaves no
-scratch file behind. (The memory it saves: scripts/measure_low_cpu_ram.py, docs.)"""
+scratch file behind."""
 
 import pytest
 

@@ -109,8 +109,8 @@ def normalization_path(*, distributed: bool, gradient_accumulation_steps: int,
 def scale_grads_(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
     """Multiply every existing gradient in place by ``factor``, passed on as a Python float.
 
-    A Python float, not a 0-dim device tensor: ``_foreach_mul_`` with a scalar runs about three
-    times faster than with a tensor operand on an H200 (docs/benchmarks.md).
+    A Python float, not a 0-dim device tensor: ``_foreach_mul_`` with a scalar runs about twice
+    as fast as with a tensor operand on an H200 (docs/benchmarks.md).
     """
     for grads in grads_by_mesh([p.grad for p in parameters if p.grad is not None]):
         torch._foreach_mul_(grads, float(factor))
