@@ -119,11 +119,24 @@ def plot_runs(runs: Sequence[PathLike], out: Optional[PathLike] = None,
     if not runs:
         raise PlotError("no run to plot")
     data = [load_metrics(r) for r in runs]
+    for run, metrics in zip(runs, data):
+        if not metrics:
+            raise PlotError(f"{metrics_path(run)} holds no readable row (none with a step and a "
+                            "number): nothing to plot")
     labels = run_labels(runs)
     out = Path(out) if out is not None else metrics_path(runs[0]).parent / PLOT_FILE
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if out.suffix == "":
+        # NOTE: matplotlib adds .png to a name without a suffix; name it here, so the path
+        # returned (and printed by `tune plot`) is the file written.
+        out = out.with_name(out.name + ".png")
+    elif out.suffix.lstrip(".").lower() not in formats:
+        raise PlotError(f"{out}: cannot draw a {out.suffix} file; name a .png (or "
+                        f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
 
     # Fixed margins, not layout="constrained": the panels never change, and the constraint
     # solver took 0.8 s of a 1.7 s plot at the end of every run.
@@ -187,6 +200,9 @@ def plot_runs(runs: Sequence[PathLike], out: Optional[PathLike] = None,
                    frameon=False, bbox_to_anchor=(0.5, 0.95 if title else 0.99))
     if title:
         fig.suptitle(title, fontsize=12, y=0.99)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    except OSError as e:
+        raise PlotError(f"cannot write {out}: {e.strerror or e}") from None
     return out

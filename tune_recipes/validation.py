@@ -219,7 +219,9 @@ SCHEMA: List[Rule] = [
     Rule("gradient_accumulation_steps", integer(1)),
     Rule("log_every_n_steps", integer(1)),
     Rule("log_peak_memory_stats", boolean),
-    Rule("resume_from_checkpoint", boolean),
+    # auto: resume from the newest checkpoint in output_dir if there is one, else start afresh.
+    Rule("resume_from_checkpoint", lambda v: None if isinstance(v, bool) or v == "auto"
+         else "expected True, False or auto"),
     Rule("save_every_n_steps", optional(integer(1))),
     Rule("keep_last_n_checkpoints", optional(integer(1))),
     Rule("save_adapter_weights_only", boolean),

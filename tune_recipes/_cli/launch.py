@@ -22,12 +22,15 @@ def run_script(path: Path, args: List[str]) -> None:
     sys.path.insert(0, str(Path(path).parent))
     try:
         runpy.run_path(str(path), run_name="__main__")
-    except KeyboardInterrupt:
-        # Ctrl-C: one line (where the run stood and how to resume), not a traceback.
-        from tune_recipes.training.reporting.run_status import interrupted_message
+    except KeyboardInterrupt as e:
+        # Ctrl-C (or SIGTERM, raised as Terminated by `tune`'s handler): one line (where the
+        # run stood and how to resume), not a traceback; sys.exit runs the exit handlers,
+        # which release the output_dir lock.
+        from tune_recipes.training.reporting.run_status import Terminated, interrupted_message
 
-        print(f"\n{interrupted_message(Path(path), list(args))}", file=sys.stderr)
-        sys.exit(130)
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"\n{interrupted_message(Path(path), list(args), how=how)}", file=sys.stderr)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
 
 
 def exit_without_finalization(code: int = 0) -> None:
@@ -48,7 +51,39 @@ def exit_without_finalization(code: int = 0) -> None:
     os._exit(code)
 
 
+def separate_restart_rounds() -> None:
+    """Give a restarted torchrun round's process group keys of its own in the agent's store.
+
+    NOTE: keep this while torchrun restarts need it. After a rank dies, torchrun
+    (``--max_restarts``, torch 2.13) starts the new round's processes against the same agent
+    store (the same MASTER_PORT) as the dead round, where gloo's rendezvous keys still hold the
+    dead processes' addresses: the new round fails with "Gloo connectFullMesh failed ...
+    Connection refused" (reproduced with plain torchrun and a ten-line script). The ``env://``
+    handler that ``init_process_group`` uses is wrapped to prefix the store with the round
+    (``TORCHELASTIC_RESTART_COUNT``); the first round is left exactly as torch makes it.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import importlib
+
+    from torch.distributed import PrefixStore
+
+    # The module (torch.distributed.rendezvous is also the name of a function).
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+    env_handler = rdzv._rendezvous_handlers["env"]
+
+    def per_round(url: str, **kwargs):
+        for store, rank, world_size in env_handler(url, **kwargs):
+            yield PrefixStore(f"/tune_recipes/restart_{restart}", store), rank, world_size
+
+    # NOTE: set directly: register_rendezvous_handler refuses a scheme that has a handler.
+    rdzv._rendezvous_handlers["env"] = per_round
+
+
 if __name__ == "__main__":
+    separate_restart_rounds()
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tune_recipes._cli.launch <recipe.py> [args ...]")
     try:

@@ -8,6 +8,7 @@ Names resolve to our recipes and configs first; a name we do not ship falls back
 import argparse
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 
 from tune_recipes._cli import registry
 from tune_recipes._cli.launch import run_script
+from tune_recipes._cli.torchrun import Launch, add_launcher_arguments, plan_launch
 from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
 from tune_recipes.validation import WARNED_ENV, check_config
 
@@ -50,46 +52,67 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
     check_overrides(rest)
     # Check now, in this process, everything `tune validate` checks: a bad file, key, value,
     # path or launcher argument fails here in one line (exit 2), before torchrun starts.
+    launch = plan_launch(args)
     cfg = load_config(config.path, rest)
     validate_config(cfg)
-    _check_recipe(cfg, recipe, args.recipe, nproc_per_node=args.nproc_per_node)
+    _check_recipe(cfg, recipe, args.recipe,
+                  nproc_per_node=launch.nproc_per_node if launch else None,
+                  nodes=launch.max_nodes if launch else 1)
     recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
-    if args.nproc_per_node is not None:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import main as torchrun_main
-
-        torchrun_args = [
-            "--nproc_per_node", str(args.nproc_per_node),
-            "--nnodes", "1",
-            "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", "localhost:0",
-        ]
-        os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
-        # Each process starts in our launcher, which imports tune_recipes (its noise filters)
-        # before the recipe imports torchtune, then runs the script as __main__.
-        try:
-            torchrun_main(torchrun_args + ["-m", "tune_recipes._cli.launch"] + recipe_argv)
-        except ChildFailedError as e:
-            # The failing process already printed its own error above; torchrun's traceback
-            # and summary would only bury it.
-            codes = sorted({f.exitcode for f in e.failures.values()})
-            print(f"tune: error: {len(e.failures)} of {args.nproc_per_node} processes failed "
-                  f"(exit code {', '.join(map(str, codes))}); their output is above",
-                  file=sys.stderr)
-            return codes[-1] if codes and codes[-1] > 0 else 1
-        finally:
-            os.environ.pop(WARNED_ENV, None)
-        return 0
+    if launch is not None:
+        return _run_under_torchrun(launch, recipe_argv, cfg.get("output_dir"))
     # Recipes are scripts (not importable modules): run the file as __main__ in this process.
     run_script(recipe.path, recipe_argv[1:])
     return 0
 
 
+def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
+    where = "" if launch.max_nodes == 1 else " on this node"
+    # Each process starts in our launcher, which imports tune_recipes (its noise filters)
+    # before the recipe imports torchtune, then runs the script as __main__.
+    try:
+        torchrun_main(launch.argv + ["-m", "tune_recipes._cli.launch"] + recipe_argv)
+    except ChildFailedError as e:
+        # The failing process already printed its own error above; torchrun's traceback
+        # and summary would only bury it.
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(f"tune: error: {len(e.failures)} of {launch.nproc_per_node} processes{where} "
+              f"failed (exit code {', '.join(map(str, codes))}); their output is above",
+              file=sys.stderr)
+        return codes[-1] if codes and codes[-1] > 0 else 1
+    except SignalException as e:
+        # torchrun's agent turns SIGINT/SIGTERM into this after stopping the processes.
+        name = signal.Signals(e.sigval).name
+        print(f"\ntune: stopped by {name}; {_how_to_continue(recipe_argv)}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    finally:
+        os.environ.pop(WARNED_ENV, None)
+        if isinstance(output_dir, str):
+            # A process killed by a signal leaves its lock behind: remove it (only a lock
+            # whose process on this machine is gone).
+            from tune_recipes.training.checkpointing.lock import OutputDirLock
+
+            OutputDirLock(output_dir).remove_if_stale()
+    return 0
+
+
+def _how_to_continue(recipe_argv: List[str]) -> str:
+    from tune_recipes.training.reporting.run_status import resume_hint
+
+    return resume_hint(Path(recipe_argv[0]), recipe_argv[1:])
+
+
 def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool = True,
-                  nproc_per_node: Optional[int] = None) -> bool:
+                  nproc_per_node: Optional[int] = None, nodes: int = 1) -> bool:
     """Keys and values against the schema (tune_recipes/validation.py) with the recipe's
     CONFIG_KEYS; False when the recipe declares none (a torchtune stock recipe or a user's
-    script), whose keys and values are its own business."""
+    script), whose keys and values are its own business. ``nodes``: how many nodes the
+    launch may span (``--nnodes``' maximum)."""
     known = registry.recipe_config_keys(recipe.path)
     if known is None:
         if nproc_per_node is not None and nproc_per_node < 1:
@@ -102,8 +125,12 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
             and isinstance(output_dir, str) and isinstance(checkpointer, DictConfig):
         from tune_recipes.training.checkpointing.io import check_output_dir_allows_the_run
 
+        # NOTE: on several nodes the lock is not checked here: rank 0 takes it on whichever
+        # node the rendezvous makes it, and a node that joins or restarts later would find it
+        # held by its own job. The recipe still takes it, so two jobs cannot share output_dir.
         check_output_dir_allows_the_run(output_dir, checkpointer,
-                                        cfg.get("resume_from_checkpoint", False) is True)
+                                        cfg.get("resume_from_checkpoint", False),
+                                        check_lock=nodes == 1)
     return True
 
 
@@ -135,30 +162,60 @@ def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
         dest = dest / src.path.name
     elif dest.suffix == "":
         dest = dest.with_suffix(src.path.suffix)
+    kinds = {".py": "recipe", ".yaml": "config", ".yml": "config"}
+    if kinds.get(dest.suffix) != kinds.get(src.path.suffix):
+        # `tune run` tells a recipe from a config by the suffix: a config saved as .py (or a
+        # recipe as .yaml) would then be "unknown". Refused rather than renamed, so the file
+        # is where the user asked or nowhere.
+        want = src.path.suffix
+        raise CliError(f"{args.destination}: {args.name} is a {kinds[want]}, so its copy needs "
+                       f"a {want} name (e.g. {dest.with_suffix(want).name}); `tune run` reads "
+                       "recipes from .py files and configs from .yaml files")
     if dest.exists() and not args.force:
         raise CliError(f"{dest} already exists (pass --force to overwrite)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src.path, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src.path, dest)
+    except OSError as e:
+        raise CliError(f"cannot write {dest}: {e.strerror or e}") from None
     print(f"copied {src.path} -> {dest}")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     config = _config_or_fail(args.config)
-    cfg = load_config(config.path, rest)
-    skipped: Optional[List[str]] = [] if args.portable else None
-    checked = validate_config(cfg, skipped=skipped)
     recipe_name = args.recipe or registry.recipe_for_config(args.config)
-    keys_note = ""
-    if recipe_name and _check_recipe(cfg, _recipe_or_fail(recipe_name), recipe_name,
-                                     env=not args.portable):
-        keys_note = f", every top-level key is read by {recipe_name}, values in range"
+    recipe = _recipe_or_fail(recipe_name) if recipe_name else None
+    try:
+        note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
+    except ConfigError as e:
         if args.portable:
+            raise
+        # A path or device of another machine (a GPU config on a laptop): say so, if the
+        # portable checks pass.
+        try:
+            _validate(config, rest, recipe, recipe_name, portable=True)
+        except ConfigError:
+            raise e from None
+        raise ConfigError(f"{e} (a config written for another machine: add --portable to skip "
+                          "this machine's paths and devices)") from None
+    print(f"config is valid: {config.path} ({note})")
+    return 0
+
+
+def _validate(config: registry.Resolved, rest: List[str], recipe: Optional[registry.Resolved],
+              recipe_name: Optional[str], portable: bool) -> str:
+    cfg = load_config(config.path, rest)
+    skipped: Optional[List[str]] = [] if portable else None
+    checked = validate_config(cfg, skipped=skipped)
+    keys_note = ""
+    if recipe is not None and _check_recipe(cfg, recipe, recipe_name, env=not portable):
+        keys_note = f", every top-level key is read by {recipe_name}, values in range"
+        if portable:
             keys_note += " (--portable: paths and devices not checked)"
     if skipped:
         keys_note += f"; not checked here: {', '.join(skipped)}"
-    print(f"config is valid: {config.path} ({len(checked)} components bind{keys_note})")
-    return 0
+    return f"{len(checked)} components bind{keys_note}"
 
 
 def cmd_plot(args: argparse.Namespace, rest: List[str]) -> int:
@@ -206,9 +263,30 @@ unknown components and arguments they do not take are reported in one line befor
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse's mistakes in one line, as ours: ``tune: error: ...`` (exit 2), where to look
+    next instead of the usage block."""
+
+    def error(self, message: str):
+        print(f"tune: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+class _Once(argparse.Action):
+    """An option that may be given once: a second ``--config`` is a mistake, not an override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and "
+                         f"{values}); give it once")
+        setattr(namespace, self.dest, values)
+
+
+def build_parser(launcher: bool = True) -> argparse.ArgumentParser:
+    """``launcher=False`` leaves torchrun's options off ``tune run`` (importing torchrun costs
+    seconds): for commands other than ``run``."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tune",
         description="tune-recipes: fine-tuning recipes (ours first, torchtune 0.6.1 as fallback)",
         epilog="`tune <command> --help` explains each command. Docs: docs/cli.md.",
@@ -218,19 +296,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{run,ls,cp,validate,plot,download}")
     run = sub.add_parser(
         "run", help="run a recipe with a config and key=value overrides", formatter_class=fmt,
-        usage="tune run [--nproc_per_node N] RECIPE --config CONFIG [key=value ...] [~key ...]",
-        description="Run RECIPE with CONFIG, changed by overrides.",
+        usage="tune run [LAUNCHER OPTIONS] RECIPE --config CONFIG [key=value ...] [~key ...]",
+        description="Run RECIPE with CONFIG, changed by overrides. Any launcher option (torchrun's\n"
+                    "own, e.g. --nproc_per_node, --nnodes) runs it under torchrun; see\n"
+                    "docs/multinode.md for several machines.",
         epilog=_OVERRIDES_HELP + """
 examples:
   tune run lora_finetune_single_device --config tiny/lora_single_device
   tune run full_finetune_single_device --config tiny/full_single_device \\
       batch_size=4 optimizer.lr=1e-4 ~lr_scheduler
   tune run --nproc_per_node 2 full_finetune_distributed --config tiny/full_distributed
+  tune run --nnodes 2 --node_rank 0 --nproc_per_node 8 --rdzv_backend c10d \\
+      --rdzv_endpoint node0:29500 --rdzv_id job1 full_finetune_distributed --config ...
 """)
-    run.add_argument("--nproc_per_node", type=int, default=None,
-                     help="processes per node (distributed recipes; torchrun underneath)")
     run.add_argument("recipe", help="recipe name (see `tune ls`) or path to a .py file")
-    run.add_argument("--config", help="config name (see `tune ls`) or path to a .yaml file")
+    run.add_argument("--config", action=_Once, default=None,
+                     help="config name (see `tune ls`) or path to a .yaml file")
+    if launcher:
+        add_launcher_arguments(run)
     run.set_defaults(fn=cmd_run)
     ls = sub.add_parser("ls", help="list our recipes and their configs")
     ls.add_argument("--all", action="store_true", help="also list torchtune's stock recipes")
@@ -254,7 +337,7 @@ examples:
     val = sub.add_parser(
         "validate", help="check a config: components resolve and kwargs bind",
         formatter_class=fmt,
-        usage="tune validate CONFIG [key=value ...] [~key ...] [--recipe RECIPE]",
+        usage="tune validate CONFIG [key=value ...] [~key ...] [--recipe RECIPE] [--portable]",
         description="Check CONFIG with its overrides applied, without building anything:\n"
                     "every _component_ imports, every key binds to its signature, every\n"
                     "top-level key is one the recipe reads, and every value has the right type\n"
@@ -296,8 +379,30 @@ example:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The ``tune`` command. Ctrl-C or SIGTERM anywhere before the recipe runs (imports,
+    config, checks, model build, torchrun's start) ends in one line, as it does during
+    training (``launch.run_script``), and the lock a run took is released (exit handlers)."""
+    from tune_recipes.training.reporting.run_status import Terminated, raise_terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (an embedding app): its own handling stays
+        previous = None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"\ntune: {how} before the recipe started training; nothing was written",
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Optional[List[str]]) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(launcher=argv[:1] == ["run"])
     if argv and argv[0] == "download":
         args, rest = parser.parse_args(argv[:1]), argv[1:]
     else:

@@ -5,7 +5,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +23,10 @@ ADAPTER_FILE = "adapter_model.pt"  # torchtune's name for the adapter it loads o
 # Keys of a mid-epoch checkpoint's recipe state (tune_recipes.training.checkpointing.state).
 GLOBAL_STEP_KEY = "global_step"
 RANK_STATES_KEY = "rank_states"
+# resume_from_checkpoint: auto resumes from the newest checkpoint if there is one, else starts
+# afresh: what a torchrun restart (--max_restarts) needs, whether or not a rank died before
+# the first checkpoint.
+AUTO = "auto"
 
 
 class CheckpointError(ConfigError):
@@ -169,30 +173,103 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     return cfg
 
 
-def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir: str, resume: bool,
-                                      full_weights: bool) -> DictConfig:
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from. ``finished``: the final ``epoch_<e>/`` of a run
+    that completed its epochs, which holds the weights but no recipe or optimizer state (the
+    writer saves those only while epochs remain); ``epochs_done``: e + 1 then."""
+
+    checkpoint: Path
+    finished: bool = False
+    epochs_done: int = 0
+
+
+def resume_point(output_dir: str, resume: Union[bool, str]) -> Optional[ResumePoint]:
+    """Where a run with ``resume_from_checkpoint=resume`` continues from; None: it starts
+    afresh (False, or ``auto`` with no checkpoint in ``output_dir``). True with no checkpoint
+    is a ConfigError."""
+    if resume is not True and resume != AUTO:
+        return None
+    out = Path(output_dir)
+    newest = newest_checkpoint_dir(out)
+    if newest is None:
+        if resume == AUTO:
+            return None
+        raise ConfigError(
+            f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ or step_<n>/ "
+            f"checkpoint with a {RECIPE_STATE_FILE} beside it; run without "
+            "resume_from_checkpoint first (or with resume_from_checkpoint=auto)"
+        )
+    if STEP_DIR.match(newest.name) or (newest / EPOCH_STATE_FILE).is_file():
+        return ResumePoint(newest)
+    epoch = int(_EPOCH_DIR.match(newest.name).group(1))
+    shared = out / RECIPE_STATE_FILE
+    if shared.is_file() and load_recipe_state(shared).get(training.EPOCHS_KEY) == epoch + 1:
+        return ResumePoint(newest)  # an older layout: one shared state file for the newest epoch
+    return ResumePoint(newest, finished=True, epochs_done=epoch + 1)
+
+
+def checkpointer_config_for_finished_run(cfg_checkpointer: DictConfig, point: ResumePoint,
+                                         full_weights: Optional[bool]) -> DictConfig:
+    """The checkpointer for continuing a finished run from its final ``epoch_<e>/``: the
+    model files of that folder by absolute path (``full_weights``), or the config's base
+    weights (the adapter is loaded from the folder by ``load_checkpoint``); no recipe state.
+    ``full_weights=None`` (``tune validate``, which does not know the recipe): the folder
+    must hold model weights or an adapter."""
+    ckpt_dir = point.checkpoint
+    files = _model_files(ckpt_dir)
+    has_weights = bool(files) and all((ckpt_dir / f).is_file() for f in files)
+    has_adapter = (ckpt_dir / ADAPTER_FILE).is_file()
+    ok = {True: has_weights, False: has_adapter, None: has_weights or has_adapter}[full_weights]
+    if not ok:
+        what = {True: "model weights", False: f"adapter ({ADAPTER_FILE})",
+                None: f"model weights or adapter ({ADAPTER_FILE})"}[full_weights]
+        raise CheckpointError(
+            f"{ckpt_dir} is the final checkpoint of a finished run and holds no {what} to "
+            "continue from; restore it, or start afresh in another output_dir")
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    if full_weights:
+        cfg.checkpoint_files = [str((ckpt_dir / f).resolve()) for f in files]
+    cfg.pop("recipe_checkpoint", None)
+    cfg.pop("adapter_checkpoint", None)
+    return cfg
+
+
+def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir: str,
+                                      resume: Union[bool, str],
+                                      full_weights: Optional[bool]) -> DictConfig:
     """What ``output_dir`` allows, checked before anything is loaded: a resume gets the
-    checkpointer pointed at its newest checkpoint (``checkpointer_config_for_resume``); a
-    fresh run is refused beside an earlier run's ``step_<n>/`` (``refuse_stale_step_checkpoints``).
-    Raises ConfigError. The recipes and ``tune validate`` both call it, so they agree."""
-    if resume:
-        return checkpointer_config_for_resume(cfg_checkpointer, output_dir, full_weights)
-    refuse_stale_step_checkpoints(Path(output_dir))
-    return cfg_checkpointer
+    checkpointer pointed at its newest checkpoint (``checkpointer_config_for_resume``; a
+    finished run's final epoch: ``checkpointer_config_for_finished_run``); a fresh run
+    (``auto`` with nothing to resume included) is refused beside an earlier run's
+    ``step_<n>/`` (``refuse_stale_step_checkpoints``). Raises ConfigError. The recipes and
+    ``tune validate`` both call it, so they agree."""
+    point = resume_point(output_dir, resume)
+    if point is None:
+        refuse_stale_step_checkpoints(Path(output_dir))
+        return cfg_checkpointer
+    if point.finished:
+        return checkpointer_config_for_finished_run(cfg_checkpointer, point, full_weights)
+    return checkpointer_config_for_resume(cfg_checkpointer, output_dir, bool(full_weights))
 
 
 def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfig,
-                                    resume: bool) -> None:
+                                    resume: Union[bool, str], check_lock: bool = True) -> None:
     """``load_checkpoint``'s checks of ``output_dir``, for ``tune run`` and ``tune validate``
     to make before anything starts (raises its ConfigError): no live run holds it (first, so
-    that a second run is told of the live one, not told to resume or remove its step_<n>/); a
-    resume finds a checkpoint to resume; a fresh run finds no earlier run's step_<n>/."""
+    that a second run is told of the live one, not told to resume or remove its step_<n>/;
+    ``check_lock=False`` skips this); a resume finds a checkpoint to resume; a fresh run finds
+    no earlier run's step_<n>/."""
     from tune_recipes.training.checkpointing.lock import OutputDirLock
 
-    OutputDirLock(output_dir).refuse_if_in_use()
-    # full_weights=False: only the recipe knows whether it resumes model weights or an
-    # adapter alone; its load_checkpoint checks the weight files with the right answer.
-    checkpointer_config_for_output_dir(cfg_checkpointer, output_dir, resume, full_weights=False)
+    if check_lock:
+        OutputDirLock(output_dir).refuse_if_in_use()
+    # full_weights=False for an unfinished run, None for a finished one: only the recipe
+    # knows whether it resumes model weights or an adapter alone; its load_checkpoint checks
+    # the weight files with the right answer.
+    point = resume_point(output_dir, resume)
+    checkpointer_config_for_output_dir(cfg_checkpointer, output_dir, resume,
+                                       full_weights=None if point and point.finished else False)
 
 
 def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir: str):
@@ -221,7 +298,8 @@ def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir
 
 
 def _checked_epoch_dir(out: Path) -> Path:
-    """The newest ``epoch_<e>/``, checked to have the recipe state written after epoch e."""
+    """The newest ``epoch_<e>/``, checked to have the recipe state written after epoch e
+    (``resume_point`` sends a finished run's final epoch elsewhere first)."""
     epoch_dir = latest_epoch_dir(out)
     state_path = out / RECIPE_STATE_FILE
     if epoch_dir is not None and (epoch_dir / EPOCH_STATE_FILE).is_file():

@@ -3,6 +3,11 @@
 Two runs writing one ``output_dir`` interleave ``metrics.jsonl`` and overwrite each other's
 checkpoints. The second run stops with one line naming the first one's pid. A lock whose
 process is gone (killed, crashed) on this host is stale and taken over.
+
+Under torchrun the lock also records the job (``TORCHELASTIC_RUN_ID``) and its restart count:
+after a rank dies, torchrun restarts every process (``--max_restarts``), and rank 0 of the new
+round takes over the lock of an earlier round of the same job, even where that one ran on
+another node (whose pid cannot be checked from here) or its pid is not yet gone.
 """
 
 import atexit
@@ -27,13 +32,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _elastic_round() -> dict:
+    """This torchrun job's id and restart count (``{}`` outside torchrun)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        restart = 0
+    return {"job": job, "round": restart} if job else {}
+
+
 class OutputDirLock:
     def __init__(self, output_dir) -> None:
         self.path = Path(output_dir) / LOCK_FILE
         self.held = False
 
     def acquire(self) -> "OutputDirLock":
-        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), **_elastic_round()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -74,8 +89,22 @@ class OutputDirLock:
         except (OSError, ValueError):
             return None  # unreadable or half-written by a killed process: stale
 
+    def remove_if_stale(self) -> None:
+        """Delete a lock whose process on this host is gone (a rank killed by a signal runs no
+        exit handler); a live run's, or another host's, stays."""
+        owner = self._owner() if self.path.exists() else None
+        if owner is not None and owner.get("host") == socket.gethostname() \
+                and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+            self.path.unlink(missing_ok=True)
+
     @staticmethod
     def _stale(owner: dict) -> bool:
+        job = _elastic_round()
+        if job and owner.get("job") == job["job"] and isinstance(owner.get("round"), int) \
+                and owner["round"] < job["round"]:
+            # An earlier round of this torchrun job: torchrun stopped every process of it
+            # before starting this round.
+            return True
         if owner.get("host") != socket.gethostname():
             return False  # another machine's process: cannot tell, assume alive
         pid = owner.get("pid")

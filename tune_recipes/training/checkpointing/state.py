@@ -24,7 +24,7 @@ class SavedState:
     """The recipe state a checkpoint holds (torchtune's key names, so stock tooling reads it)."""
 
     optimizer: Optional[Dict[str, Any]]
-    seed: int
+    seed: Optional[int]  # None: not recorded (a finished run continued), the config's stays
     epochs_run: int
     total_epochs: int
     max_steps_per_epoch: Optional[int]
@@ -109,7 +109,7 @@ class RecipeState:
         """Continue from ``saved``: its counters and RNG (this ``rank``'s own, for a mid-epoch
         checkpoint); its seed and steps-per-epoch win over the config (changing them mid-run
         would change the data order)."""
-        if self.seed != saved.seed:
+        if saved.seed is not None and self.seed != saved.seed:
             warnings.warn(f"config seed {self.seed} differs from the checkpoint's {saved.seed}; "
                           "using the checkpoint's")
             self.seed = saved.seed

@@ -1,4 +1,5 @@
-"""Where the running process stands, for the one line a Ctrl-C prints (``_cli/launch.py``).
+"""Where the running process stands, for the one line a Ctrl-C or SIGTERM prints
+(``_cli/launch.py``).
 
 The step driver records each finished step, the checkpoint writer each published checkpoint;
 reading it costs nothing, so no signal handler has to touch the training state.
@@ -11,6 +12,16 @@ from typing import List, Optional
 _status = {"step": 0, "checkpoint": None}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's stop), raised in the main thread by
+    ``raise_terminated``: handled as Ctrl-C is, so the exit handlers run (the output_dir lock
+    is released) and one line says where the run stood."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def step_finished(global_step: int) -> None:
     _status["step"] = global_step
 
@@ -20,12 +31,20 @@ def checkpoint_saved(path) -> None:
 
 
 def interrupted_message(script: Path, args: List[str], step: Optional[int] = None,
-                        checkpoint: Optional[str] = None) -> str:
-    """``interrupted at step N; last checkpoint ...; resume with ...`` in one line."""
+                        checkpoint: Optional[str] = None, how: str = "interrupted") -> str:
+    """``interrupted at step N; last checkpoint ...; resume with ...`` in one line (``how``:
+    what stopped it, e.g. ``terminated (SIGTERM)``)."""
     step = _status["step"] if step is None else step
     checkpoint = _status["checkpoint"] if checkpoint is None else checkpoint
     if checkpoint is None:
-        return f"interrupted at step {step}; no checkpoint saved by this run"
-    rerun = [a for a in args if not a.startswith("resume_from_checkpoint=")]
-    command = shlex.join(["tune", "run", Path(script).stem, *rerun, "resume_from_checkpoint=True"])
-    return f"interrupted at step {step}; last checkpoint {checkpoint}; resume with: {command}"
+        return f"{how} at step {step}; no checkpoint saved by this run"
+    return f"{how} at step {step}; last checkpoint {checkpoint}; {resume_hint(script, args)}"
+
+
+def resume_hint(script: Path, args: List[str]) -> str:
+    """``resume with: tune run RECIPE ARGS resume_from_checkpoint=True`` (``auto``: resumes if
+    a checkpoint was saved, else starts afresh)."""
+    keep = [a for a in args if not a.startswith("resume_from_checkpoint=")]
+    value = "True" if _status["checkpoint"] is not None else "auto"
+    command = shlex.join(["tune", "run", Path(script).stem, *keep, f"resume_from_checkpoint={value}"])
+    return f"resume with: {command}"

@@ -13,8 +13,13 @@ from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError
 from tune_recipes.training.checkpointing.io import (
+    ADAPTER_FILE,
+    RECIPE_STATE_FILE,
+    ResumePoint,
     checkpointer_config_for_output_dir,
     instantiate_checkpointer_for_resume,
+    load_recipe_state,
+    resume_point,
 )
 from tune_recipes.training.checkpointing.lock import OutputDirLock
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
@@ -48,8 +53,16 @@ def training_dtype(cfg: DictConfig, device) -> torch.dtype:
 
 def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any], Optional[SavedState]]:
     """Instantiate the checkpointer (pointed at the newest checkpoint, ``epoch_<e>/`` or a
-    mid-epoch ``step_<n>/``, when ``resume_from_checkpoint``), load, and return ``(checkpointer, checkpoint dict, saved
-    recipe state or None)``.
+    mid-epoch ``step_<n>/``, when the run resumes), load, and return ``(checkpointer,
+    checkpoint dict, saved recipe state or None)``. The saved state is not None exactly when
+    the run continues an earlier one: the recipe hands it on to ``setup_step_driver``, whose
+    metric logger then continues ``metrics.jsonl`` instead of starting it afresh.
+
+    ``resume_from_checkpoint``: True resumes (a ConfigError when there is nothing to resume);
+    ``auto`` resumes when ``output_dir`` holds a checkpoint and starts afresh when it holds none
+    (a torchrun restart after a rank died, before or after the first checkpoint); False starts
+    afresh. A finished run (its final ``epoch_<e>/``) continues with more ``epochs``
+    (``_continue_finished_run``).
 
     ``adapter=True`` (LoRA-type recipes): base weights come from ``checkpoint_dir`` and the
     adapter from the newest epoch; a resume without an adapter is an error.
@@ -57,26 +70,68 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     if int(os.environ.get("RANK", "0")) == 0:
         # First, before anything is written: one run per output_dir (released at exit).
         OutputDirLock(cfg.output_dir).acquire()
-    resume = cfg.get("resume_from_checkpoint", False)
+    setting = cfg.get("resume_from_checkpoint", False)
+    point = resume_point(cfg.output_dir, setting)
     cfg_checkpointer = checkpointer_config_for_output_dir(
-        cfg.checkpointer, cfg.output_dir, bool(resume), full_weights=not adapter
+        cfg.checkpointer, cfg.output_dir, setting, full_weights=not adapter
     )
-    if resume:
-        if int(os.environ.get("RANK", "0")) == 0:
-            state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
-            print(f"resuming from {state_file.parent}", file=sys.stderr)
-        checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
-    else:
+    if point is None:
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
+        return checkpointer, checkpointer.load_checkpoint(), None
+    if point.finished:
+        return _continue_finished_run(cfg, cfg_checkpointer, point, adapter)
+    if int(os.environ.get("RANK", "0")) == 0:
+        state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
+        print(f"resuming from {state_file.parent}", file=sys.stderr)
+    checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
     ckpt = checkpointer.load_checkpoint()
-    if not resume:
-        return checkpointer, ckpt, None
     if adapter and training.ADAPTER_KEY not in ckpt:
         raise ConfigError(
-            f"resume_from_checkpoint=True but no adapter checkpoint was found under "
+            f"resume_from_checkpoint={setting} but no adapter checkpoint was found under "
             f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
         )
     return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
+
+
+def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point: ResumePoint,
+                           adapter: bool) -> Tuple[Any, Dict[str, Any], SavedState]:
+    """A finished run resumed: with ``epochs`` above the epochs it ran, training continues
+    from its final weights (or adapter) at epoch ``epochs_done``; with no more epochs there is
+    nothing to train and the recipe ends at once (a torchrun restart after the final save).
+
+    NOTE: the final checkpoint holds no optimizer state (the writer keeps it only while
+    epochs remain: it is twice the model for AdamW), so the optimizer starts from fresh state
+    here, and the LR schedule is laid over all ``epochs`` and entered at epoch
+    ``epochs_done``: not the numbers of one run that trained ``epochs`` from the start. The
+    line printed says so. The seed and steps per epoch are the run's own where its recipe
+    state survives (an earlier epoch's), else the config's."""
+    out = Path(cfg.output_dir)
+    done, total = point.epochs_done, cfg.epochs
+    earlier = out / RECIPE_STATE_FILE
+    recorded = load_recipe_state(earlier) if earlier.is_file() else {}
+    saved = SavedState(
+        optimizer=None, seed=recorded.get(training.SEED_KEY, cfg.get("seed", None)),
+        epochs_run=done, total_epochs=total,
+        max_steps_per_epoch=recorded.get(training.MAX_STEPS_KEY,
+                                         cfg.get("max_steps_per_epoch", None)),
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        if total > done:
+            print(f"continuing the finished run in {out} from {point.checkpoint.name}/ "
+                  f"({done} epoch(s) done) to epochs={total}: that checkpoint holds the weights "
+                  "but no optimizer state, so the optimizer starts from fresh state and the "
+                  f"learning-rate schedule, laid over all {total} epochs, resumes at epoch "
+                  f"{done}", file=sys.stderr)
+        else:
+            print(f"{out} holds a finished run ({done} epoch(s), final checkpoint "
+                  f"{point.checkpoint.name}/): nothing to train with epochs={total}; set "
+                  f"epochs above {done} to train further", file=sys.stderr)
+    checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
+    ckpt = checkpointer.load_checkpoint()
+    if adapter:
+        ckpt[training.ADAPTER_KEY] = torch.load(point.checkpoint / ADAPTER_FILE,
+                                                map_location="cpu", weights_only=True)
+    return checkpointer, ckpt, saved
 
 
 SYNC_LOGGING_ENV = "TUNE_RECIPES_SYNC_LOGGING"
