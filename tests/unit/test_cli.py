@@ -273,3 +273,188 @@ def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_pat
     proc = subprocess.run([sys.executable, "-m", "tune_recipes._cli.launch", str(script), "0"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and (tmp_path / "joined").exists()
+
+
+# --------------------------------------------------------------------------- launcher
+def _no_torchrun(monkeypatch):
+    import torch.distributed.run as torchrun
+
+    started = []
+    monkeypatch.setattr(torchrun, "main", lambda argv: started.append(list(argv)))
+    return started
+
+
+_FULL = ["full_finetune_distributed", "--config", "tiny/full_distributed"]
+
+
+@pytest.mark.parametrize("launcher, fragment", [
+    (["--nnodes", "x"], "--nnodes x: expected a number of nodes N or a range MIN:MAX"),
+    (["--nnodes", "3:2"], "--nnodes 3:2: expected N >= 1, or MIN:MAX"),
+    (["--nnodes", "2", "--nproc_per_node", "1"], "--nnodes 2: the nodes need a place to meet"),
+    (["--nnodes", "2", "--standalone"], "--standalone with --nnodes 2"),
+    (["--nnodes", "2", "--node_rank", "2", "--master_addr", "h", "--master_port", "29500"],
+     "--node_rank 2: expected 0 to 1 for --nnodes 2"),
+    (["--nnodes", "1:2", "--master_addr", "h"], "--nnodes 1:2: a range needs --rdzv_backend c10d"),
+    (["--nproc_per_node", "gpu"], "--nproc_per_node gpu: this machine has no CUDA device"),
+    (["--nproc-per-node", "lots"], "--nproc_per_node lots: expected a number of processes, or gpu"),
+    (["--nproc_per_node", "0"], "--nproc_per_node 0: expected an integer >= 1"),
+    (["--rdzv_backend", "zookeeper"], "--rdzv_backend zookeeper: expected one of c10d, "),
+    (["--rdzv-endpoint", "h:p:q", "--nnodes", "2"], "--rdzv_endpoint h:p:q: expected HOST:PORT"),
+    (["--max_restarts", "-1"], "--max_restarts -1: expected an integer >= 0"),
+    (["--master_port", "70000"], "--master_port 70000: expected a port"),
+    (["--node_rank", "x"], "argument --node-rank/--node_rank: invalid int value: 'x'"),
+    (["--start_method", "thread"], "argument --start-method/--start_method: invalid choice"),
+])
+def test_every_launcher_mistake_is_one_line_before_anything_starts(launcher, fragment, capsys,
+                                                                   monkeypatch):
+    if "gpu" in launcher:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    started = _no_torchrun(monkeypatch)
+    try:
+        rc = main(["run", *launcher, *_FULL])
+    except SystemExit as e:  # argparse's own checks (types, choices)
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and not started, err
+    assert len(lines) == 1 and lines[0].startswith("tune: error: ") and fragment in lines[0], err
+
+
+@pytest.mark.parametrize("launcher, expected", [
+    # One node, nowhere to meet: torchrun's local rendezvous on a free port, as before.
+    (["--nproc_per_node", "2"], ["--nproc_per_node", "2", "--standalone"]),
+    # torchrun's dash spellings mean the same; the arguments go to torchrun as given.
+    (["--nproc-per-node", "2", "--max-restarts", "3"],
+     ["--nproc_per_node", "2", "--max_restarts", "3", "--standalone"]),
+    (["--nnodes", "2", "--node-rank", "1", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+      "--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7"],
+     ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+      "--rdzv_endpoint", "node0:29400", "--rdzv_id", "job7", "--node_rank", "1"]),
+    (["--nnodes", "2", "--node_rank", "0", "--master_addr", "node0", "--master_port", "29500",
+      "--nproc_per_node", "cpu"],
+     ["--nnodes", "2", "--nproc_per_node", "cpu", "--node_rank", "0", "--master_addr", "node0",
+      "--master_port", "29500"]),
+])
+def test_launcher_arguments_reach_torchrun(launcher, expected, monkeypatch, tmp_path):
+    started = _no_torchrun(monkeypatch)
+    assert main(["run", *launcher, *_FULL, f"output_dir={tmp_path}"]) == 0
+    assert len(started) == 1
+    argv = started[0]
+    assert argv[:argv.index("-m")] == expected
+    assert argv[argv.index("-m"):][:3] == ["-m", "tune_recipes._cli.launch",
+                                           str(registry.resolve_recipe(_FULL[0]).path)]
+
+
+def test_without_launcher_arguments_the_recipe_runs_in_this_process(monkeypatch, tmp_path):
+    from tune_recipes._cli import main as cli
+
+    started, ran = _no_torchrun(monkeypatch), []
+    monkeypatch.setattr(cli, "run_script", lambda path, args: ran.append(path))
+    assert main(["run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+                 f"output_dir={tmp_path}"]) == 0
+    assert ran and not started
+
+
+def test_a_second_config_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+              "--config", "tiny/lora_single_device"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert "--config given twice (tiny/full_single_device and tiny/lora_single_device)" in err[0]
+
+
+def test_help_names_the_launcher_and_portable(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--nnodes", "--node_rank", "--rdzv_endpoint", "--max_restarts", "--standalone"):
+        assert flag in out
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    assert "[--portable]" in capsys.readouterr().out.split("\n\n")[0]
+
+
+def test_validate_accepts_resume_auto_and_checks_it_as_the_recipe_does(tmp_path, capsys):
+    assert main(["validate", "tiny/full_single_device", f"output_dir={tmp_path}",
+                 "resume_from_checkpoint=auto"]) == 0
+    rc, _, err = _run(capsys, "validate", "tiny/full_single_device", f"output_dir={tmp_path}",
+                      "resume_from_checkpoint=maybe")
+    assert rc == 2 and "resume_from_checkpoint=maybe: expected True, False or auto" in err
+    # auto with an earlier run's mid-epoch checkpoint resumes it: checked like True.
+    (tmp_path / "step_3").mkdir()
+    rc, _, err = _run(capsys, "validate", "tiny/full_single_device", f"output_dir={tmp_path}",
+                      "resume_from_checkpoint=auto")
+    assert rc == 2 and "step_3/recipe_state.pt" in err
+
+
+def test_validate_points_a_config_for_another_machine_at_portable(tmp_path, capsys):
+    rc, _, err = _run(capsys, "validate", "tiny/full_single_device",
+                      f"checkpointer.checkpoint_dir={tmp_path / 'elsewhere'}")
+    assert rc == 2 and err.count("\n") == 1
+    assert "checkpointer.checkpoint_dir=" in err and "add --portable" in err
+    # A mistake --portable would not excuse gets no such hint.
+    rc, _, err = _run(capsys, "validate", "tiny/full_single_device", "batch_size=0")
+    assert rc == 2 and "--portable" not in err
+
+
+# --------------------------------------------------------------------------- cp and plot
+@pytest.mark.parametrize("name, dest, fragment", [
+    ("tiny/lora_single_device", "mine.py", "is a config, so its copy needs a .yaml name "
+                                           "(e.g. mine.yaml)"),
+    ("lora_finetune_single_device", "mine.yaml", "is a recipe, so its copy needs a .py name"),
+])
+def test_cp_refuses_a_name_tune_run_would_not_read_as_that_kind(name, dest, fragment, tmp_path,
+                                                                  capsys):
+    rc, _, err = _run(capsys, "cp", name, str(tmp_path / dest))
+    assert rc == 2 and fragment in err and err.count("\n") == 1
+    assert not (tmp_path / dest).exists()
+    # .yml is a config name too
+    assert _run(capsys, "cp", "tiny/lora_single_device", str(tmp_path / "mine.yml"))[0] == 0
+
+
+def test_cp_to_a_place_it_cannot_write_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, _, err = _run(capsys, "cp", "tiny/lora_single_device", str(blocker / "sub" / "x.yaml"))
+    assert rc == 2 and err.startswith(f"tune: error: cannot write {blocker / 'sub' / 'x.yaml'}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _metrics(run, rows):
+    import json
+
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_plot_says_the_file_it_wrote(tmp_path, capsys, monkeypatch):
+    run = _metrics(tmp_path / "run", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}])
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = _run(capsys, "plot", str(run), "--out", "o26")
+    assert rc == 0 and out.strip() == "wrote o26.png" and (tmp_path / "o26.png").is_file()
+    assert not (tmp_path / "o26").exists()
+    rc, out, _ = _run(capsys, "plot", str(run), "--out", "o27.pdf")
+    assert rc == 0 and (tmp_path / "o27.pdf").is_file()
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("txt", "x.txt: cannot draw a .txt file; name a .png"),
+    ("unwritable", "cannot write"),
+    ("no rows", "holds no readable row"),
+])
+def test_plot_mistakes_are_one_line(case, fragment, tmp_path, capsys):
+    run = _metrics(tmp_path / "run", [{"step": 1, "loss": 2.0}])
+    out = str(tmp_path / "x.txt")
+    if case == "unwritable":
+        (tmp_path / "f").write_text("")
+        out = str(tmp_path / "f" / "x.png")
+    if case == "no rows":
+        (run / "metrics.jsonl").write_text('{"loss": 1}\nnot json\n{"step": "x"}\n')
+        out = str(tmp_path / "x.png")
+    rc, _, err = _run(capsys, "plot", str(run), "--out", out)
+    assert rc == 2 and fragment in err and err.count("\n") == 1 and "Traceback" not in err

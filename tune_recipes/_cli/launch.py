@@ -26,11 +26,12 @@ def run_script(path: Path, args: List[str]) -> None:
         # Ctrl-C (or SIGTERM, raised as Terminated by `tune`'s handler): one line (where the
         # run stood and how to resume), not a traceback; sys.exit runs the exit handlers,
         # which release the output_dir lock.
-        from tune_recipes.training.reporting.run_status import Terminated, interrupted_message
+        from tune_recipes._cli.signals import exit_code, how_stopped
+        from tune_recipes.training.reporting.run_status import interrupted_message
 
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"\n{interrupted_message(Path(path), list(args), how=how)}", file=sys.stderr)
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+        print(f"\n{interrupted_message(Path(path), list(args), how=how_stopped(e))}",
+              file=sys.stderr)
+        sys.exit(exit_code(e))
 
 
 def exit_without_finalization(code: int = 0) -> None:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from tune_recipes._cli import registry
 from tune_recipes._cli.launch import run_script
+from tune_recipes._cli.signals import exit_code, handle_sigterm, how_stopped, restore_sigterm
 from tune_recipes._cli.torchrun import Launch, add_launcher_arguments, plan_launch
 from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
 from tune_recipes.validation import WARNED_ENV, check_config
@@ -108,20 +109,27 @@ def _how_to_continue(recipe_argv: List[str]) -> str:
 
 
 def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool = True,
-                  nproc_per_node: Optional[int] = None, nodes: int = 1) -> bool:
+                  nproc_per_node: Optional[int] = None, nodes: int = 1,
+                  output_dir_check: bool = True) -> bool:
     """Keys and values against the schema (tune_recipes/validation.py) with the recipe's
-    CONFIG_KEYS; False when the recipe declares none (a torchtune stock recipe or a user's
-    script), whose keys and values are its own business. ``nodes``: how many nodes the
-    launch may span (``--nnodes``' maximum)."""
+    CONFIG_KEYS, then (``output_dir_check``) what output_dir allows; False when the recipe
+    declares none (a torchtune stock recipe or a user's script), whose keys and values are its
+    own business. ``nodes``: how many nodes the launch may span (``--nnodes``' maximum)."""
     known = registry.recipe_config_keys(recipe.path)
     if known is None:
         if nproc_per_node is not None and nproc_per_node < 1:
             raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
         return False
     check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node)
+    if env and output_dir_check:
+        _check_output_dir(cfg, known, nodes)
+    return True
+
+
+def _check_output_dir(cfg, known, nodes: int = 1) -> None:
     # Recipes that resume (quantize reads a checkpoint and writes one: no resume, no check).
     output_dir, checkpointer = cfg.get("output_dir"), cfg.get("checkpointer")
-    if env and {"output_dir", "checkpointer", "resume_from_checkpoint"} <= set(known) \
+    if {"output_dir", "checkpointer", "resume_from_checkpoint"} <= set(known) \
             and isinstance(output_dir, str) and isinstance(checkpointer, DictConfig):
         from tune_recipes.training.checkpointing.io import check_output_dir_allows_the_run
 
@@ -131,7 +139,6 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
         check_output_dir_allows_the_run(output_dir, checkpointer,
                                         cfg.get("resume_from_checkpoint", False),
                                         check_lock=nodes == 1)
-    return True
 
 
 def cmd_ls(args: argparse.Namespace, rest: List[str]) -> int:
@@ -187,7 +194,7 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     recipe_name = args.recipe or registry.recipe_for_config(args.config)
     recipe = _recipe_or_fail(recipe_name) if recipe_name else None
     try:
-        note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
+        cfg, note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
     except ConfigError as e:
         if args.portable:
             raise
@@ -199,23 +206,28 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
             raise e from None
         raise ConfigError(f"{e} (a config written for another machine: add --portable to skip "
                           "this machine's paths and devices)") from None
+    # Not a matter of another machine: what this output_dir holds (a live run, a checkpoint).
+    known = registry.recipe_config_keys(recipe.path) if recipe is not None else None
+    if not args.portable and known is not None:
+        _check_output_dir(cfg, known)
     print(f"config is valid: {config.path} ({note})")
     return 0
 
 
 def _validate(config: registry.Resolved, rest: List[str], recipe: Optional[registry.Resolved],
-              recipe_name: Optional[str], portable: bool) -> str:
+              recipe_name: Optional[str], portable: bool):
     cfg = load_config(config.path, rest)
     skipped: Optional[List[str]] = [] if portable else None
     checked = validate_config(cfg, skipped=skipped)
     keys_note = ""
-    if recipe is not None and _check_recipe(cfg, recipe, recipe_name, env=not portable):
+    if recipe is not None and _check_recipe(cfg, recipe, recipe_name, env=not portable,
+                                            output_dir_check=False):
         keys_note = f", every top-level key is read by {recipe_name}, values in range"
         if portable:
             keys_note += " (--portable: paths and devices not checked)"
     if skipped:
         keys_note += f"; not checked here: {', '.join(skipped)}"
-    return f"{len(checked)} components bind{keys_note}"
+    return cfg, f"{len(checked)} components bind{keys_note}"
 
 
 def cmd_plot(args: argparse.Namespace, rest: List[str]) -> int:
@@ -382,22 +394,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     """The ``tune`` command. Ctrl-C or SIGTERM anywhere before the recipe runs (imports,
     config, checks, model build, torchrun's start) ends in one line, as it does during
     training (``launch.run_script``), and the lock a run took is released (exit handlers)."""
-    from tune_recipes.training.reporting.run_status import Terminated, raise_terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, raise_terminated)
-    except ValueError:  # not the main thread (an embedding app): its own handling stays
-        previous = None
+    previous = handle_sigterm()
     try:
         return _main(argv)
     except KeyboardInterrupt as e:
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"\ntune: {how} before the recipe started training; nothing was written",
-              file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        print(f"\ntune: {how_stopped(e)} before the recipe started training; nothing was "
+              "written", file=sys.stderr)
+        return exit_code(e)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        restore_sigterm(previous)
 
 
 def _main(argv: Optional[List[str]]) -> int:

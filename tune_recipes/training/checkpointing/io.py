@@ -222,8 +222,9 @@ def checkpointer_config_for_finished_run(cfg_checkpointer: DictConfig, point: Re
     has_adapter = (ckpt_dir / ADAPTER_FILE).is_file()
     ok = {True: has_weights, False: has_adapter, None: has_weights or has_adapter}[full_weights]
     if not ok:
-        what = {True: "model weights", False: f"adapter ({ADAPTER_FILE})",
-                None: f"model weights or adapter ({ADAPTER_FILE})"}[full_weights]
+        # Neither: one message whoever asks (tune validate, not knowing the recipe, says the same).
+        what = f"model weights or adapter ({ADAPTER_FILE})" if not has_weights | has_adapter \
+            else {True: "model weights", False: f"adapter ({ADAPTER_FILE})"}[full_weights]
         raise CheckpointError(
             f"{ckpt_dir} is the final checkpoint of a finished run and holds no {what} to "
             "continue from; restore it, or start afresh in another output_dir")

@@ -12,16 +12,6 @@ from typing import List, Optional
 _status = {"step": 0, "checkpoint": None}
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a scheduler's stop), raised in the main thread by
-    ``raise_terminated``: handled as Ctrl-C is, so the exit handlers run (the output_dir lock
-    is released) and one line says where the run stood."""
-
-
-def raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
 def step_finished(global_step: int) -> None:
     _status["step"] = global_step
 

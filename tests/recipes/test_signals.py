@@ -1,0 +1,65 @@
+"""Ctrl-C and SIGTERM end `tune run` in one line wherever they land, and release the lock.
+
+Start-up (imports, config load, checks, model build) takes seconds: a signal at several points
+of it must end in one line without a traceback, as during training. SIGTERM (``kill``, a
+scheduler stopping a job) is handled as Ctrl-C: one line, exit 143, the output_dir lock gone.
+"""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from helpers import _env, tune_cmd
+
+pytestmark = pytest.mark.integration
+
+
+def _start(tmp_path, *overrides):
+    return subprocess.Popen(
+        [*tune_cmd(), "run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+         f"output_dir={tmp_path / 'out'}", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _signalled(proc, sig, rc):
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == rc, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if "interrupted" in line or "terminated" in line]
+    assert len(said) == 1, err[-3000:]
+    return said[0]
+
+
+@pytest.mark.parametrize("sig, rc, word", [(signal.SIGINT, 130, "interrupted"),
+                                           (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0])
+def test_a_signal_during_start_up_is_one_line(tmp_path, sig, rc, word, after_s):
+    proc = _start(tmp_path)
+    time.sleep(after_s)
+    if proc.poll() is not None:
+        pytest.skip("the run ended before the signal")
+    line = _signalled(proc, sig, rc)
+    assert word in line
+    assert not (tmp_path / "out" / ".lock").exists()
+
+
+def test_sigterm_during_training_says_where_the_run_stood_and_releases_the_lock(tmp_path):
+    proc = _start(tmp_path, "max_steps_per_epoch=1000", "save_every_n_steps=2")
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3 \
+                and (tmp_path / "out" / "step_2").is_dir():
+            break
+        time.sleep(0.05)
+    assert (tmp_path / "out" / ".lock").is_file()
+    json.loads((tmp_path / "out" / ".lock").read_text())
+    line = _signalled(proc, signal.SIGTERM, 143)
+    assert line.startswith("terminated (SIGTERM) at step ")
+    assert "resume with: tune run full_finetune_single_device" in line
+    assert "resume_from_checkpoint=True" in line
+    assert not (tmp_path / "out" / ".lock").exists()
