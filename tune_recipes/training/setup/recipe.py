@@ -39,7 +39,7 @@ from tune_recipes.training.step.driver import (
     data_shape,
 )
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
-from tune_recipes.training.step.optim import LRSchedule
+from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward
 from tune_recipes.training.step.validation import Validator
 
 
@@ -239,6 +239,12 @@ def setup_data_and_schedule(
         # Applies to the next iterator (the first epoch's), after sampler.set_epoch.
         dataloader.load_state_dict(loader_state)
         global_step = resume.global_step
+    if resume is not None and resume.optimizer is None:
+        # A finished run continued (no optimizer state saved): torch's schedulers entered at
+        # last_epoch >= 0 read each group's initial_lr, which a loaded optimizer state holds.
+        base = optimizer.first if isinstance(optimizer, OptimizerInBackward) else optimizer
+        for group in base.param_groups:
+            group.setdefault("initial_lr", group["lr"])
     lr_schedule = LRSchedule(
         cfg.get("lr_scheduler", None), optimizer, num_training_steps=state.total_epochs * steps,
         last_epoch=global_step - 1,

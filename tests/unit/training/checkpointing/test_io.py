@@ -236,3 +236,42 @@ def test_a_finished_runs_folder_says_so_for_resume_and_for_a_fresh_run(tmp_path)
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
     with pytest.raises(ConfigError, match=r"\(step_19\) older than its epoch_0/: remove the step_<n>/"):
         refuse_stale_step_checkpoints(tmp_path)
+
+
+def test_resume_point_auto_resumes_what_true_would_and_starts_afresh_on_nothing(tmp_path):
+    from tune_recipes.training.checkpointing.io import resume_point
+
+    assert resume_point(str(tmp_path), False) is None
+    assert resume_point(str(tmp_path), "auto") is None  # nothing yet: a fresh start
+    with pytest.raises(ConfigError, match="or with resume_from_checkpoint=auto"):
+        resume_point(str(tmp_path), True)
+    step = _step_dir(tmp_path, 4, epochs_run=0)
+    for setting in (True, "auto"):
+        point = resume_point(str(tmp_path), setting)
+        assert point.checkpoint == step and not point.finished
+
+
+def test_a_finished_runs_final_epoch_is_a_point_to_continue_from(tmp_path):
+    """The final epoch_<e>/ has no recipe state of its own: a finished run, continued with
+    more epochs (not an error telling the user to delete it). An intermediate epoch of the
+    older layout (one shared recipe_state/ written after it) still resumes as before."""
+    from tune_recipes.training.checkpointing.io import (
+        checkpointer_config_for_output_dir,
+        resume_point,
+    )
+
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
+    for n in (0, 1):
+        (tmp_path / f"epoch_{n}").mkdir()
+        (tmp_path / f"epoch_{n}" / "model-00001-of-00001.safetensors").write_bytes(b"")
+    _state(tmp_path, epochs_run=2)  # older layout: written after epoch_1
+    assert not resume_point(str(tmp_path), True).finished
+    _state(tmp_path, epochs_run=1)  # written after epoch_0: epoch_1 is the final one
+    point = resume_point(str(tmp_path), "auto")
+    assert point.finished and point.epochs_done == 2 and point.checkpoint.name == "epoch_1"
+    full = checkpointer_config_for_output_dir(cfg, str(tmp_path), True, full_weights=True)
+    assert list(full.checkpoint_files) == [
+        str((tmp_path / "epoch_1" / "model-00001-of-00001.safetensors").resolve())]
+    with pytest.raises(ConfigError, match=r"epoch_1 is the final checkpoint of a finished run "
+                                          r"and holds no adapter \(adapter_model.pt\)"):
+        checkpointer_config_for_output_dir(cfg, str(tmp_path), True, full_weights=False)

@@ -1,0 +1,49 @@
+"""Resuming a finished run: with more epochs it continues from its final weights; with no
+more, it trains nothing (what a torchrun restart after the final save needs with
+resume_from_checkpoint=auto).
+
+The final epoch_<e>/ holds no optimizer state (only an unfinished run's checkpoints do), so
+the continued run's optimizer starts from fresh state: without an LR schedule, the first
+continued step's loss (computed before its update) equals that step of a run that trained
+all epochs at once (same weights, same data order, which depends on seed and epoch only);
+the next one differs, because AdamW's moments restarted.
+"""
+
+import pytest
+
+from helpers import assert_same_weights, losses, run_recipe, weights
+from tune_recipes.training.metrics import read_metrics
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("recipe, config, name", [
+    ("full_finetune_single_device", "tiny/full_single_device", "model-00001-of-00001.safetensors"),
+    ("lora_finetune_single_device", "tiny/lora_single_device", "adapter_model.safetensors"),
+])
+def test_a_finished_run_continues_with_more_epochs(tmp_path, recipe, config, name):
+    args = ["max_steps_per_epoch=2", "~lr_scheduler"]
+    run_recipe(recipe, config, tmp_path / "straight", [*args, "epochs=2"])
+    out = tmp_path / "extended"
+    run_recipe(recipe, config, out, [*args, "epochs=1"])
+    before = weights(out, 0, name=name)
+    proc = run_recipe(recipe, config, out, [*args, "epochs=2", "resume_from_checkpoint=True"])
+    assert "continuing the finished run" in proc.stderr and "no optimizer state" in proc.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert_same_weights(weights(out, 0, name=name), before, rtol=0, atol=0)  # untouched
+    straight, extended = losses(tmp_path / "straight"), losses(out)
+    assert extended[:3] == straight[:3]
+    assert extended[3] != straight[3]  # the optimizer state restarted at step 3
+    assert (out / "epoch_1" / name).is_file()
+
+
+def test_auto_on_a_finished_run_with_no_more_epochs_trains_nothing(tmp_path):
+    args = ["max_steps_per_epoch=2", "epochs=1"]
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, args)
+    before = weights(tmp_path)
+    proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
+                      [*args, "resume_from_checkpoint=auto"])
+    assert "holds a finished run (1 epoch(s), final checkpoint epoch_0/): nothing to train" \
+        in proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert_same_weights(weights(tmp_path), before, rtol=0, atol=0)
