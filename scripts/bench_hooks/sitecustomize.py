@@ -8,10 +8,6 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 - BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator capped at G GiB
   (``torch.cuda.set_per_process_memory_fraction``), as on a GPU of about G + 0.5 GiB (the CUDA
   context is outside the cap): does the run fit there?
-- BENCH_FLEX_IN_GRAPH=1: on packed data (a BlockMask), attention calls ``flex_attention``
-  itself, so torch.compile traces it into the model's graph. torchtune calls a separately
-  compiled flex attention behind ``torch.compiler.disable``, which cuts every layer's graph in
-  two. Only with ``compile: True``: eagerly, flex_attention runs its unfused reference.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -40,33 +36,6 @@ if os.environ.get("BENCH_MEMORY_CAP_GIB") and _IS_TRAINING:
     if torch.cuda.is_available():
         _total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(float(os.environ["BENCH_MEMORY_CAP_GIB"]) * 2**30 / _total, 0)
-
-if os.environ.get("BENCH_FLEX_IN_GRAPH") == "1" and _IS_RECIPE:
-    import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
-    import torch
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    from torchtune.modules import attention as tt_attention
-
-    _attention_factory = tt_attention._sdpa_or_flex_attention
-
-    def _attention_traced_on_block_masks():
-        fallback = _attention_factory()
-
-        def _attention_call(q, k, v, mask, dropout_p, is_causal):
-            # NOTE: only while torch.compile traces: called eagerly (compile off, or a frame
-            # dynamo gave up on), flex_attention runs its unfused reference (the whole score
-            # matrix, ~2 GiB a layer at 4 x 32 heads x 2048^2), so torchtune's compiled call
-            # stays the eager path.
-            if isinstance(mask, BlockMask) and torch.compiler.is_compiling():
-                if dropout_p > 0.0:
-                    raise ValueError("flex attention has no dropout; set attn_dropout=0")
-                return flex_attention(q, k, v, block_mask=mask)
-            return fallback(q, k, v, mask, dropout_p, is_causal)
-
-        return _attention_call
-
-    # MultiHeadAttention.__init__ calls the factory through its module's globals.
-    tt_attention._sdpa_or_flex_attention = _attention_traced_on_block_masks
 
 if os.environ.get("BENCH_SDPA_GQA") == "1" and _IS_RECIPE:
     import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao

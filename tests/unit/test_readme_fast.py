@@ -12,9 +12,11 @@ from script_loader import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The README's command for each shipped config, and the bench case whose claimed variant
-# (bench_recipes.CLAIM) it gives.
-MEASURED = {"llama3_2/1B_full_single_device": "full_1b", "llama3_1/8B_lora_single_device": "lora_8b"}
+# The README's commands, each named by its config and whether it packs the dataset, and the
+# bench case whose claimed variant (bench_cases.CLAIM) it gives.
+MEASURED = {("llama3_2/1B_full_single_device", True): "full_1b_packed",
+            ("llama3_2/1B_full_single_device", False): "full_1b",
+            ("llama3_1/8B_lora_single_device", False): "lora_8b"}
 # The bench's own keys that the shipped configs set to something else and that change the step:
 # the README's commands must set them as the bench ran (clip_grad_norm inf still computes a norm).
 STEP_KEYS = ("clip_grad_norm", "gradient_accumulation_steps", "dtype", "optimizer_in_bwd",
@@ -53,21 +55,31 @@ def _parse(cmd):
     return recipe, config, overrides
 
 
+def _key(cmd):
+    _, config, overrides = _parse(cmd)
+    return config, overrides.get("dataset.packed", False) is True
+
+
+def _command(key):
+    (cmd,) = [c for c in readme_fast_commands() if _key(c) == key]
+    return cmd
+
+
 def test_the_readme_lists_a_command_for_each_measured_config():
-    configs = [_parse(cmd)[1] for cmd in readme_fast_commands()]
-    assert sorted(configs) == sorted(MEASURED)
+    keys = [_key(cmd) for cmd in readme_fast_commands()]
+    assert sorted(keys) == sorted(MEASURED)
 
 
-@pytest.mark.parametrize("config", sorted(MEASURED))
-def test_a_fast_command_is_the_benchmarked_variant(config, tmp_path):
+@pytest.mark.parametrize("key", sorted(MEASURED))
+def test_a_fast_command_is_the_benchmarked_variant(key, tmp_path):
     bench = _bench()
-    case_name = MEASURED[config]
+    config = key[0]
+    case_name = MEASURED[key]
     variant_name = bench.CLAIM[case_name]
     case = bench.CASES[case_name]
     variant = next(v for v in case["variants"] if v["name"] == variant_name)
     assert variant["head"], f"{variant_name} is not a head variant of {case_name}: not in the claim table"
-    (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == config]
-    recipe, _, overrides = _parse(cmd)
+    recipe, _, overrides = _parse(_command(key))
     assert recipe == case["recipe"]
 
     shipped = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())
@@ -77,6 +89,8 @@ def test_a_fast_command_is_the_benchmarked_variant(config, tmp_path):
     common = bench.write_config(tmp_path / "bench.yaml", case, variant, tmp_path / "ckpt", tmp_path / "out")
     measured = {**{k: common[k] for k in STEP_KEYS if k in common}, **_flat(case["extra"]), **_flat(variant["cfg"])}
     measured.pop("save_adapter_weights_only", None)  # the bench's output choice, not a speed setting
+    if case["data"].get("packed"):  # packed instruction rows: the command packs the dataset
+        measured["dataset.packed"] = True
     missing = {k: v for k, v in measured.items() if effective.get(k, "<unset>") != v}
     extra = {k: v for k, v in overrides.items() if k not in measured}
     assert not missing, f"README's {config} command lacks or differs in: {missing}"
@@ -90,11 +104,11 @@ def test_a_fast_command_is_the_benchmarked_variant(config, tmp_path):
         k: v for k, v in optimizer.items() if k != "lr"}
 
 
-@pytest.mark.parametrize("config", sorted(MEASURED))
-def test_tune_validate_accepts_a_fast_command(config, capsys):
+@pytest.mark.parametrize("key", sorted(MEASURED))
+def test_tune_validate_accepts_a_fast_command(key, capsys):
     from tune_recipes._cli.main import main
 
-    (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == config]
+    cmd = _command(key)
     # --portable: the shipped configs point at /tmp/<model> and device cuda, absent here.
     assert main(["validate", "--portable", *cmd[cmd.index("--config") + 1:]]) == 0, capsys.readouterr().err
 
@@ -104,8 +118,7 @@ def test_the_readme_variants_of_the_lora_command_are_the_ones_measured():
     and its QLoRA sentence (qlora_8b's ours_fp8_instead: the same settings on the bf16-base
     LoRA model in place of NF4) are the LoRA command less that key."""
     bench = _bench()
-    (cmd,) = [c for c in readme_fast_commands() if _parse(c)[1] == "llama3_1/8B_lora_single_device"]
-    _, _, overrides = _parse(cmd)
+    _, _, overrides = _parse(_command(("llama3_1/8B_lora_single_device", False)))
     assert overrides.pop("fp8_transposed_weight_layers") == 20
     for case_name, variant_name in (("lora_8b", "ours_fp8_ain_embcpu"), ("qlora_8b", "ours_fp8_instead")):
         case = bench.CASES[case_name]

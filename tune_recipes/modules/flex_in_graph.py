@@ -7,7 +7,7 @@ two (forward and backward), with a Python round trip between the halves. Calling
 ``flex_attention`` directly while torch.compile traces puts the same fused kernels inside the
 layer's (or the whole model's) graph instead: ``compile_scope: model`` then traces the whole
 forward as one graph. On the H200, Llama-3.2-1B full on packed instruction data ran 2% faster
-with it (docs/benchmarks.md, "Packed instruction data").
+with it (docs/benchmarks.md, "On instruction data (packed) and as shipped").
 """
 
 from typing import Callable

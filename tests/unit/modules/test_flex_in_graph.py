@@ -101,3 +101,47 @@ def test_every_attention_layer_gets_the_call_and_eager_outputs_are_unchanged(mon
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
     monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", False)
     assert trace_flex_attention_when_compiled(tiny_llama3()) == 0
+
+
+def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monkeypatch):
+    """The tiny Llama compiled whole on packed batches (torchtune's document-causal BlockMask,
+    built as its packed collate builds it): one graph, no break (torchtune's own flex call sits
+    behind torch.compiler.disable: a break in every layer), no recompile for a second batch of
+    other document lengths, and the logits of SDPA with the dense document mask (fp32, 1e-6
+    relative). CPU, forward only (CPU flex attention has no backward); aot_eager, since
+    inductor's CPU flex template cannot lower RoPE's strided views (torch 2.13): the graph
+    capture is dynamo's either way."""
+    import torch._dynamo
+    import torchtune.utils._import_guard as guard
+    from torch._dynamo.utils import counters
+    from torchtune.modules.attention_utils import create_block_causal_mask
+
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.modules.flex_in_graph import trace_flex_attention_when_compiled
+
+    def block_mask(lens, seq_len):
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+        return create_block_mask(mask_mod, 1, None, seq_len, seq_len, device="cpu")
+
+    torch.manual_seed(0)
+    model = tiny_llama3().eval()
+    monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", True)
+    trace_flex_attention_when_compiled(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    seq_len = 384  # three 128-token blocks: full, partial and empty ones, in different counts
+    for lens in ([40, 300, 44], [20, 30, 78, 256]):
+        tokens = torch.randint(0, 272, (1, seq_len))
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        with torch.no_grad():
+            ref = model(tokens, mask=create_block_causal_mask([torch.tensor(lens)]), input_pos=pos)
+            out = compiled(tokens, mask=block_mask(lens, seq_len), input_pos=pos)
+        assert float((out - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()

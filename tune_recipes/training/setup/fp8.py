@@ -7,8 +7,8 @@ per row for ``rowwise``), and backward casts the output gradient to e5m2, so the
 of a linear layer run on the FP8 tensor cores (about twice the bf16 rate on Hopper). Parameter
 names do not change, so checkpoints load and save exactly as in bf16.
 
-``fp8_recipe_name`` picks torchao's recipe: ``tensorwise`` (default; the fastest on H100/H200
-in issue #15's measurement), ``rowwise`` (finer scales, more robust to outliers, slower there),
+``fp8_recipe_name`` picks torchao's recipe: ``tensorwise`` (default; the fastest
+on an H200, docs/benchmarks.md), ``rowwise`` (finer scales, more robust to outliers, slower there),
 ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision).
 
 Trade-offs: the casts are separate memory-bound kernels unless ``compile: True`` fuses them into
