@@ -63,3 +63,27 @@ def test_sigterm_during_training_says_where_the_run_stood_and_releases_the_lock(
     assert "resume with: tune run full_finetune_single_device" in line
     assert "resume_from_checkpoint=True" in line
     assert not (tmp_path / "out" / ".lock").exists()
+
+
+def test_ctrl_c_under_torchrun_is_one_line_with_the_launch_to_resume(tmp_path):
+    """A terminal's Ctrl-C reaches `tune` and every rank (one process group): the ranks stop
+    silently, torchrun's agent stops, and `tune` says once where the run stood."""
+    import os
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*tune_cmd(), "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config",
+         "tiny/full_distributed", f"output_dir={out}", "max_steps_per_epoch=1000",
+         "save_every_n_steps=2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None and not (out / "step_2").is_dir():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if "interrupted" in line or "stopped by" in line]
+    assert len(lines) == 1 and lines[0].startswith("tune: stopped by SIGINT; newest checkpoint "), err
+    assert "resume with: tune run --nproc_per_node 2 full_finetune_distributed" in lines[0]
+    assert "Traceback" not in err and not (out / ".lock").exists()

@@ -29,6 +29,9 @@ def run_script(path: Path, args: List[str]) -> None:
         from tune_recipes._cli.signals import exit_code, how_stopped
         from tune_recipes.training.reporting.run_status import interrupted_message
 
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # A torchrun rank: `tune` (torchrun's agent) prints the one line for all of them.
+            sys.exit(exit_code(e))
         print(f"\n{interrupted_message(Path(path), list(args), how=how_stopped(e))}",
               file=sys.stderr)
         sys.exit(exit_code(e))

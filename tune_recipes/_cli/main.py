@@ -87,9 +87,11 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
               file=sys.stderr)
         return codes[-1] if codes and codes[-1] > 0 else 1
     except SignalException as e:
-        # torchrun's agent turns SIGINT/SIGTERM into this after stopping the processes.
+        # torchrun's agent turns SIGINT/SIGTERM into this after stopping the processes, which
+        # say nothing themselves under torchrun (launch.run_script): this is the one line.
         name = signal.Signals(e.sigval).name
-        print(f"\ntune: stopped by {name}; {_how_to_continue(recipe_argv)}", file=sys.stderr)
+        print(f"\ntune: stopped by {name}; {_how_to_continue(launch, recipe_argv, output_dir)}",
+              file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
         os.environ.pop(WARNED_ENV, None)
@@ -102,10 +104,21 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
     return 0
 
 
-def _how_to_continue(recipe_argv: List[str]) -> str:
+def _how_to_continue(launch: Launch, recipe_argv: List[str], output_dir) -> str:
+    """``newest checkpoint ...; resume with: ...``, read from output_dir (the processes that
+    knew where the run stood are gone)."""
+    from tune_recipes.training.checkpointing.io import newest_checkpoint_dir
     from tune_recipes.training.reporting.run_status import resume_hint
 
-    return resume_hint(Path(recipe_argv[0]), recipe_argv[1:])
+    try:
+        newest = newest_checkpoint_dir(Path(output_dir)) if isinstance(output_dir, str) else None
+    except ConfigError:  # a step_<n>/ it cannot read: the recipe will say so on resume
+        newest = None
+    if newest is None:
+        return f"no checkpoint in {output_dir}"
+    launcher = [a for a in launch.argv if a != "--standalone"]  # the one-node default
+    hint = resume_hint(Path(recipe_argv[0]), recipe_argv[1:], newest, launcher=launcher)
+    return f"newest checkpoint {newest}; {hint}"
 
 
 def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool = True,

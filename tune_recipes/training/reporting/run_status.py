@@ -31,10 +31,11 @@ def interrupted_message(script: Path, args: List[str], step: Optional[int] = Non
     return f"{how} at step {step}; last checkpoint {checkpoint}; {resume_hint(script, args)}"
 
 
-def resume_hint(script: Path, args: List[str]) -> str:
-    """``resume with: tune run RECIPE ARGS resume_from_checkpoint=True`` (``auto``: resumes if
-    a checkpoint was saved, else starts afresh)."""
+def resume_hint(script: Path, args: List[str], checkpoint=None, launcher: List[str] = ()) -> str:
+    """``resume with: tune run [LAUNCHER] RECIPE ARGS resume_from_checkpoint=True`` (``auto``
+    where no checkpoint is known: it resumes if one was saved, else starts afresh)."""
     keep = [a for a in args if not a.startswith("resume_from_checkpoint=")]
-    value = "True" if _status["checkpoint"] is not None else "auto"
-    command = shlex.join(["tune", "run", Path(script).stem, *keep, f"resume_from_checkpoint={value}"])
+    known = checkpoint is not None or _status["checkpoint"] is not None
+    command = shlex.join(["tune", "run", *launcher, Path(script).stem, *keep,
+                          f"resume_from_checkpoint={'True' if known else 'auto'}"])
     return f"resume with: {command}"
