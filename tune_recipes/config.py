@@ -163,12 +163,43 @@ def _iter_components(node: Any, key_path: str = ""):
             yield from _iter_components(item, f"{key_path}[{i}]")
 
 
+# What the recipes pass a top-level component besides its config keys: (how many positional
+# arguments, keyword arguments). The optimizer gets the parameters, a dataset the tokenizer,
+# the LR scheduler the optimizer and the run's length (training/step/optim.LRSchedule).
+PASSED_BY_RECIPES = {
+    "optimizer": (1, ()),
+    "dataset": (1, ()),
+    "dataset_val": (1, ()),
+    "lr_scheduler": (1, ("num_training_steps", "last_epoch")),
+}
+
+
+def _missing_required(key_path: str, params, kwargs) -> List[str]:
+    """Required arguments of the component at ``key_path`` that neither the config nor the
+    recipe gives. Only top-level components (and the items of a top-level list) are checked:
+    what a recipe passes anything nested is not known here."""
+    top = re.sub(r"\[\d+\]$", "", key_path)
+    if not top or "." in top:
+        return []
+    positional, passed = PASSED_BY_RECIPES.get(top, (0, ()))
+    missing = []
+    for i, (name, p) in enumerate(params.items()):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if i < positional and p.kind is not p.KEYWORD_ONLY:
+            continue
+        if name not in kwargs and name not in passed:
+            missing.append(name)
+    return missing
+
+
 def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> List[str]:
     """Every ``_component_`` resolves and its other keys bind to its signature.
 
     Returns the list of key paths checked; raises ConfigError naming the first bad one.
-    Positional arguments that recipes pass at instantiation (the model's parameters for an
-    optimizer, the tokenizer for a dataset) may be absent: binding is partial.
+    Arguments that recipes pass at instantiation (``PASSED_BY_RECIPES``: the model's parameters
+    for an optimizer, the tokenizer for a dataset) may be absent; any other required argument
+    of a top-level component must be set.
     ``skipped`` (a list): a component whose import fails only because a package is not
     installed here (``bitsandbytes``, ``torchvision``) is appended as ``"key (package)"``
     instead of raising, for checking a config meant for another machine.
@@ -196,6 +227,10 @@ def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> Lis
             continue
         params = sig.parameters
         accepts_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = _missing_required(key_path, params, kwargs)
+        if missing:
+            raise ConfigError(f"{key_path}: {target} needs {', '.join(missing)} (not set in the "
+                              f"config; add {', '.join(f'{key_path}.{m}=...' for m in missing)})")
         for k in kwargs:
             if k not in params and not accepts_var_kw:
                 raise ConfigError(

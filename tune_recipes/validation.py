@@ -184,6 +184,28 @@ def writable_dir(v) -> Optional[str]:
     return None
 
 
+# on_nonfinite's values (training/step/nonfinite.py implements them).
+NONFINITE_MODES = ("raise", "skip")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
+
+
+def log_level_name(v) -> Optional[str]:
+    """torchtune's ``log_level``: a logging level name, any case."""
+    if isinstance(v, str) and v.upper() in LOG_LEVELS:
+        return None
+    return f"expected one of {', '.join(LOG_LEVELS)}"
+
+
+def importable(v) -> Optional[str]:
+    """A dotted path to a function (``collate_fn``) that imports."""
+    if not isinstance(v, str) or "." not in v:
+        return "expected a dotted path to a function (e.g. torchtune.data.padded_collate_sft)"
+    if _resolves_to(v) is None:
+        return "does not resolve to an importable object"
+    return None
+
+
 @dataclass(frozen=True)
 class Rule:
     key: str            # dotted path into the config
@@ -277,12 +299,24 @@ SCHEMA: List[Rule] = [
     Rule("tensor_parallel_dim", integer(1)),
     Rule("tensor_parallel_plan", optional(component)),
     Rule("low_cpu_ram", boolean),
+    Rule("metric_logger", component),
+    Rule("log_level", optional(log_level_name)),
+    Rule("on_nonfinite", one_of(*NONFINITE_MODES)),
+    Rule("collate_fn", importable),
+    Rule("batch_size_val", optional(integer(1))),
+    Rule("run_val_every_n_steps", optional(integer(1))),
+    # torch.profiler.schedule's own ranges (it asserts them when the run starts).
+    Rule("profiler.enabled", boolean),
+    Rule("profiler.wait_steps", integer(0)),
+    Rule("profiler.warmup_steps", integer(0)),
+    Rule("profiler.active_steps", integer(1)),
+    Rule("profiler.num_cycles", integer(0)),
 ]
 
 # Keys a recipe reads without a default (cfg.<key>): required when the recipe declares them.
 REQUIRED = ("output_dir", "model", "checkpointer", "tokenizer", "dataset", "optimizer", "loss",
             "batch_size", "epochs", "seed", "shuffle", "teacher_model", "teacher_checkpointer",
-            "kd_loss")
+            "kd_loss", "metric_logger")
 
 
 def _checkpoint_files(cfg: DictConfig, env: bool, key: str) -> None:
@@ -297,6 +331,25 @@ def _checkpoint_files(cfg: DictConfig, env: bool, key: str) -> None:
         p = Path(where) / str(f)
         if not p.is_file():
             raise ConfigError(f"{key}.checkpoint_files: {p}: no such file")
+        problem = safetensors_problem(p)
+        if problem:
+            raise ConfigError(f"{key}.checkpoint_files: {p}: {problem}")
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """What makes a ``.safetensors`` file unreadable (empty, truncated, not safetensors), read
+    from its header alone (no tensor is loaded), or None; other formats are not looked into."""
+    if path.suffix != ".safetensors":
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        return (f"not a readable safetensors file ({str(e).strip() or type(e).__name__}; "
+                f"{path.stat().st_size} bytes): download it again")
+    return None
 
 
 def _in_backward_rules(cfg: DictConfig) -> Optional[str]:
@@ -646,6 +699,90 @@ def optimizer_problem(cfg: DictConfig) -> Optional[str]:
     return f"optimizer ({component} with {shown}): {problem}"
 
 
+# The label that marks a token without a loss in every dataset torchtune builds (its
+# CROSS_ENTROPY_IGNORE_INDEX); the loss must skip the same value.
+IGNORE_INDEX = -100
+
+# What a recipe's loss must be: a token-level loss that skips ignore_index (CausalLMLoss reads
+# loss_fn.ignore_index).
+_TOKEN_LOSSES = ("torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunkedOutputLoss or "
+                 "tune_recipes.modules.loss.FusedLinearCrossEntropyLoss")
+
+
+def loss_problem(cfg: DictConfig) -> Optional[str]:
+    """The ``loss`` section: a loss with ``ignore_index`` equal to the datasets' -100, or None.
+    A loss without one (``torch.nn.MSELoss``) fails at the recipe's start and any other index
+    at the first step (a label -100 is then out of the vocabulary's range)."""
+    section = _value(cfg, "loss")
+    if not isinstance(section, dict):
+        return None
+    component = section.get("_component_")
+    index = section.get("ignore_index", None)
+    if index is not None and index != IGNORE_INDEX:
+        return (f"loss.ignore_index={_show(index)}: the datasets mark the tokens without a loss "
+                f"(prompt, padding) with {IGNORE_INDEX}; set loss.ignore_index={IGNORE_INDEX}")
+    fn = _resolves_to(component)
+    if fn is None:
+        return None
+    try:
+        loss = fn(**{k: v for k, v in section.items() if k != "_component_"})
+    except Exception:  # noqa: BLE001 - bad arguments are reported where the loss is built
+        return None
+    if not _is_int(getattr(loss, "ignore_index", None)):
+        return (f"loss._component_={component}: the recipes need a token-level loss that skips "
+                f"masked tokens (its ignore_index); use {_TOKEN_LOSSES}")
+    if loss.ignore_index != IGNORE_INDEX:
+        return (f"loss._component_={component}: its ignore_index is {loss.ignore_index}, the "
+                f"datasets mark tokens without a loss with {IGNORE_INDEX}; set "
+                f"loss.ignore_index={IGNORE_INDEX}")
+    return None
+
+
+def lr_scheduler_problem(cfg: DictConfig) -> Optional[str]:
+    """The recipes build ``lr_scheduler`` as ``component(optimizer, num_training_steps=N,
+    last_epoch=S)`` (training/step/optim.LRSchedule): a scheduler that takes no
+    ``num_training_steps`` (torch's own, e.g. StepLR) cannot be built; None when it can."""
+    component = _value(cfg, "lr_scheduler._component_")
+    fn = _resolves_to(component)
+    if fn is None:
+        return None
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [k for k in ("num_training_steps", "last_epoch") if k not in params]
+    if missing:
+        return (f"lr_scheduler._component_={component}: the recipes build the schedule as "
+                "component(optimizer, num_training_steps=..., last_epoch=...) and it takes no "
+                f"{' or '.join(missing)}; use a torchtune schedule (e.g. torchtune.training."
+                "lr_schedulers.get_cosine_schedule_with_warmup) or ~lr_scheduler for a constant "
+                "learning rate")
+    return None
+
+
+def tokenizer_problem(cfg: DictConfig) -> Optional[str]:
+    """Build the tokenizer as the recipe will (a machine check: it reads ``tokenizer.path``):
+    a file that is not a tokenizer, or a builder's own refusal, is one line here rather than a
+    traceback in the recipe. None when it builds or its component does not import."""
+    section = _value(cfg, "tokenizer")
+    if not isinstance(section, dict) or _resolves_to(section.get("_component_")) is None:
+        return None
+    from torchtune import config as tt_config
+
+    try:
+        tt_config.instantiate(OmegaConf.create(section))
+    except Exception as e:  # noqa: BLE001 - whatever stops the tokenizer stops the run
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        where = f" from tokenizer.path={_show(section['path'])}" if "path" in section else ""
+        return (f"tokenizer: {section['_component_']} cannot be built{where} "
+                f"({type(e).__name__}: {text})")
+    return None
+
+
 def _model_type_problem(cfg: DictConfig, key: str) -> Optional[str]:
     """``<key>.model_type`` against torchtune's ``ModelType`` names, for torchtune's
     checkpointers (which look it up as ``ModelType[model_type]``); None for any other."""
@@ -780,6 +917,8 @@ CROSS_KEY: List[tuple] = [
     (("ac_mode",), activation_checkpointing_problem),
     (("fsdp",), fsdp_offload_problem),
     (("optimizer",), optimizer_problem),
+    (("loss",), loss_problem),
+    (("lr_scheduler",), lr_scheduler_problem),
     (("checkpointer",), checkpointer_model_type_problem),
     (("teacher_checkpointer",), teacher_model_type_problem),
     # LoRA-type recipes are the ones with save_adapter_weights_only.
@@ -975,6 +1114,10 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
         for key in ("checkpointer", "teacher_checkpointer"):
             if keys is None or key in keys:
                 _checkpoint_files(cfg, env, key)
+        if keys is None or "tokenizer" in keys:
+            problem = tokenizer_problem(cfg)
+            if problem:
+                raise ConfigError(problem)
         if keys is None or "metric_logger" in keys:
             problem = metric_logger_problem(cfg)
             if problem:

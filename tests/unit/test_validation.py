@@ -253,6 +253,34 @@ CASES = [
                                  "~model.apply_lora_to_output", "~model.lora_rank",
                                  "~model.lora_alpha", "~model.lora_dropout", "~model.use_dora"],
      "model._component_=tune_recipes.models.tiny_llama3: this model has no LoRA adapters"),
+    # what the recipe passes a component, and what it needs of the loss and the schedule
+    ("tiny/lora_single_device", ["tokenizer._component_=torchtune.models.llama3.llama3_tokenizer"],
+     "tokenizer: torchtune.models.llama3.llama3_tokenizer needs path (not set in the config"),
+    ("tiny/full_single_device", ["lr_scheduler._component_=torch.optim.lr_scheduler.StepLR",
+                                 "lr_scheduler.step_size=2",
+                                 "~lr_scheduler.num_warmup_steps"],
+     "lr_scheduler._component_=torch.optim.lr_scheduler.StepLR: the recipes build the schedule"),
+    ("tiny/lora_distributed", ["loss._component_=torch.nn.MSELoss", "~loss.ignore_index"],
+     "loss._component_=torch.nn.MSELoss: the recipes need a token-level loss"),
+    ("tiny/kd_single_device", ["loss.ignore_index=0"],
+     "loss.ignore_index=0: the datasets mark the tokens without a loss (prompt, padding) with -100"),
+    ("tiny/full_single_device", ["tokenizer._component_=torchtune.models.llama3.llama3_tokenizer",
+                                 "tokenizer.path={file}"],
+     "tokenizer: torchtune.models.llama3.llama3_tokenizer cannot be built from tokenizer.path="),
+    ("tiny/lora_single_device", ["metric_logger=null"], "metric_logger=None: expected a mapping"),
+    ("tiny/full_distributed", ["~metric_logger"], "missing required key(s) metric_logger"),
+    ("tiny/lora_single_device", ["log_level=LOUD"], "log_level=LOUD: expected one of DEBUG"),
+    ("tiny/qat_single_device", ["on_nonfinite=ignore"], "on_nonfinite=ignore: expected one of raise, skip"),
+    ("tiny/lora_single_device", ["collate_fn=nope.fn"], "collate_fn=nope.fn: does not resolve"),
+    ("tiny/full_single_device", ["batch_size_val=0"], "batch_size_val=0: expected an integer >= 1"),
+    ("tiny/full_single_device", ["run_val_every_n_steps=0"], "run_val_every_n_steps=0"),
+    ("tiny/lora_single_device", ["profiler.enabled=yes_please"], "profiler.enabled=yes_please"),
+    ("tiny/full_single_device", ["profiler.wait_steps=-1"], "profiler.wait_steps=-1: expected an integer >= 0"),
+    ("tiny/full_single_device", ["profiler.active_steps=0"], "profiler.active_steps=0"),
+    # a checkpoint file that is not readable safetensors (here: an empty one)
+    ("tiny/full_single_device", ["checkpointer.checkpoint_dir={tmp}",
+                                 "checkpointer.checkpoint_files=[a_file.safetensors]"],
+     "a_file.safetensors: not a readable safetensors file"),
     # a mapping where the config holds a list: a key of a list item is named as such
     ("tiny/full_single_device", ["checkpointer.checkpoint_files.filename_format=a"],
      "checkpointer.checkpoint_files is a list here"),
@@ -273,6 +301,7 @@ def _one_error_line(err: str, prefix: str = "tune: error:") -> str:
 
 def _fill(items, tmp_path):
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_file.safetensors").write_text("")
     return [i.replace("{file}", str(tmp_path / "a_file")).replace("{tmp}", str(tmp_path)) for i in items]
 
 
@@ -730,7 +759,9 @@ def test_output_dir_checks_name_a_live_run_first_and_spare_quantize(tmp_path, ca
 
     (tmp_path / "step_3").mkdir()
     (tmp_path / "epoch_0").mkdir()
-    (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").touch()
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "epoch_0" / "model-00001-of-00001.safetensors"))
     assert main(["validate", "tiny/quantize", f"output_dir={tmp_path}",
                  f"checkpointer.checkpoint_dir={tmp_path / 'epoch_0'}"]) == 0
     live = {"host": socket.gethostname(), "pid": os.getppid()}  # alive, not this process

@@ -10,6 +10,7 @@ from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch import nn
 from torchtune import training
 
@@ -229,10 +230,13 @@ class CheckpointWriter:
                 # older-layout resume check reads it as the state after an epoch.
                 replace_file_atomically(out / name / EPOCH_STATE_FILE, out / RECIPE_STATE_FILE)
             shutil.rmtree(staging, ignore_errors=True)
-        except OSError as e:
-            where = e.filename or staging
+        except (OSError, SafetensorError) as e:
+            # NOTE: safetensors reports a full disk as its own error, not an OSError.
+            where = getattr(e, "filename", None) or staging
+            # The partial files would hold the space a retry (or the disk's owner) needs.
+            shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(
-                f"cannot write {what}: {e.strerror or e} ({where}); "
+                f"cannot write {what}: {getattr(e, 'strerror', None) or e} ({where}); "
                 f"earlier checkpoints in {out} are intact"
             ) from None
 

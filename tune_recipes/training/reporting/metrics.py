@@ -36,8 +36,11 @@ class JsonlMetricLogger:
     file's last write) and one line says so.
     """
 
-    def __init__(self, log_dir: Union[str, Path], filename: str = "metrics.jsonl") -> None:
+    def __init__(self, log_dir: Optional[Union[str, Path]], filename: str = "metrics.jsonl") -> None:
         self._fh = None  # NOTE: first, so close()/__del__ work when the open below fails
+        if log_dir is None:
+            raise ConfigError("metric_logger.log_dir is null: this logger writes "
+                              "<log_dir>/metrics.jsonl; set metric_logger.log_dir=${output_dir}")
         self.path = Path(log_dir) / filename
         self._begun = False
         # config.yaml as it was before log_config replaced it, kept aside with the earlier

@@ -82,6 +82,9 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
         if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
+        if isinstance(e, ValueError) and not _raised_in_datasets(e):
+            # A builder's refusal of its arguments (packed=True without max_seq_len, ...).
+            raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
         if _raised_in_datasets(e):
             cause = next((c for c in list(_causes(e))[1:]), None)
             detail = f"{_first_line(e)}" + (f": {_first_line(cause)}" if cause else "")

@@ -100,6 +100,12 @@ def setup_profiler(cfg_profiler: Optional[DictConfig], *, output_dir: str, devic
     if distributed:
         trace_dir = trace_dir / f"rank_{rank}"
     cfg["output_dir"] = str(trace_dir)
+    try:
+        # Now, not when the first trace is written steps later (torchtune's handler makes it).
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"profiler.output_dir={trace_dir}: cannot create it "
+                          f"({e.strerror or e})") from None
     profiler, used = tt_config.instantiate(DictConfig(cfg))
     if rank == 0:
         log.info("profiler on: %s", dict(used))

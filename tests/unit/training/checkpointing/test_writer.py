@@ -217,3 +217,20 @@ def test_the_save_line_names_each_file_where_it_ends_up(tmp_path, capsys, caplog
     with caplog.at_level("INFO"):
         get_logger("INFO").info("after the save")
     assert "after the save" in caplog.text
+
+
+def test_a_full_disk_reported_by_safetensors_is_one_line_and_frees_the_staging_folder(tmp_path):
+    # safetensors raises its own SafetensorError for ENOSPC, not an OSError.
+    from safetensors import SafetensorError
+
+    from tune_recipes.training.checkpointing.io import CheckpointError
+
+    model = tiny_llama3()
+    ckpt = _Checkpointer(tmp_path, fail_with=SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"))
+    writer = CheckpointWriter(ckpt, output_dir=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"cannot write the epoch 0 checkpoint: .*No space "
+                                              r"left on device.*\.saving\); earlier checkpoints"):
+        writer.save(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    RecipeState(seed=3, total_epochs=1, max_steps_per_epoch=None), epoch=0)
+    assert not (tmp_path / ".saving").exists()  # the partial files are gone

@@ -101,3 +101,11 @@ def test_a_resumed_run_drops_the_rows_after_its_checkpoint(tmp_path):
     logger.close()
     assert read_metrics(tmp_path / "metrics.jsonl", "step") == [1, 2, 3]
     assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [1.0, 2.0, 30.0]
+
+
+def test_a_null_log_dir_is_one_line_naming_the_key():
+    from tune_recipes.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"metric_logger.log_dir is null.*"
+                                          r"metric_logger.log_dir=\$\{output_dir\}"):
+        JsonlMetricLogger(None)

@@ -87,3 +87,11 @@ def test_a_dataset_that_needs_the_network_offline_is_one_line(monkeypatch):
     monkeypatch.setattr(tt_config, "instantiate", bug)
     with pytest.raises(RuntimeError, match="a bug"):  # not ours to reword
         build_dataset(cfg, tiny_tokenizer())
+
+
+def test_a_builders_own_refusal_is_one_line_naming_the_key():
+    # tiny_alpaca_dataset(packed=True) without a max_seq_len raises ValueError.
+    cfg = OmegaConf.create({"_component_": "tune_recipes.data.tiny_alpaca_dataset", "packed": True})
+    with pytest.raises(ConfigError, match=r"^dataset: tune_recipes.data.tiny_alpaca_dataset: "
+                                          r"dataset.packed=True needs tokenizer.max_seq_len"):
+        build_dataset(cfg, tiny_tokenizer(max_seq_len=None))
