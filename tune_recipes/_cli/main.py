@@ -16,9 +16,16 @@ from typing import List, Optional
 from omegaconf import DictConfig
 
 from tune_recipes._cli import registry
-from tune_recipes._cli.launch import run_script
-from tune_recipes._cli.signals import exit_code, handle_sigterm, how_stopped, restore_sigterm
-from tune_recipes._cli.torchrun import Launch, add_launcher_arguments, plan_launch
+from tune_recipes._cli.launch import (
+    Launch,
+    add_launcher_arguments,
+    exit_code,
+    handle_sigterm,
+    how_stopped,
+    plan_launch,
+    restore_sigterm,
+    run_script,
+)
 from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
 from tune_recipes.validation import WARNED_ENV, check_config
 
