@@ -85,6 +85,10 @@ def _apply_override(cfg: DictConfig, item: str) -> DictConfig:
         part = OmegaConf.from_dotlist([item])
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(f"bad override '{item}': {str(e).splitlines()[0]}") from None
+    except Exception as e:  # yaml.YAMLError: the value is parsed as YAML ([a,b], {k: v})
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"bad override '{item}': its value is not valid YAML ({problem}; "
+                          "quote the value if it is meant as a string)") from None
     try:
         return OmegaConf.merge(cfg, part)
     except TypeError:
@@ -193,6 +197,22 @@ def _missing_required(key_path: str, params, kwargs) -> List[str]:
     return missing
 
 
+def _unresolvable_key(node: Any, key_path: str = "") -> str:
+    """The dotted key of the first value whose interpolation does not resolve, or ""."""
+    items = (node.items_ex(resolve=False) if isinstance(node, DictConfig)
+             else enumerate(node) if isinstance(node, ListConfig) else ())
+    for k, _ in items:
+        child = f"{key_path}.{k}" if key_path else str(k)
+        try:
+            value = node[k]
+        except OmegaConfBaseException:
+            return child
+        found = _unresolvable_key(value, child)
+        if found:
+            return found
+    return ""
+
+
 def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> List[str]:
     """Every ``_component_`` resolves and its other keys bind to its signature.
 
@@ -207,7 +227,9 @@ def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> Lis
     try:
         OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
     except OmegaConfBaseException as e:
-        raise ConfigError(f"interpolation failed: {str(e).splitlines()[0]}") from None
+        where = _unresolvable_key(cfg)
+        raise ConfigError(f"{where + ': ' if where else ''}interpolation failed: "
+                          f"{str(e).splitlines()[0]}") from None
     checked = []
     for key_path, node in _iter_components(cfg):
         target = node["_component_"]

@@ -164,7 +164,10 @@ def device_available(v) -> Optional[str]:
 
 
 def existing_dir(v) -> Optional[str]:
-    return None if Path(str(v)).expanduser().is_dir() else "no such directory"
+    p = Path(str(v)).expanduser()
+    if p.is_dir():
+        return None
+    return "a file, not a directory" if p.exists() else "no such directory"
 
 
 def existing_file(v) -> Optional[str]:

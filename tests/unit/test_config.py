@@ -111,3 +111,13 @@ def test_an_override_into_a_list_by_name_or_out_of_range_is_one_line(tmp_path):
         load_config(p, ["lst.key=3"])
     with pytest.raises(ConfigError, match="cannot apply override 'lst.5=3'"):
         load_config(p, ["lst.5=3"])
+
+
+def test_an_override_value_that_is_not_yaml_and_an_unresolvable_one_name_the_key(tmp_path):
+    p = _yaml(tmp_path, "a: 1\nb:\n  c: 2\n")
+    with pytest.raises(ConfigError, match=r"bad override 'a=\[x,\$\{y\}\]': its value is not "
+                                          r"valid YAML \(did not find expected ',' or '\]'"):
+        load_config(p, ["a=[x,${y}]"])
+    cfg = load_config(p, ["b.c=${nope}"])
+    with pytest.raises(ConfigError, match=r"^b.c: interpolation failed: Interpolation key 'nope'"):
+        validate_config(cfg)
