@@ -278,7 +278,7 @@ CASES = [
     ("tiny/full_single_device", ["profiler.wait_steps=-1"], "profiler.wait_steps=-1: expected an integer >= 0"),
     ("tiny/full_single_device", ["profiler.active_steps=0"], "profiler.active_steps=0"),
     ("tiny/lora_single_device", ["checkpointer.checkpoint_dir={file}"],
-     "a_file: a file, not a directory"),
+     ": a file, not a directory"),
     # a checkpoint file that is not readable safetensors (here: an empty one)
     ("tiny/full_single_device", ["checkpointer.checkpoint_dir={tmp}",
                                  "checkpointer.checkpoint_files=[a_file.safetensors]"],
