@@ -118,3 +118,17 @@ def test_mlflow_logger_file_store(tmp_path):
     assert "status: 3" in meta  # RunStatus.FINISHED
     exp_meta = (run_dir.parent / "meta.yaml").read_text()
     assert "name: tiny" in exp_meta
+
+
+def test_a_fresh_run_into_an_earlier_runs_output_dir_starts_its_own_metrics(tmp_path):
+    # The README command run twice: the second run's metrics.jsonl holds its own steps only,
+    # and the first run's rows are kept beside it (a resume would continue the file instead).
+    out = tmp_path / "run"
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+               ["max_steps_per_epoch=4"])
+    proc = run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+                      ["max_steps_per_epoch=2"])
+    assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    (kept,) = out.glob("metrics.*.jsonl")
+    assert len(kept.read_text().splitlines()) == 4
+    assert f"kept as {kept.name}" in proc.stderr
