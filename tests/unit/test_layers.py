@@ -53,6 +53,7 @@ TESTS = {
     "modules/fp8_lora.py": "modules/test_fp8_lora.py",
     "modules/host_embedding.py": "modules/test_host_embedding.py",
     "modules/fp8_mlp.py": "modules/test_fp8_mlp.py",
+    "modules/flex_in_graph.py": "modules/test_flex_in_graph.py",
     "modules/output.py": "modules/test_output.py",
     "modules/peft.py": "modules/test_peft.py",
     "modules/qat_lora.py": "modules/test_qat_lora.py",
