@@ -215,6 +215,27 @@ class WandBLogger(_WithJsonl):
         self._close_jsonl()
 
 
+def _check_server(tracking_uri: str, timeout_s: float = 5.0) -> None:
+    """An ``http(s)://`` tracking server that does not accept a connection is one line now.
+    NOTE: without this, MLflow's client retries each request with backoff for minutes,
+    printing nothing, before the run fails with a traceback."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(tracking_uri)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        from tune_recipes.config import ConfigError
+
+        raise ConfigError(f"metric_logger.tracking_uri={tracking_uri}: cannot connect to the MLflow "
+                          f"server ({e.strerror or e}); start it, or leave tracking_uri unset "
+                          "for a local store in log_dir/mlruns") from None
+
+
 class MLFlowLogger(_WithJsonl):
     """MLflow tracking through an ``MlflowClient`` bound to ``tracking_uri``.
 
@@ -237,6 +258,7 @@ class MLFlowLogger(_WithJsonl):
             tracking_uri = (Path(log_dir).resolve() / "mlruns").as_uri()
         if tracking_uri.startswith("file:") or "://" not in tracking_uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        _check_server(tracking_uri)
         self.tracking_uri = tracking_uri
         self._client = MlflowClient(tracking_uri=tracking_uri)
         if run_id is None:

@@ -104,3 +104,20 @@ def test_wandb_refusing_to_start_is_one_config_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"metric_logger \(W&B\): No API key configured.*"
                                           r"metric_logger.mode=offline"):
         loggers.WandBLogger(log_dir=tmp_path)
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_line_at_once(tmp_path):
+    # MLflow's client would retry for minutes, silently; the logger tries to connect first.
+    import socket
+    import time
+
+    from tune_recipes.config import ConfigError
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"metric_logger.tracking_uri=http://127.0.0.1:{port}: "
+                                              r"cannot connect to the MLflow server"):
+            loggers.MLFlowLogger(log_dir=tmp_path, tracking_uri=f"http://127.0.0.1:{port}")
+    assert time.monotonic() - start < 10
