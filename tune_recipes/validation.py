@@ -125,6 +125,26 @@ def component(v) -> Optional[str]:
     return "expected a mapping with a _component_"
 
 
+def components(v) -> Optional[str]:
+    """One component, or a non-empty list of them (``dataset``: concatenated)."""
+    if isinstance(v, list):
+        if not v:
+            return "expected a mapping with a _component_, or a non-empty list of them"
+        problems = [component(x) for x in v]
+        return next((f"item {i}: {p}" for i, p in enumerate(problems) if p), None)
+    return component(v)
+
+
+def checkpoint_files(v) -> Optional[str]:
+    """torchtune's two forms: a list of file names, or {filename_format, max_filename}."""
+    if isinstance(v, list) and v and all(isinstance(x, str) and x for x in v):
+        return None
+    if isinstance(v, dict) and {"filename_format", "max_filename"} <= set(v):
+        return None
+    return ("expected a list of file names ([model.safetensors]) or a mapping with "
+            "filename_format and max_filename")
+
+
 _LORA_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 
 
@@ -303,6 +323,19 @@ SCHEMA: List[Rule] = [
     Rule("tensor_parallel_plan", optional(component)),
     Rule("low_cpu_ram", boolean),
     Rule("metric_logger", component),
+    Rule("model", component),
+    Rule("teacher_model", component),
+    Rule("tokenizer", component),
+    Rule("checkpointer", component),
+    Rule("teacher_checkpointer", component),
+    Rule("optimizer", component),
+    Rule("loss", component),
+    Rule("kd_loss", component),
+    Rule("lr_scheduler", optional(component)),
+    Rule("dataset", components),
+    Rule("dataset_val", optional(components)),
+    Rule("checkpointer.checkpoint_files", checkpoint_files),
+    Rule("teacher_checkpointer.checkpoint_files", checkpoint_files),
     Rule("log_level", optional(log_level_name)),
     Rule("on_nonfinite", one_of(*NONFINITE_MODES)),
     Rule("collate_fn", importable),
