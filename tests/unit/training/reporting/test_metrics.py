@@ -43,6 +43,10 @@ def test_a_fresh_run_starts_a_new_file_and_keeps_the_earlier_runs_beside_it(tmp_
     assert (tmp_path / f"config.{stamp}.yaml").read_text().strip() == "run: 1"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"kept as metrics.{stamp}.jsonl" in err, err
+    # `tune plot <output_dir>/metrics.<time>.jsonl` draws the kept rows again.
+    from tune_recipes.plotting import plot_runs
+
+    assert plot_runs([str(kept)], out=str(tmp_path / "kept.png")) and (tmp_path / "kept.png").is_file()
     # A third run in the same second keeps the second's under a name of its own.
     third = JsonlMetricLogger(tmp_path)
     third.begin_run(None)
