@@ -1182,8 +1182,9 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
 
 
 def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, env: bool = True,
-                 keys: Iterable[str] = ()) -> None:
-    """``tune run`` launcher arguments against the recipe and this machine."""
+                 keys: Iterable[str] = (), nodes: int = 1) -> None:
+    """``tune run`` launcher arguments against the recipe and this machine (``nodes``: the most
+    nodes the launch may span)."""
     if nproc_per_node is None:
         return
     if nproc_per_node < 1:
@@ -1194,6 +1195,10 @@ def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, en
         raise ConfigError(
             f"--nproc_per_node {nproc_per_node}: {recipe} runs on one device; use its "
             "_distributed recipe or drop --nproc_per_node")
+    if not distributed and nodes > 1:
+        raise ConfigError(
+            f"--nnodes {nodes}: {recipe} runs on one device; use its _distributed recipe or "
+            "drop --nnodes")
     tp = cfg.get("tensor_parallel_dim", 1) if "tensor_parallel_dim" in set(keys) else 1
     if _is_int(tp) and tp > 1 and nproc_per_node % tp:
         # `tune run` starts one node: the world size is nproc_per_node.
@@ -1210,11 +1215,11 @@ def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, en
 
 
 def check_config(cfg: DictConfig, recipe: str, keys: Optional[Iterable[str]], *,
-                 env: bool = True, nproc_per_node: Optional[int] = None) -> None:
+                 env: bool = True, nproc_per_node: Optional[int] = None, nodes: int = 1) -> None:
     """Everything above, for ``recipe`` (its CONFIG_KEYS as ``keys``; None: a recipe that
     declares none, e.g. torchtune's stock one, gets no schema: its rules are its own)."""
     if keys is None:
         return
     check_top_level_keys(cfg, keys, recipe)
     check_values(cfg, keys, env=env)
-    check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys)
+    check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys, nodes=nodes)

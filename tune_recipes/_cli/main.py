@@ -140,7 +140,8 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
         if nproc_per_node is not None and nproc_per_node < 1:
             raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
         return False
-    check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node)
+    check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node,
+                 nodes=nodes)
     if env and output_dir_check:
         _check_output_dir(cfg, known, nodes)
     return True

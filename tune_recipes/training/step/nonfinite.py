@@ -26,11 +26,11 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.training.reporting.progress import DeviceValues
-from tune_recipes.validation import skip_in_backward_problem
+from tune_recipes.validation import NONFINITE_MODES, skip_in_backward_problem
 
 log = get_logger("INFO")
 
-MODES = ("raise", "skip")
+MODES = NONFINITE_MODES
 
 
 class NonFiniteError(ConfigError):
