@@ -69,9 +69,27 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
-    model.load_state_dict(state_dict)
+    load_weights(model, state_dict, cfg_model)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
+
+
+def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictConfig,
+                 strict: bool = True):
+    """``model.load_state_dict``, with weights of other shapes (a checkpoint of another model
+    size or family than ``model._component_`` builds) as one line naming the builder and the
+    first mismatched weight, not torch's list of every one."""
+    try:
+        return model.load_state_dict(state_dict, strict=strict)
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
+            raise
+        mismatches = [line for line in lines[1:] if line.startswith("size mismatch")]
+        first = (mismatches or lines[1:] or [""])[0][:300]
+        raise ConfigError(
+            f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
+            f"({first}); check model._component_ against checkpointer.checkpoint_dir") from None
 
 
 def set_activation_memory_budget(budget: Optional[float]) -> None:
@@ -175,7 +193,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
-    base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
+    base_missing, base_unexpected = load_weights(model, base_state_dict, cfg_model, strict=False)
     if not lora_state_dict:
         # Seeded, build-independent adapter init: the same as the distributed recipes'.
         lora_state_dict = adapter_init_state_dict(model, seed)

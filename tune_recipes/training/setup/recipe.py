@@ -77,20 +77,37 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     )
     if point is None:
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
-        return checkpointer, checkpointer.load_checkpoint(), None
+        return checkpointer, read_checkpoint(checkpointer, cfg_checkpointer), None
     if point.finished:
         return _continue_finished_run(cfg, cfg_checkpointer, point, adapter)
     if int(os.environ.get("RANK", "0")) == 0:
         state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
         print(f"resuming from {state_file.parent}", file=sys.stderr)
     checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
-    ckpt = checkpointer.load_checkpoint()
+    ckpt = read_checkpoint(checkpointer, cfg_checkpointer)
     if adapter and training.ADAPTER_KEY not in ckpt:
         raise ConfigError(
             f"resume_from_checkpoint={setting} but no adapter checkpoint was found under "
             f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
         )
     return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
+
+
+def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
+    """``checkpointer.load_checkpoint()``, with a failure of the files to load (torchtune's
+    converters raise bare Exceptions, KeyErrors and ValueErrors: a Meta checkpointer on HF files,
+    a model_type that does not fit the weights) as one line naming the checkpointer and where
+    it read."""
+    try:
+        return checkpointer.load_checkpoint()
+    except ConfigError:
+        raise
+    except Exception as e:  # every converter failure, whatever its class
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"checkpointer: {cfg_checkpointer.get('_component_')} could not load "
+            f"{cfg_checkpointer.get('checkpoint_dir')} (model_type="
+            f"{cfg_checkpointer.get('model_type')}): {type(e).__name__}: {first}") from None
 
 
 def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point: ResumePoint,
@@ -127,7 +144,7 @@ def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point:
                   f"{point.checkpoint.name}/): nothing to train with epochs={total}; set "
                   f"epochs above {done} to train further", file=sys.stderr)
     checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
-    ckpt = checkpointer.load_checkpoint()
+    ckpt = read_checkpoint(checkpointer, cfg_checkpointer)
     if adapter:
         ckpt[training.ADAPTER_KEY] = torch.load(point.checkpoint / ADAPTER_FILE,
                                                 map_location="cpu", weights_only=True)

@@ -110,7 +110,7 @@ def test_full_model_loads_strictly_after_before_load():
     assert all(p.requires_grad for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, base[k]), k
-    with pytest.raises(RuntimeError, match="Missing key"):
+    with pytest.raises(ConfigError, match="tiny_llama3 does not fit .*Missing key"):
         setup_full_model(cfg, dtype=torch.float32, device=torch.device("cpu"),
                          state_dict={k: v for k, v in base.items() if "output" not in k})
 
@@ -195,3 +195,23 @@ def test_activation_memory_budget_out_of_range_is_named(bad, restore_activation_
 
     with pytest.raises(ConfigError, match=f"activation_memory_budget={bad}"):
         set_activation_memory_budget(bad)
+
+
+def test_weights_of_another_model_are_one_line_naming_the_builder():
+    """A checkpoint of another size than model._component_ builds: one ConfigError naming the
+    builder and the first mismatched weight (torch lists every one, over dozens of lines)."""
+    from omegaconf import OmegaConf
+
+    from tune_recipes.config import ConfigError
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.training.setup.model import load_weights
+
+    model = tiny_llama3()
+    other = {k: torch.zeros(*(2 * n for n in v.shape)) for k, v in model.state_dict().items()}
+    cfg = OmegaConf.create({"_component_": "tune_recipes.models.tiny_llama3"})
+    with pytest.raises(ConfigError) as info:
+        load_weights(model, other, cfg)
+    message = str(info.value)
+    assert "\n" not in message and "tune_recipes.models.tiny_llama3" in message
+    assert "size mismatch for" in message and "checkpointer.checkpoint_dir" in message
+    assert load_weights(model, tiny_llama3().state_dict(), cfg).missing_keys == []

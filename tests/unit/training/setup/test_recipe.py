@@ -119,3 +119,23 @@ def test_setup_step_driver_runs_the_path_the_recipe_chose(tmp_path):
     driver.close()
     with pytest.raises(ValueError, match="does not match"):
         setup_step_driver(cfg, path=NormalizationPath.SKIP, state=state, **kwargs)
+
+
+def test_a_checkpoint_the_checkpointer_cannot_convert_is_one_line(tmp_path):
+    """torchtune's Meta checkpointer on HF-format files raises a bare Exception from its
+    converter: one ConfigError naming the checkpointer, the folder and the model type."""
+    from omegaconf import OmegaConf
+
+    from tune_recipes.resolvers import tiny_checkpoint
+    from tune_recipes.training.setup.recipe import read_checkpoint
+
+    folder = tiny_checkpoint()
+    cfg = OmegaConf.create({"_component_": "torchtune.training.FullModelMetaCheckpointer",
+                            "checkpoint_dir": folder, "checkpoint_files": ["model.safetensors"],
+                            "model_type": "LLAMA3", "output_dir": str(tmp_path)})
+    checkpointer = tt_config.instantiate(cfg, should_load_recipe_state=False)
+    with pytest.raises(ConfigError) as info:
+        read_checkpoint(checkpointer, cfg)
+    message = str(info.value)
+    assert "\n" not in message and "FullModelMetaCheckpointer could not load" in message
+    assert folder in message and "model_type=LLAMA3" in message
