@@ -42,6 +42,6 @@ def test_profiler_writes_a_trace_of_the_active_steps(tmp_path, recipe, config, l
         assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
         assert any(e.get("name") == "aten::mm" for e in events)
         # The last profiled step is the run's last: its window ends with the epoch, so the
-        # checkpoint save after it is not in the trace (before the fix it was, with its finite
-        # check over every weight).
+        # checkpoint save after it (with its finite check over every weight) stays out of the
+        # trace.
         assert not any(e.get("name") == CHECKPOINT_SAVE_EVENT for e in events)

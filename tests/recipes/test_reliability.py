@@ -1,4 +1,4 @@
-"""Reliability end to end (issue 13): unsafe checkpoints refused, non-finite steps caught.
+"""Reliability end to end: unsafe checkpoints refused, non-finite steps caught.
 
 Tiny full fine-tunes on the CPU; each test states the fault it injects and what must hold.
 """
@@ -56,7 +56,8 @@ def test_resume_refuses_a_malicious_recipe_state_and_runs_nothing(tmp_path):
 
 
 def test_a_huge_lr_stops_at_the_first_nan_step_without_saving(tmp_path):
-    """The issue's example: optimizer.lr=1e10 used to train on NaN and save a NaN checkpoint."""
+    """optimizer.lr=1e10 makes the loss NaN within steps: the run stops there, and no NaN
+    checkpoint is written."""
     out = tmp_path / "run"
     proc = run_recipe(*FULL, out, ["max_steps_per_epoch=6", "optimizer.lr=1e10"], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]

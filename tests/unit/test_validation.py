@@ -188,7 +188,7 @@ CASES = [
     ("tiny/full_single_device", ["low_cpu_ram=True"],
      "low_cpu_ram=True: building the merged model at save time with little CPU memory is not "
      "implemented by full_finetune_single_device"),
-    # the offload flags are bools (1 and "yes" used to pass validate)
+    # the offload flags are bools (1 and "yes" are not)
     ("tiny/full_single_device", ["enable_activation_offloading=1"],
      "enable_activation_offloading=1: expected True or False"),
     ("tiny/lora_distributed", ['enable_activation_offloading="yes"'],
@@ -575,7 +575,7 @@ DISTRIBUTED_CONFIGS = {
     (["~fsdp_cpu_offload", "fsdp.cpu_offload=True"], True),
     (["fsdp_cpu_offload=True", "fsdp.cpu_offload=True"], True),
     (["fsdp=null"], False),
-    # what validate used to pass (a warning) and the run then refused
+    # the two spellings of CPU offload disagree: refused, as the run refuses them
     (["fsdp.cpu_offload=False", "fsdp_cpu_offload=True"], None),
     (["fsdp.foo=1"], None),
     (["fsdp=3"], None),
@@ -720,8 +720,8 @@ def test_cudnn_deterministic_mode_false_is_not_off_in_torchtune():
 
 @pytest.mark.unit
 def test_an_ignored_section_without_the_deciding_field_is_shown_whole(capsys, monkeypatch):
-    # A single-device recipe ignores `fsdp`; its warning used to read "fsdp.cpu_offload=None"
-    # for a section that has no cpu_offload at all.
+    # A single-device recipe ignores `fsdp`; its warning shows the section as written, not a
+    # made-up "fsdp.cpu_offload=None" for a section that has no cpu_offload at all.
     from tune_recipes import validation
 
     monkeypatch.setattr(validation, "_WARNED", set())
@@ -741,8 +741,8 @@ def test_an_ignored_section_without_the_deciding_field_is_shown_whole(capsys, mo
 ])
 def test_validate_checks_output_dir_for_the_resume_as_the_recipe_does(config, resume, folders,
                                                                        fragment, tmp_path, capsys):
-    """`tune validate` used to pass a resume with nothing to resume (or a fresh run beside an
-    earlier run's step_<n>/) that `tune run` then refused; both now give the recipe's error."""
+    """`tune validate` refuses a resume with nothing to resume (or a fresh run beside an
+    earlier run's step_<n>/) with the recipe's own error, as `tune run` would."""
     from tune_recipes.training.setup.recipe import load_checkpoint
 
     for name in folders:

@@ -167,8 +167,8 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
             metric_logger.drop_rows_after(resume_step)
     # log_level (torchtune's key): WARNING or quieter turns the progress bar off too.
     quiet = str(cfg.get("log_level", "INFO")).upper() in ("WARNING", "WARN", "ERROR", "CRITICAL")
-    # SYNC_LOGGING_ENV=1: every logged step waits for the device (no one-step lag on CUDA);
-    # for measuring what the lag buys (scripts/bench_recipes.py), not a setting.
+    # SYNC_LOGGING_ENV=1: every logged step waits for the device (no one-step lag on CUDA); for
+    # measuring what the lag buys (bench_recipes.py --env TUNE_RECIPES_SYNC_LOGGING=1), not a setting.
     lag = False if os.environ.get(SYNC_LOGGING_ENV) == "1" else None
     return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
                         cfg.get("log_peak_memory_stats", False), is_main=is_main,

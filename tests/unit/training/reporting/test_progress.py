@@ -232,7 +232,7 @@ def test_cuda_rows_never_drain_the_queue():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     # The ops' first launches load their kernels, which waits for the device: not the
-    # reporter's doing (scripts/diag_lag.py showed the drain at the first torch.full).
+    # reporter's doing (a trace shows the drain at the first torch.full).
     torch.cuda._sleep(1000)
     (torch.full((), 1.0, device="cuda") * 2).item()
     log = _Log()
@@ -262,7 +262,7 @@ def test_cuda_rows_never_drain_the_queue():
 ])
 def test_a_run_that_dies_mid_epoch_still_writes_its_last_logged_row(tmp_path, ending, returncode):
     """The lagging reporter holds step 2's row when step 3 stops the run; the row reaches
-    metrics.jsonl at exit (it used to be lost: the run never reaches close())."""
+    metrics.jsonl at exit, although the run never reaches close()."""
     script = f"""
 import sys
 import torch

@@ -93,8 +93,8 @@ def test_the_order_is_torchs_distributed_sampler_order():
 
 
 def test_a_single_packed_dataset_gets_the_packed_collate():
-    """torchtune's PackedDataset has no ``packed`` attribute: a single packed dataset used to be
-    padded like an unpacked one (no block-causal mask, no per-document positions)."""
+    """torchtune's PackedDataset has no ``packed`` attribute: a single packed dataset still gets
+    the packed collate (a block-causal mask and per-document positions), not padding."""
     from torchtune.data import padded_collate_packed
     from torchtune.datasets import PackedDataset
 
