@@ -9,6 +9,7 @@ differs every step). A rank SIGKILLed mid-epoch under ``--max_restarts 1`` with
 ``step_<n>/``, and the run ends with the weights of an uninterrupted one, no step logged twice.
 """
 
+import json
 import os
 import signal
 import socket
@@ -97,30 +98,49 @@ def _rank_of(pid: int):
     return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
 
 
+def _logged_steps(path) -> list:
+    """Steps of metrics.jsonl's training rows so far (a line being written is skipped)."""
+    steps = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return steps
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
 def test_a_killed_rank_is_restarted_and_the_run_resumes_from_its_newest_checkpoint(tmp_path):
-    """SIGKILL of rank 1 after the first mid-epoch checkpoint: torchrun (--max_restarts 1)
-    restarts both ranks, resume_from_checkpoint=auto finds step_<n>/, and the run finishes
-    with the uninterrupted run's weights; the lock of the killed round is taken over and
-    every step is logged once."""
-    args = ["max_steps_per_epoch=8", "lr_scheduler.num_warmup_steps=1", "save_every_n_steps=2",
+    """SIGKILL of rank 1 once a step past the newest mid-epoch checkpoint is logged: torchrun
+    (--max_restarts 1) restarts both ranks, resume_from_checkpoint=auto finds that step_<n>/,
+    the rows logged after it are dropped and logged again by the resumed run, and the run
+    finishes with the uninterrupted run's weights, every step logged once, the lock released."""
+    args = ["max_steps_per_epoch=8", "lr_scheduler.num_warmup_steps=1", "save_every_n_steps=3",
             "resume_from_checkpoint=auto"]
     run_dist(2, "full_finetune_distributed", "tiny/full_distributed", tmp_path / "straight", args)
     out, log = tmp_path / "killed", tmp_path / "killed.log"
     proc = _launch(["--nproc_per_node", "2", "--max_restarts", "1", "full_finetune_distributed",
                     "--config", "tiny/full_distributed", f"output_dir={out}", *args], out, log)
-    deadline, killed = time.monotonic() + 300, None
+    deadline, killed, at_kill = time.monotonic() + 300, None, None
     while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        if (out / "step_2").is_dir():
+        saved = [int(d.name[5:]) for d in out.glob("step_*") if d.name[5:].isdigit()]
+        logged = _logged_steps(out / "metrics.jsonl")
+        if saved and logged and max(saved) < max(logged) < 8:
             ranks = {_rank_of(p): p for p in _children(proc.pid)}
             if 1 in ranks:
                 os.kill(ranks[1], signal.SIGKILL)
-                killed = ranks[1]
-        time.sleep(0.02)
+                killed, at_kill = ranks[1], (max(saved), max(logged))
+        time.sleep(0.01)
     assert killed is not None, log.read_text()[-4000:]
     _wait([proc], [log])
     text = log.read_text()
     assert "resuming from" in text and "/step_" in text.split("resuming from")[1].split("\n")[0]
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    assert steps == list(range(1, 9)), steps
+    assert steps == list(range(1, 9)), (steps, at_kill)  # a row past the checkpoint, not twice
     assert_same_weights(weights(out), weights(tmp_path / "straight"), rtol=0, atol=0)
     assert not (out / ".lock").exists()

@@ -295,6 +295,9 @@ _FULL = ["full_finetune_distributed", "--config", "tiny/full_distributed"]
     (["--nnodes", "2", "--node_rank", "2", "--master_addr", "h", "--master_port", "29500"],
      "--node_rank 2: expected 0 to 1 for --nnodes 2"),
     (["--nnodes", "1:2", "--master_addr", "h"], "--nnodes 1:2: a range needs --rdzv_backend c10d"),
+    # torchrun itself accepts this; every node would take rank 0 and wait for ever
+    (["--nnodes", "2", "--rdzv_endpoint", "localhost:29500"],
+     "--nnodes 2 with the static rendezvous: give each node its own --node_rank"),
     (["--nproc_per_node", "gpu"], "--nproc_per_node gpu: this machine has no CUDA device"),
     (["--nproc-per-node", "lots"], "--nproc_per_node lots: expected a number of processes, or gpu"),
     (["--nproc_per_node", "0"], "--nproc_per_node 0: expected an integer >= 1"),
@@ -346,6 +349,21 @@ def test_launcher_arguments_reach_torchrun(launcher, expected, monkeypatch, tmp_
     assert argv[:argv.index("-m")] == expected
     assert argv[argv.index("-m"):][:3] == ["-m", "tune_recipes._cli.launch",
                                            str(registry.resolve_recipe(_FULL[0]).path)]
+
+
+@pytest.mark.parametrize("resume, warns", [("False", True), ("auto", False), ("True", False)])
+def test_restarts_without_a_resume_setting_warn_that_a_round_starts_over(resume, warns, monkeypatch,
+                                                                         tmp_path, capsys):
+    started = _no_torchrun(monkeypatch)
+    (tmp_path / "epoch_0").mkdir()  # something to resume, so resume_from_checkpoint=True validates
+    (tmp_path / "epoch_0" / "recipe_state.pt").write_bytes(b"")
+    rc = main(["run", "--nproc_per_node", "2", "--max_restarts", "1", *_FULL,
+               f"output_dir={tmp_path}", f"resume_from_checkpoint={resume}"])
+    err = capsys.readouterr().err
+    if rc == 0:
+        assert started
+    assert ("--max_restarts 1 with resume_from_checkpoint=False" in err) == warns, err
+    assert not warns or "set resume_from_checkpoint=auto" in err
 
 
 def test_without_launcher_arguments_the_recipe_runs_in_this_process(monkeypatch, tmp_path):

@@ -154,6 +154,7 @@ class Launch:
     nproc_per_node: int
     min_nodes: int
     max_nodes: int
+    max_restarts: int = 0
 
 
 def _local_world_size(value: str) -> int:
@@ -256,13 +257,22 @@ def plan_launch(args: argparse.Namespace) -> Optional[Launch]:
         if static and min_nodes != max_nodes:
             raise ConfigError(f"--nnodes {ns.nnodes}: a range needs --rdzv_backend c10d "
                               "(the static rendezvous takes a fixed number of nodes)")
+        node_rank_given = hasattr(args, "node_rank") or "PET_NODE_RANK" in os.environ
+        if static and not node_rank_given:
+            # NOTE: torchrun accepts this, and every node then takes rank 0 and waits for ever
+            # for the others at its own store.
+            raise ConfigError(
+                f"--nnodes {ns.nnodes} with the static rendezvous: give each node its own "
+                f"--node_rank (0 to {max_nodes - 1}), or meet with --rdzv_backend c10d "
+                "--rdzv_endpoint HOST:PORT --rdzv_id JOB")
     argv = list(given)
     if max_nodes == 1 and not ns.standalone and not ns.rdzv_endpoint \
             and ns.master_port is None and not master_addr_given:
         # One node, nowhere to meet given: a local rendezvous on a free port (two runs on one
         # machine never collide), torchrun's --standalone.
         argv.append("--standalone")
-    return Launch(argv=argv, nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes)
+    return Launch(argv=argv, nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
+                  max_restarts=ns.max_restarts)
 
 
 def exit_without_finalization(code: int = 0) -> None:
@@ -292,7 +302,11 @@ def separate_restart_rounds() -> None:
     dead processes' addresses: the new round fails with "Gloo connectFullMesh failed ...
     Connection refused" (reproduced with plain torchrun and a ten-line script). The ``env://``
     handler that ``init_process_group`` uses is wrapped to prefix the store with the round
-    (``TORCHELASTIC_RESTART_COUNT``); the first round is left exactly as torch makes it.
+    (``TORCHELASTIC_RESTART_COUNT``); the first round is left exactly as torch makes it. torch's
+    own ``_create_c10d_store`` assumes a new store per retry, which the agent store is not.
+    That count is kept per node (a healthy node restarted with a failed one does not count),
+    so across several nodes the prefixes can disagree: restarts are tested on one node only
+    (docs/multinode.md, "Known gap").
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -304,7 +318,9 @@ def separate_restart_rounds() -> None:
     # The module (torch.distributed.rendezvous is also the name of a function).
     rdzv = importlib.import_module("torch.distributed.rendezvous")
 
-    env_handler = rdzv._rendezvous_handlers["env"]
+    env_handler = getattr(rdzv, "_rendezvous_handlers", {}).get("env")
+    if env_handler is None:  # torch's private registry moved: leave rendezvous as torch makes it
+        return
 
     def per_round(url: str, **kwargs):
         for store, rank, world_size in env_handler(url, **kwargs):

@@ -67,6 +67,12 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
                   nproc_per_node=launch.nproc_per_node if launch else None,
                   nodes=launch.max_nodes if launch else 1)
     recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
+    if launch is not None and launch.max_restarts > 0 \
+            and cfg.get("resume_from_checkpoint", False) not in (True, "auto"):
+        print(f"tune: warning: --max_restarts {launch.max_restarts} with resume_from_checkpoint="
+              f"{cfg.get('resume_from_checkpoint', False)}: a restarted round starts the run over "
+              "(or stops beside the first round's checkpoints); set resume_from_checkpoint=auto "
+              "to continue from the newest checkpoint", file=sys.stderr)
     if launch is not None:
         return _run_under_torchrun(launch, recipe_argv, cfg.get("output_dir"))
     # Recipes are scripts (not importable modules): run the file as __main__ in this process.

@@ -4,10 +4,12 @@ Two runs writing one ``output_dir`` interleave ``metrics.jsonl`` and overwrite e
 checkpoints. The second run stops with one line naming the first one's pid. A lock whose
 process is gone (killed, crashed) on this host is stale and taken over.
 
-Under torchrun the lock also records the job (``TORCHELASTIC_RUN_ID``) and its restart count:
-after a rank dies, torchrun restarts every process (``--max_restarts``), and rank 0 of the new
-round takes over the lock of an earlier round of the same job, even where that one ran on
-another node (whose pid cannot be checked from here) or its pid is not yet gone.
+Under torchrun the lock also records the job (``TORCHELASTIC_RUN_ID``, torchrun's
+``--rdzv_id``): after a rank dies, torchrun restarts every process (``--max_restarts``), and rank
+0 of the new round takes over the lock of the same job, even where the earlier round's rank 0 ran
+on another node (whose pid cannot be checked from here). A job's rounds are told apart by the
+holder, not by a restart count: torchrun counts restarts per node, so nodes disagree on it.
+torchrun's default id ``none`` (static rendezvous without ``--rdzv_id``) names no job.
 """
 
 import atexit
@@ -32,14 +34,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _elastic_round() -> dict:
-    """This torchrun job's id and restart count (``{}`` outside torchrun)."""
+def _elastic_job() -> dict:
+    """This torchrun job's id (``{}`` outside torchrun, or under torchrun's default id ``none``,
+    which every job without ``--rdzv_id`` shares)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
-    try:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        restart = 0
-    return {"job": job, "round": restart} if job else {}
+    return {"job": job} if job and job != "none" else {}
 
 
 class OutputDirLock:
@@ -48,7 +47,7 @@ class OutputDirLock:
         self.held = False
 
     def acquire(self) -> "OutputDirLock":
-        me = {"host": socket.gethostname(), "pid": os.getpid(), **_elastic_round()}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), **_elastic_job()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -99,11 +98,11 @@ class OutputDirLock:
 
     @staticmethod
     def _stale(owner: dict) -> bool:
-        job = _elastic_round()
-        if job and owner.get("job") == job["job"] and isinstance(owner.get("round"), int) \
-                and owner["round"] < job["round"]:
-            # An earlier round of this torchrun job: torchrun stopped every process of it
-            # before starting this round.
+        job = _elastic_job()
+        if job and owner.get("job") == job["job"] and owner.get("host") != socket.gethostname():
+            # This job's lock from another node: a round has one rank 0, so the holder belongs
+            # to an earlier round, which torchrun stopped before starting this one. (On this
+            # host the pid check below tells.)
             return True
         if owner.get("host") != socket.gethostname():
             return False  # another machine's process: cannot tell, assume alive

@@ -1,5 +1,6 @@
 """The output_dir lock across torchrun restarts (lock.py): rank 0 of a restarted round takes
-over the lock of an earlier round of the same job, wherever that one ran; nothing else does."""
+over its job's lock, wherever the earlier round's rank 0 ran, whatever restart count each node
+keeps; nothing else does."""
 
 import json
 import os
@@ -17,21 +18,25 @@ def _owner(tmp_path, **fields):
     (tmp_path / LOCK_FILE).write_text(json.dumps(fields))
 
 
-@pytest.mark.parametrize("job, round_, taken", [
-    ("job7", 0, True),    # the round before this one: torchrun stopped it
-    ("job7", 1, False),   # this round (another rank 0 of it would be a second run)
-    ("other", 0, False),  # another job
+@pytest.mark.parametrize("job, host, taken", [
+    # This job's lock from another node: an earlier round's rank 0 (a round has one), whatever
+    # restart count that node kept (torchrun counts per node: healthy nodes do not count).
+    ("job7", "node-that-died", True),
+    # This host, a live process of this job: not an earlier round (torchrun stopped those).
+    ("job7", "this-host", False),
+    ("other", "node-that-died", False),  # another job
+    ("none", "node-that-died", False),   # torchrun's default id: every job without --rdzv_id
 ])
-def test_a_restarted_round_takes_over_its_jobs_lock(tmp_path, monkeypatch, job, round_, taken):
-    # Another host's live-looking process: only the job and round can tell it is gone.
-    _owner(tmp_path, host="node-that-died", pid=1, job=job, round=round_)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+def test_a_restarted_round_takes_over_its_jobs_lock(tmp_path, monkeypatch, job, host, taken):
+    host = socket.gethostname() if host == "this-host" else host
+    pid = os.getppid()  # alive, so on this host only the job could make it stale
+    _owner(tmp_path, host=host, pid=pid, **({"job": job} if job != "none" else {}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job if job == "none" else "job7")
     lock = OutputDirLock(tmp_path)
     if taken:
         lock.acquire()
         mine = json.loads((tmp_path / LOCK_FILE).read_text())
-        assert mine["pid"] == os.getpid() and mine["job"] == "job7" and mine["round"] == 1
+        assert mine["pid"] == os.getpid() and mine["job"] == "job7"
         lock.release()
     else:
         with pytest.raises(ConfigError, match="in use by another run"):
@@ -40,7 +45,7 @@ def test_a_restarted_round_takes_over_its_jobs_lock(tmp_path, monkeypatch, job, 
 
 def test_outside_torchrun_a_lock_of_another_host_is_never_taken(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    _owner(tmp_path, host="elsewhere", pid=1, job="job7", round=0)
+    _owner(tmp_path, host="elsewhere", pid=1, job="job7")
     with pytest.raises(ConfigError, match="in use by another run"):
         OutputDirLock(tmp_path).acquire()
 
