@@ -17,11 +17,19 @@ from helpers import _env, tune_cmd
 pytestmark = pytest.mark.integration
 
 
+def _default_sigint():
+    # NOTE: keep. A test run started in the background (`cmd &` in a script, as CI may) ignores
+    # SIGINT, and an ignored SIGINT is inherited: `tune` then (rightly, as under nohup) never
+    # sees Ctrl-C. A terminal's `tune` has the default disposition; so does this child.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp_path, *overrides):
     return subprocess.Popen(
         [*tune_cmd(), "run", "full_finetune_single_device", "--config", "tiny/full_single_device",
          f"output_dir={tmp_path / 'out'}", *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        preexec_fn=_default_sigint)
 
 
 def _wait_for_the_handlers(proc, timeout=120.0):
@@ -96,7 +104,7 @@ def test_ctrl_c_under_torchrun_is_one_line_with_the_launch_to_resume(tmp_path):
          "tiny/full_distributed", f"output_dir={out}", "max_steps_per_epoch=1000",
          "save_every_n_steps=2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-        start_new_session=True)
+        start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None and not (out / "step_2").is_dir():
         time.sleep(0.05)
