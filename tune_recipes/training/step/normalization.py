@@ -256,7 +256,8 @@ class StepLossNormalizer:
         """
         num_tokens = int(num_tokens)
         if num_tokens <= 0 and not self.distributed:
-            raise RuntimeError(
+            # A data problem, not a bug: one line (ConfigError), naming where and what to change.
+            raise ConfigError(
                 f"Batch at {where or 'this step'} has no unmasked label token, so its mean loss "
                 "is 0/0. Every example was truncated before its response or fully masked: raise "
                 "tokenizer.max_seq_len, set train_on_input=True, or filter such examples from "

@@ -109,7 +109,7 @@ def test_all_masked_batch_raises_same_error_on_both_paths(normalizer):
     x, y = _batch(8, 0, seed=3)
     model = _model()
     loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(ConfigError) as err:
         normalizer.loss_to_backward(loss, int((y != IGNORE).sum()), where="epoch 2, step 7")
     msg = str(err.value)
     assert "epoch 2, step 7" in msg and "max_seq_len" in msg and "no unmasked" in msg
@@ -118,7 +118,7 @@ def test_all_masked_batch_raises_same_error_on_both_paths(normalizer):
 def test_all_masked_error_text_is_identical_across_paths():
     msgs = []
     for norm in (StepLossNormalizer(1), StepLossNormalizer(3), _forced_rescale()):
-        with pytest.raises(RuntimeError) as err:
+        with pytest.raises(ConfigError) as err:
             norm.loss_to_backward(torch.tensor(float("nan")), 0, where="epoch 0, step 1")
         msgs.append(str(err.value))
     assert len(set(msgs)) == 1
@@ -337,3 +337,4 @@ def test_fused_loss_backward_reads_nothing_from_the_device(monkeypatch, ga, in_b
     assert reads == []
     for a, r in zip(_grads(model), _reference_grads(batches)[0]):
         torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-7)
+
