@@ -1,6 +1,6 @@
 """Benchmark fused linear + cross-entropy implementations side by side (one CUDA GPU).
 
-    python3 scripts/bench_fused_ce.py --out results/fused_ce.json [--baseline DIR]
+    python3 scripts/bench_fused_ce.py --out results/fused_ce.json
 
 For each shape (bf16, V=128256, 30% ignored labels, grads for hidden and weight) and each input
 kind: median forward+backward time after warm-up, peak memory above the inputs, relative-L2
@@ -20,14 +20,9 @@ Input kinds (``make_inputs``):
   well above the rest, the largest logits are ~15-20 and the mean loss is ~1.9 (printed as
   ``ref_loss``). The labels of the first 30% of every 2048-token sequence (the prompt) are
   ignored. Here rounding the logits to bf16 before the softmax doubles the gradient error.
-
-``--baseline DIR`` adds an earlier version of our loss (by default named as the bf16-logits one),
-loaded from copies of its ``loss.py`` and ``_triton_ce.py`` in DIR (e.g. ``git show
-4f17736:tune_recipes/modules/loss.py``); ``--previous DIR`` another, named by ``--previous-label``.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import statistics
@@ -51,43 +46,6 @@ def ours(h, w, y):
 
 def ours_fp32(h, w, y):
     return fused_linear_cross_entropy(h, w, y, weight_grad_fp32=True)
-
-
-def ours_16_chunks(h, w, y):
-    # Smaller chunks: 359 rows (16 chunks instead of 9 at 8192 x 4096), for chunk-size studies.
-    return fused_linear_cross_entropy(h, w, y, chunk_size=359)
-
-
-_baseline = {}
-
-
-def load_baseline(path, key="baseline"):
-    """An earlier version of our loss, from copies of its two files (its kernel module is
-    loaded under another name so that the current one is untouched)."""
-    d = Path(path)
-    spec = importlib.util.spec_from_file_location(f"{key}_triton_ce", d / "_triton_ce.py")
-    tce = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tce)
-    sys.modules[f"{key}_triton_ce"] = tce
-    src = (d / "loss.py").read_text()
-    src = src.replace("from tune_recipes.modules import _triton_ce", f"import {key}_triton_ce as _triton_ce")
-    # Older copies import the ignore-index constant from where it lived then.
-    src = src.replace("from tune_recipes.training.normalization import", "from tune_recipes.constants import")
-    mod = type(sys)(f"{key}_loss")
-    exec(compile(src, str(d / "loss.py"), "exec"), mod.__dict__)
-    _baseline[key] = mod.fused_linear_cross_entropy
-
-
-def baseline(h, w, y):
-    if "baseline" not in _baseline:
-        raise ImportError(name="--baseline DIR not given")
-    return _baseline["baseline"](h, w, y)
-
-
-def previous(h, w, y):
-    if "previous" not in _baseline:
-        raise ImportError(name="--previous DIR not given")
-    return _baseline["previous"](h, w, y)
 
 
 def plain_eager(h, w, y):
@@ -126,11 +84,8 @@ def cce(h, w, y):
 
 
 METHODS = {
-    "baseline": ("tune-recipes fused, bf16 logits (--baseline)", baseline),
-    "previous": ("tune-recipes fused, an earlier version (--previous DIR)", previous),
     "ours": ("tune-recipes fused (default)", ours),
     "ours_fp32": ("tune-recipes fused, weight_grad_fp32=True", ours_fp32),
-    "ours_16": ("tune-recipes fused, chunk_size=359", ours_16_chunks),
     "eager": ("plain PyTorch eager", plain_eager),
     "compiled": ("plain PyTorch torch.compile", plain_compiled),
     "torchtune": ("torchtune 0.6.1 CEWithChunkedOutputLoss", torchtune_chunked),
@@ -288,17 +243,7 @@ def main():
                     help="shapes timed on every kind and also after idle pauses")
     ap.add_argument("--time-kinds", default="peaked",
                     help="kinds timed at the other shapes (the rest: one run for the errors)")
-    ap.add_argument("--baseline", default=None, help="directory with an earlier loss.py and _triton_ce.py (bf16 logits)")
-    ap.add_argument("--previous", default=None,
-                    help="directory with an earlier version's loss.py and _triton_ce.py")
-    ap.add_argument("--previous-label", default=None, help="the row label of --previous")
     args = ap.parse_args()
-    if args.previous_label:
-        METHODS["previous"] = (args.previous_label, previous)
-    if args.baseline:
-        load_baseline(args.baseline)
-    if args.previous:
-        load_baseline(args.previous, "previous")
     variants = set(args.variant_methods.split(","))
     rows = []
     for shape in args.shapes.split(","):
@@ -352,7 +297,6 @@ def main():
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
-        "baseline": args.baseline,
     }
     for mod in ("triton", "torchtune", "liger_kernel", "cut_cross_entropy"):
         try:
