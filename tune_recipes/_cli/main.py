@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
     recipe_argv = [str(recipe.path), "--config", str(config.path), *rest]
     if launch is not None and launch.max_restarts > 0 \
             and cfg.get("resume_from_checkpoint", False) not in (True, "auto"):
-        print(f"tune: warning: --max_restarts {launch.max_restarts} with resume_from_checkpoint="
+        print(f"warning: --max_restarts {launch.max_restarts} with resume_from_checkpoint="
               f"{cfg.get('resume_from_checkpoint', False)}: a restarted round starts the run over "
               "(or stops beside the first round's checkpoints); set resume_from_checkpoint=auto "
               "to continue from the newest checkpoint", file=sys.stderr)
