@@ -62,7 +62,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "compile_scope", "activation_memory_budget", "device", "dtype",
     "enable_activation_checkpointing",
     "ac_mode", "ac_option",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "log_level",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "padding_free", "log_level",
     "dataset_val", "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "low_cpu_ram",
     "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",

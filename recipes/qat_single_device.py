@@ -56,7 +56,7 @@ CONFIG_KEYS = {
     "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "ac_mode", "ac_option",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "padding_free",
     "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val", "batch_size_val",
     "run_val_every_n_steps", "on_nonfinite", "profiler",
     "save_every_n_steps", "keep_last_n_checkpoints",

@@ -6,3 +6,6 @@ CROSS_ENTROPY_IGNORE_INDEX = -100
 # The torch.profiler annotation around a checkpoint save (checkpointing/writer.py), which
 # scripts/trace_summary.py looks for: a profiled window holding one counts the save as training.
 CHECKPOINT_SAVE_EVENT = "tune_recipes.checkpoint_save"
+
+# The collate of unpacked batches unless a config names another (torchtune's: pad each row).
+DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"

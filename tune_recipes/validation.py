@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tune_recipes.constants import DEFAULT_COLLATE
+
 
 class ConfigError(ValueError):
     """A problem with a config file or override; the message names the file, key or value.
@@ -290,6 +292,7 @@ SCHEMA: List[Rule] = [
     Rule("fp8_transposed_weight_layers", integer(0)),
     Rule("custom_sharded_layers", optional(list_of(text))),
     Rule("collate_fn", text),
+    Rule("padding_free", boolean),
     Rule("clip_grad_norm", optional(number(0, exclusive=True, finite=False, strings=True))),
     Rule("optimizer.lr", number(0, exclusive=True)),
     Rule("optimizer.weight_decay", number(0)),
@@ -457,6 +460,22 @@ def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     if cfg.get("enable_fp8_training", False) is True and not str(cfg.get("device", "cuda")).startswith("cuda"):
         return (f"enable_fp8_training=True with device={cfg.device}: FP8 matmuls need a CUDA "
                 "GPU with compute capability >= 8.9; set enable_fp8_training=False")
+    return None
+
+
+def padding_free_problem(cfg: DictConfig) -> Optional[str]:
+    """``padding_free`` lays an unpacked micro-batch's rows end to end: with a packed dataset
+    there is nothing to lay out, and it replaces the padding ``collate_fn``."""
+    if cfg.get("padding_free", False) is not True:
+        return None
+    datasets = cfg.dataset if isinstance(cfg.get("dataset"), ListConfig) else [cfg.get("dataset")]
+    if any(hasattr(d, "get") and d.get("packed", False) is True for d in datasets):
+        return ("padding_free=True with dataset.packed=True: packed sequences have no padding to "
+                "remove; set padding_free=False or dataset.packed=False")
+    collate_fn = cfg.get("collate_fn", DEFAULT_COLLATE)
+    if collate_fn != DEFAULT_COLLATE:
+        return (f"padding_free=True with collate_fn={collate_fn}: padding-free batches are "
+                f"collated by tune_recipes.data.collate; leave collate_fn at {DEFAULT_COLLATE}")
     return None
 
 
@@ -947,6 +966,7 @@ CROSS_KEY: List[tuple] = [
     (("compile_optimizer_step", "optimizer"), compiled_step_problem),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
+    (("padding_free", "dataset"), padding_free_problem),
     (("enable_fp8_training", "model"), fp8_lora_problem),
     (("fp8_mlp_activations", "enable_fp8_training"), fp8_mlp_problem),
     (("enable_activation_offloading",), activation_offloading_problem),

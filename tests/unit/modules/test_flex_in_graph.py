@@ -27,19 +27,39 @@ def _doc_ids(lengths, s=64):
     return torch.cat([ids, torch.full((s - len(ids),), len(lengths))])
 
 
-def test_outside_compile_every_call_takes_the_fallback():
-    calls = []
+def test_outside_compile_a_block_mask_takes_flex_compiled_for_any_length(monkeypatch):
+    """Eagerly, a BlockMask goes to flex attention compiled with automatic dynamic shapes (one
+    compile for every later length, where torchtune's call compiles once a length); any other
+    mask goes to torchtune's call unchanged."""
+    import tune_recipes.modules.flex_in_graph as flex_in_graph
+
+    calls, flex_calls = [], []
 
     def fallback(q, k, v, mask=None, dropout_p=0.0, is_causal=True):
         calls.append((mask, dropout_p, is_causal))
         return q
 
+    monkeypatch.setattr(flex_in_graph, "_compiled_flex",
+                        lambda q, k, v, block_mask: flex_calls.append(block_mask) or k)
     call = _flex_call_traced_while_compiling(fallback)
     q, k, v = _qkv()
     block_mask = _document_mask(torch.stack([_doc_ids([20, 44]), _doc_ids([64])]))
-    assert call(q, k, v, mask=block_mask, dropout_p=0.0, is_causal=False) is q
+    assert call(q, k, v, mask=block_mask, dropout_p=0.0, is_causal=False) is k
     assert call(q, k, v, mask=None, dropout_p=0.1, is_causal=True) is q
-    assert calls == [(block_mask, 0.0, False), (None, 0.1, True)]
+    assert flex_calls == [block_mask]
+    assert calls == [(None, 0.1, True)]
+
+
+def test_the_eager_flex_compile_is_dynamic(monkeypatch):
+    import tune_recipes.modules.flex_in_graph as flex_in_graph
+
+    seen = {}
+    monkeypatch.setattr(flex_in_graph, "_compiled_flex", None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(fn=fn, **kw) or fn)
+    flex_in_graph._flex_compiled_for_any_length()
+    from torch.nn.attention.flex_attention import flex_attention
+    # dynamic unset: torch's automatic dynamic shapes (dynamic=False recompiles every length)
+    assert seen == {"fn": flex_attention}
 
 
 def _check_against_dense_reference(device, backward):
@@ -90,17 +110,17 @@ def test_every_attention_layer_gets_the_call_and_eager_outputs_are_unchanged(mon
     import torchtune.utils._import_guard as guard
 
     from tune_recipes.models import tiny_llama3
-    from tune_recipes.modules.flex_in_graph import trace_flex_attention_when_compiled
+    from tune_recipes.modules.flex_in_graph import route_flex_attention
 
     torch.manual_seed(0)
     model = tiny_llama3()
     tokens = torch.randint(0, 100, (2, 24))
     before = model(tokens)
     monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", True)
-    assert trace_flex_attention_when_compiled(model) == len(model.layers)
+    assert route_flex_attention(model) == len(model.layers)
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
     monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", False)
-    assert trace_flex_attention_when_compiled(tiny_llama3()) == 0
+    assert route_flex_attention(tiny_llama3()) == 0
 
 
 def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monkeypatch):
@@ -117,7 +137,7 @@ def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monk
     from torchtune.modules.attention_utils import create_block_causal_mask
 
     from tune_recipes.models import tiny_llama3
-    from tune_recipes.modules.flex_in_graph import trace_flex_attention_when_compiled
+    from tune_recipes.modules.flex_in_graph import route_flex_attention
 
     def block_mask(lens, seq_len):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
@@ -130,7 +150,7 @@ def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monk
     torch.manual_seed(0)
     model = tiny_llama3().eval()
     monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", True)
-    trace_flex_attention_when_compiled(model)
+    route_flex_attention(model)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager")

@@ -1,6 +1,7 @@
 """Dataset and dataloader, the same for every recipe."""
 
 from functools import partial
+from typing import Optional
 from pathlib import Path
 
 from omegaconf import ListConfig
@@ -8,11 +9,11 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config as tt_config
-from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
-from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
+from tune_recipes.data.collate import packed_collate, padding_free_collate
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -128,15 +129,25 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
             f"{key}.train_on_input=True to train on the prompts too")
 
 
-def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int):
-    """The batch collation for ``dataset``: packed sequences, or padding by ``collate_fn``."""
+def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int,
+                 padding_free: bool = False, max_seq_len: Optional[int] = None):
+    """The batch collation for ``dataset``: packed sequences with their document masks
+    (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
+    masks (``padding_free``: ``data.collate.padding_free_collate``); or padding by
+    ``collate_fn``."""
     # NOTE: torchtune's PackedDataset has no ``packed`` attribute (only its ConcatDataset sets
     # one): test the type too, or a single packed dataset is padded like an unpacked one and
     # its examples attend to each other across pack boundaries, silently.
     from torchtune.datasets import PackedDataset
 
     if isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False):
-        return padded_collate_packed
+        if padding_free:
+            raise ConfigError("padding_free=True with a packed dataset: its sequences are packed "
+                              "already; set padding_free=False or dataset.packed=False")
+        return packed_collate
+    if padding_free:
+        return partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
+                       max_seq_len=max_seq_len)
     if "left_pad_sequence" in collate_fn:
         raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
     fn = resolve_component(collate_fn, "collate_fn")
@@ -153,7 +164,7 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
 
     dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
-                           collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"))
+                           collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE))
     return DataLoader(shard_for_rank(dataset, world_size, rank),
                       batch_size=cfg.get("batch_size_val", None) or cfg.batch_size,
                       shuffle=False, collate_fn=collate, drop_last=False)
@@ -166,11 +177,13 @@ def build_dataloader(
     shuffle: bool,
     seed: int,
     pad_id: int,
-    collate_fn: str = "torchtune.data.padded_collate_sft",
+    collate_fn: str = DEFAULT_COLLATE,
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     world_size: int = 1,
     rank: int = 0,
     drop_last: bool = True,
+    padding_free: bool = False,
+    max_seq_len: Optional[int] = None,
 ) -> StatefulDataLoader:
     """A dataloader whose order depends only on (seed, epoch, rank), so a resumed run sees
     exactly the batches an uninterrupted one would.
@@ -181,7 +194,8 @@ def build_dataloader(
     next iterator continues after them (mid-epoch checkpoints, ``save_every_n_steps``).
     Plain ints and dicts, so the recipe state still loads with ``weights_only=True``.
     """
-    collate = make_collate(dataset, pad_id=pad_id, collate_fn=collate_fn, ignore_index=ignore_index)
+    collate = make_collate(dataset, pad_id=pad_id, collate_fn=collate_fn, ignore_index=ignore_index,
+                           padding_free=padding_free, max_seq_len=max_seq_len)
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )

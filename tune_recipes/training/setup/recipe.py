@@ -12,6 +12,7 @@ from torch import nn
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import ConfigError
+from tune_recipes.constants import DEFAULT_COLLATE
 from tune_recipes.training.checkpointing.io import (
     ADAPTER_FILE,
     RECIPE_STATE_FILE,
@@ -202,6 +203,7 @@ class DataAndSchedule:
 def setup_data_and_schedule(
     cfg: DictConfig, tokenizer, optimizer, state: RecipeState, *, ignore_index: int,
     resume: Optional[SavedState] = None, world_size: int = 1, rank: int = 0,
+    max_seq_len: Optional[int] = None,
 ) -> DataAndSchedule:
     """Dataset and dataloader (order from the seed, epoch and rank only), optimizer steps per
     epoch, the global step a run starts at, and the LR schedule positioned at that step.
@@ -210,6 +212,7 @@ def setup_data_and_schedule(
     (data order), ``max_steps_per_epoch`` and ``epochs_run`` must be in place before the
     dataloader and schedule are built, and its RNG restored after model init consumed it. A
     mid-epoch checkpoint also positions this rank's dataloader after the batches it consumed.
+    ``max_seq_len``: the most tokens the model takes in a row (``padding_free`` batches' rows).
     """
     if resume is not None:
         if resume.mid_epoch and len(resume.rank_states) != world_size:
@@ -224,8 +227,9 @@ def setup_data_and_schedule(
     dataloader = build_dataloader(
         build_dataset(cfg.dataset, tokenizer), batch_size=cfg.batch_size, shuffle=cfg.shuffle,
         seed=state.seed, pad_id=tokenizer.pad_id,
-        collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE),
         ignore_index=ignore_index, world_size=world_size, rank=rank,
+        padding_free=cfg.get("padding_free", False), max_seq_len=max_seq_len,
     )
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
                             state.max_steps_per_epoch, cfg.batch_size)
@@ -283,7 +287,8 @@ def setup_step_driver(
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
-                                   resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank)
+                                   resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
+                                   max_seq_len=getattr(model, "max_seq_len", None))
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
         optimizer_in_bwd=path.steps_in_backward,

@@ -25,5 +25,10 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_
 
 
 def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+    """The batch's tensors and its flex attention ``BlockMask`` (if any) on ``device``, copied
+    without waiting for the GPU."""
+    from tune_recipes.data.collate import is_block_mask, move_block_mask
+
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                else move_block_mask(v, device) if is_block_mask(v) else v)
             for k, v in batch.items()}

@@ -95,15 +95,15 @@ def test_the_order_is_torchs_distributed_sampler_order():
 def test_a_single_packed_dataset_gets_the_packed_collate():
     """torchtune's PackedDataset has no ``packed`` attribute: a single packed dataset still gets
     the packed collate (a block-causal mask and per-document positions), not padding."""
-    from torchtune.data import padded_collate_packed
     from torchtune.datasets import PackedDataset
 
+    from tune_recipes.data.collate import packed_collate
     from tune_recipes.training.setup.data import make_collate
 
     rows = [{"tokens": [1] * n, "labels": [1] * n} for n in (2, 3, 4)]
     packed = PackedDataset(rows, max_seq_len=8, padding_idx=0)
     assert make_collate(packed, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
-                        ignore_index=-100) is padded_collate_packed
+                        ignore_index=-100) is packed_collate
     batch = make_collate(packed, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
                          ignore_index=-100)([packed[0]])
     assert {"mask", "input_pos"} <= set(batch)

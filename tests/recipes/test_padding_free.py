@@ -1,0 +1,37 @@
+"""``padding_free: True``: an unpacked micro-batch's rows end to end with document masks trains
+exactly as the padded batch does (fp32, tiny, CPU)."""
+
+import pytest
+import torch
+
+from helpers import assert_same_weights, losses, run_recipe, tune, weights
+
+pytestmark = pytest.mark.integration
+STEPS = ["max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1"]
+
+
+@pytest.mark.parametrize("recipe,config,extra", [
+    ("full_finetune_single_device", "tiny/full_single_device", ["gradient_accumulation_steps=2", "batch_size=4"]),
+    ("lora_finetune_single_device", "tiny/lora_single_device", ["optimizer.lr=3e-3"]),
+])
+def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra):
+    run_recipe(recipe, config, tmp_path / "padded", [*STEPS, *extra])
+    proc = run_recipe(recipe, config, tmp_path / "free", [*STEPS, *extra, "padding_free=True"])
+    free, padded = losses(tmp_path / "free"), losses(tmp_path / "padded")
+    assert len(free) == 4
+    torch.testing.assert_close(torch.tensor(free), torch.tensor(padded), rtol=1e-5, atol=0)
+    if recipe.startswith("full"):
+        assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "padded"), rtol=1e-4, atol=1e-6)
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("override,named", [
+    ("dataset.packed=True", "padding_free=True with dataset.packed=True"),
+    ("collate_fn=torchtune.data.padded_collate_dpo", "padding_free=True with collate_fn="),
+    ("padding_free=3", "padding_free=3"),
+])
+def test_padding_free_conflicts_are_named(tmp_path, override, named):
+    proc = tune("run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+                f"output_dir={tmp_path}", "padding_free=True", override, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert named in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,171 @@
+"""Batches with document masks (tune_recipes.data.collate): the BlockMask built from lengths on
+the CPU, its move to the device, and padding-free micro-batches."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torchtune.data import padded_collate_sft
+
+from tune_recipes.data.collate import (
+    document_block_mask, document_ids, move_block_mask, packed_collate, padding_free_collate)
+from tune_recipes.training.step.batch import count_valid_tokens, shift_labels
+
+pytestmark = pytest.mark.unit
+
+# Rows of document lengths that put boundaries inside blocks, on block edges, one-token
+# documents, one document filling the row, and lengths summing short of the row (the rest is
+# padding: a document of its own).
+ROWS = [[300, 100, 500, 124], [1024], [1, 127, 128, 129, 639], [200, 56], [128] * 8]
+SEQ_LEN = 1024
+
+
+def _reference_mask(seq_lens, seq_len):
+    ids = document_ids(seq_lens, seq_len)
+
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (ids[b, q] == ids[b, kv])
+
+    return create_block_mask(mask_mod, len(seq_lens), None, seq_len, seq_len, device="cpu")
+
+
+def test_document_ids_number_each_rows_documents_and_the_padding_after_them():
+    ids = document_ids([[2, 3], [5]], 6)
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 1]]
+    with pytest.raises(ValueError, match="sum to 7 > sequence length 6"):
+        document_ids([[3, 4]], 6)
+
+
+def test_the_block_mask_from_lengths_is_torchs_block_mask_of_the_document_causal_mask():
+    """Block for block what flex attention's create_block_mask finds by evaluating the mask on
+    every token pair: which blocks are skipped, full or partial, in both directions."""
+    ours, ref = document_block_mask(ROWS, SEQ_LEN), _reference_mask(ROWS, SEQ_LEN)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert ours.seq_lengths == (SEQ_LEN, SEQ_LEN) and ours.BLOCK_SIZE == (128, 128)
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        document_block_mask([[100]], 100)
+
+
+def test_attention_under_the_block_mask_is_attention_under_the_dense_document_mask():
+    """Flex attention (its eager reference) with the mask built from lengths, against SDPA with
+    the dense document-causal mask, float64 (1e-12)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(len(ROWS), 2, SEQ_LEN, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out = flex_attention(q, k, v, block_mask=document_block_mask(ROWS, SEQ_LEN))
+    ids = document_ids(ROWS, SEQ_LEN)
+    pos = torch.arange(SEQ_LEN)
+    dense = (pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :])
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_moving_the_mask_moves_every_tensor_and_the_mask_mods_ids():
+    mask = document_block_mask(ROWS[:2], SEQ_LEN)
+    moved = move_block_mask(mask, torch.device("meta"))
+    assert isinstance(moved, BlockMask) and moved is not mask
+    tensors = [v for v in vars(moved).values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) >= 8 and all(t.device.type == "meta" for t in tensors)
+    assert moved.mask_mod.document_ids.device.type == "meta"
+    assert mask.kv_num_blocks.device.type == "cpu"  # the original is untouched
+
+
+def _rows(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        tokens = torch.randint(1, 250, (n,), generator=g)
+        labels = tokens.clone()
+        if i % 2:
+            labels[: n // 3] = -100  # a masked prompt; the others train on their first token too
+        rows.append({"tokens": tokens.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def test_padding_free_lays_rows_end_to_end_and_pads_to_the_block():
+    rows = _rows([50, 7, 120])
+    batch = padding_free_collate(rows, padding_idx=0, ignore_idx=-100)
+    assert batch["tokens"].shape == (1, 256)  # 177 tokens, up to a multiple of 128
+    assert batch["tokens"][0, :177].tolist() == sum((r["tokens"] for r in rows), [])
+    assert batch["tokens"][0, 177:].eq(0).all() and batch["labels"][0, 177:].eq(-100).all()
+    assert batch["input_pos"][0].tolist() == [*range(50), *range(7), *range(120), *range(79)]
+    # each example's first label is ignored: no example is scored on the next one's first token
+    for start in (0, 50, 57):
+        assert batch["labels"][0, start] == -100
+    assert padding_free_collate(rows, pad_to_multiple_of=64)["tokens"].shape == (1, 192)
+
+
+def test_padding_free_scores_exactly_the_padded_batchs_targets():
+    """The same (context, target) pairs as the padded batch after the recipes' shift: the same
+    token count, and the same multiset of targets."""
+    rows = _rows([50, 7, 120, 3, 64])
+    padded = padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)
+    free = padding_free_collate(rows, padding_idx=0, ignore_idx=-100)
+    assert count_valid_tokens(free["labels"]) == count_valid_tokens(padded["labels"])
+    targets = lambda labels: sorted(shift_labels(labels)[shift_labels(labels) != -100].tolist())  # noqa: E731
+    assert targets(free["labels"]) == targets(padded["labels"])
+
+
+def test_padding_free_logits_and_gradients_are_the_padded_batchs():
+    """The tiny Llama on a padded batch and on the same rows padding-free (the dense document
+    mask: no flex attention on the CPU): each example's logits, and the loss's gradients, equal
+    in fp32 (1e-5)."""
+    from tune_recipes.models import tiny_llama3
+
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    lengths = [50, 7, 120, 31]
+    rows = _rows(lengths, seed=1)
+    padded = padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)
+    free = padding_free_collate(rows, padding_idx=0, ignore_idx=-100)
+
+    def loss_and_grads(logits, labels):
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 shift_labels(labels).flatten(), ignore_index=-100)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits_p = model(padded["tokens"])
+    logits_f = model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"])
+    start = 0
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(logits_f[0, start:start + n], logits_p[i, :n], rtol=1e-5, atol=1e-5)
+        start += n
+    loss_p, grads_p = loss_and_grads(logits_p, padded["labels"])
+    loss_f, grads_f = loss_and_grads(model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"]),
+                                     free["labels"])
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-6, atol=0)
+    for gf, gp in zip(grads_f, grads_p):
+        torch.testing.assert_close(gf, gp, rtol=1e-5, atol=1e-6)
+
+
+def test_collates_give_a_block_mask_where_flex_attention_runs(monkeypatch):
+    """Where torchtune's attention takes flex (a CUDA GPU), packs and padding-free batches carry
+    the BlockMask built from lengths; elsewhere the dense boolean mask SDPA takes."""
+    import tune_recipes.data.collate as collate
+
+    rows = _rows([100, 200])
+    pack = {"tokens": torch.zeros(256, dtype=torch.long), "labels": torch.zeros(256, dtype=torch.long),
+            "input_pos": torch.zeros(256, dtype=torch.long), "seq_lens": torch.tensor([100, 156])}
+    dense = packed_collate([pack])["mask"]
+    assert dense.dtype == torch.bool and dense.shape == (1, 256, 256)
+    assert torch.equal(dense[0], torch.block_diag(torch.ones(100, 100), torch.ones(156, 156)).tril().bool())
+    monkeypatch.setattr(collate, "flex_available", lambda: True)
+    assert isinstance(packed_collate([pack])["mask"], BlockMask)
+    mask = padding_free_collate(rows)["mask"]
+    assert isinstance(mask, BlockMask)
+    assert torch.equal(mask.to_dense(), _reference_mask([[100, 200, 84]], 384).to_dense())
+
+
+def test_padding_free_fills_more_rows_where_the_model_takes_fewer_tokens():
+    rows = _rows([200, 150, 300, 10])
+    batch = padding_free_collate(rows, max_seq_len=384)
+    # 200+150 in the first row, 300+10 in the second: two rows of the model's 384 tokens
+    assert batch["tokens"].shape == (2, 384)
+    assert batch["input_pos"][1, :310].tolist() == [*range(300), *range(10)]
+    assert count_valid_tokens(batch["labels"]) == count_valid_tokens(
+        padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)["labels"])
+    assert padding_free_collate(rows, max_seq_len=4096)["tokens"].shape == (1, 768)

@@ -1,0 +1,179 @@
+"""Batches with document masks: packed sequences, and padding-free micro-batches.
+
+A packed sequence holds several examples one after another; each example attends only to its
+own earlier tokens (a block-causal "document" mask). On a GPU with flex attention the mask is a
+``BlockMask``; ``document_block_mask`` builds it on the CPU from the examples' lengths, in
+O((seq_len / 128)^2) work a row, where torchtune's collate evaluates the mask on every token pair
+on the GPU (a seq_len^2 tensor a row, and a host sync) each batch. The mask is moved to the
+device with the rest of the batch (``move_block_mask``, without a sync).
+
+``padding_free_collate`` lays the rows of an unpacked micro-batch end to end in one sequence
+with a document mask instead of padding each row to the longest: the same examples, the same
+(position, target) pairs scored, the same attention, without the padding's compute.
+"""
+
+import copy
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
+
+# flex attention's tile: a BlockMask describes the mask in blocks of this many queries x keys.
+FLEX_BLOCK = 128
+
+
+def flex_available() -> bool:
+    """Whether batches carry a ``BlockMask`` (flex attention) or a dense boolean mask: the test
+    torchtune's attention uses to pick flex over SDPA (a CUDA device of compute capability 7.5+)."""
+    from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
+
+    return bool(_SUPPORTS_FLEX_ATTENTION)
+
+
+def document_ids(seq_lens: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
+    """[rows, seq_len] int32: each position's document index within its row. Positions past a
+    row's last document (if its lengths sum to less than ``seq_len``) form one more document."""
+    ids = torch.empty(len(seq_lens), seq_len, dtype=torch.int32)
+    for row, lens in enumerate(seq_lens):
+        lens = [int(n) for n in lens if int(n) > 0]
+        total = sum(lens)
+        if total > seq_len:
+            raise ValueError(f"row {row}: document lengths sum to {total} > sequence length {seq_len}")
+        if total < seq_len:
+            lens.append(seq_len - total)
+        ids[row] = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32),
+                                           torch.tensor(lens))
+    return ids
+
+
+def _document_causal(doc_ids: torch.Tensor):
+    """The mask_mod: a query sees the keys at or before it in its own document."""
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    # NOTE: read by move_block_mask, which rebuilds this function around the ids on the device
+    # the batch goes to: flex attention evaluates the mask_mod where q, k and v are.
+    document_causal.document_ids = doc_ids
+    return document_causal
+
+
+def _first_true_indices(flags: torch.Tensor):
+    """(count, indices) of each last-dim row's True entries, the True ones first in order."""
+    count = flags.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count, order
+
+
+def document_block_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
+    """The block-causal document mask of rows whose documents have lengths ``seq_lens`` (a list
+    per row), as a flex attention ``BlockMask`` on the CPU, built from the lengths alone.
+
+    A (query block, key block) pair is skipped when no query in it may see any key in it: keys
+    after the queries, or only other documents. It is "full" (no mask_mod evaluated) when both
+    blocks lie inside one document and the keys come before the queries; else "partial"."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if seq_len % FLEX_BLOCK:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of {FLEX_BLOCK}")
+    ids = document_ids(seq_lens, seq_len)
+    blocks = ids.view(ids.shape[0], -1, FLEX_BLOCK)
+    first, last = blocks[..., 0], blocks[..., -1]  # documents are contiguous: a block spans first..last
+    n = blocks.shape[1]
+    q = torch.arange(n).view(1, n, 1)
+    kv = torch.arange(n).view(1, 1, n)
+    # Key block j (j <= i) holds a key some query of block i may see iff j's last document is
+    # not before i's first; on the diagonal every query sees itself.
+    visible = (kv <= q) & (last[:, None, :] >= first[:, :, None])
+    one_doc = first == last
+    full = (kv < q) & one_doc[:, :, None] & one_doc[:, None, :] & (first[:, :, None] == first[:, None, :])
+    partial = visible & ~full
+    kv_num, kv_idx = _first_true_indices(partial)
+    full_num, full_idx = _first_true_indices(full)
+    return BlockMask.from_kv_blocks(
+        kv_num[:, None], kv_idx[:, None], full_num[:, None], full_idx[:, None],
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=_document_causal(ids), seq_lengths=(seq_len, seq_len))
+
+
+def is_block_mask(value) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(value, BlockMask)
+
+
+def move_block_mask(mask, device: torch.device):
+    """``mask`` with its tensors copied to ``device`` without a host sync (``non_blocking``; a
+    BlockMask's own ``.to`` blocks on every tensor), and a document mask's mask_mod rebuilt
+    around its ids there. Works across torch versions: every tensor attribute moves."""
+    moved = copy.copy(mask)
+    for name, value in vars(mask).items():
+        if isinstance(value, torch.Tensor):
+            setattr(moved, name, value.to(device, non_blocking=True))
+    ids = getattr(mask.mask_mod, "document_ids", None)
+    if ids is not None:
+        moved.mask_mod = _document_causal(ids.to(device, non_blocking=True))
+    return moved
+
+
+def document_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
+    """The document mask in the form the model's attention takes on this machine: a
+    ``BlockMask`` where flex attention runs, else a dense [rows, seq_len, seq_len] boolean mask
+    (torchtune's, for SDPA)."""
+    if flex_available() and seq_len % FLEX_BLOCK == 0:
+        return document_block_mask(seq_lens, seq_len)
+    from torchtune.modules.attention_utils import create_block_causal_mask
+
+    ids = document_ids(seq_lens, seq_len)
+    lens = [torch.bincount(row.long()) for row in ids]
+    return create_block_causal_mask(lens)
+
+
+def packed_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Packs (torchtune's ``PackedDataset`` items: tokens, labels, input_pos, seq_lens, all one
+    length) stacked into a batch with their document mask."""
+    tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in batch])
+    return {"tokens": tokens,
+            "labels": torch.stack([torch.as_tensor(x["labels"]) for x in batch]),
+            "input_pos": torch.stack([torch.as_tensor(x["input_pos"]) for x in batch]),
+            "mask": document_mask([torch.as_tensor(x["seq_lens"]).tolist() for x in batch],
+                                  tokens.shape[1])}
+
+
+def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
+                         ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX,
+                         pad_to_multiple_of: int = FLEX_BLOCK,
+                         max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+    """An unpacked micro-batch as one row: its examples end to end, each attending only to
+    itself, then padding up to a multiple of ``pad_to_multiple_of`` tokens (a bounded set of
+    lengths for compiled graphs; flex attention's block). Where the examples together are
+    longer than the model takes (``max_seq_len``), they fill as many rows of at most that many
+    tokens as they need, in order.
+
+    Scores exactly what ``padded_collate_sft`` does: each example's first label is set to
+    ``ignore_idx``, so after the recipe's shift by one the last token of an example is not
+    scored on the next example's first token (in a padded batch it is scored on nothing)."""
+    rows: List[List[Dict[str, torch.Tensor]]] = [[]]
+    filled = 0
+    for x in batch:
+        t = torch.as_tensor(x["tokens"], dtype=torch.long)
+        y = torch.as_tensor(x["labels"], dtype=torch.long).clone()
+        y[:1] = ignore_idx
+        if max_seq_len is not None and rows[-1] and filled + len(t) > max_seq_len:
+            rows.append([])
+            filled = 0
+        rows[-1].append({"tokens": t, "labels": y})
+        filled += len(t)
+    longest = max(sum(len(x["tokens"]) for x in row) for row in rows)
+    length = -(-max(longest, 1) // pad_to_multiple_of) * pad_to_multiple_of
+    if max_seq_len is not None:
+        length = max(min(length, max_seq_len), longest)
+    tokens, labels, input_pos, seq_lens = [], [], [], []
+    for row in rows:
+        lens = [len(x["tokens"]) for x in row]
+        pad = length - sum(lens)
+        tokens.append(torch.cat([*(x["tokens"] for x in row), torch.full((pad,), padding_idx)]))
+        labels.append(torch.cat([*(x["labels"] for x in row), torch.full((pad,), ignore_idx)]))
+        seq_lens.append(lens + ([pad] if pad else []))
+        input_pos.append(torch.cat([torch.arange(n) for n in seq_lens[-1]]))
+    return {"tokens": torch.stack(tokens), "labels": torch.stack(labels),
+            "input_pos": torch.stack(input_pos), "mask": document_mask(seq_lens, length)}
