@@ -34,7 +34,8 @@
 #   daccept7b  the same: Qwen2.5-7B                                                      ~6 min
 #   profile    each side's best 1B step on packed rows under torch.profiler (steps 7-9), by
 #              kernel kind (its tokens/s include the profiler: not a speed row)          ~6 min
-# REPS=N changes the benchmark steps' repetitions. A+B runs step A on GPU 0 and step B on GPU 1
+# REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants.
+# A+B runs step A on GPU 0 and step B on GPU 1
 # at once (the nvidia-h200-x2 kind; 8 files come back: two benchmark steps), e.g. packed1b+packed8b.
 set -uo pipefail
 [ -n "${ONE_OF_TWO:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -55,8 +56,8 @@ cat "$W/machine.txt"
 # short keeps the rows before it in NAME.json), its table printed and its logs kept.
 bench() {
   local name=$1; shift
-  timeout 540 python3 scripts/bench_recipes.py --work $W --run-timeout 300 --out "$OUT/$name.json" \
-    "$@" > "$W/$name.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-540}" python3 scripts/bench_recipes.py --work $W --run-timeout 300 \
+    --out "$OUT/$name.json" ${ONLY:+--only "$ONLY"} "$@" > "$W/$name.log" 2>&1
   echo "bench_recipes.py exit $?"
   grep -h "^|\|^loss\|^checkpoint\|rror" "$W/$name.log" | cut -c1-300
   tar czf "$OUT/${name}_logs.tgz" "$W/machine.txt" "$W/$name.log" "$W"/*_rep*.log "$W"/*_rep*.yaml \
