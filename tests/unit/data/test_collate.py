@@ -169,3 +169,62 @@ def test_padding_free_fills_more_rows_where_the_model_takes_fewer_tokens():
     assert count_valid_tokens(batch["labels"]) == count_valid_tokens(
         padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)["labels"])
     assert padding_free_collate(rows, max_seq_len=4096)["tokens"].shape == (1, 768)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_moved_mask_gives_torchtunes_packed_attention_and_gradients():
+    """Compiled flex attention on CUDA with the mask built from lengths and moved, against the
+    same with torchtune's packed_block_causal_mask (built on the GPU): outputs and gradients,
+    fp32 (1e-5)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtune.modules.attention_utils import packed_block_causal_mask
+
+    flex = torch.compile(flex_attention)
+    ours = move_block_mask(document_block_mask(ROWS, SEQ_LEN), torch.device("cuda"))
+    lens = [torch.bincount(r.long()) for r in document_ids(ROWS, SEQ_LEN)]
+    ref = packed_block_causal_mask(lens)
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(len(ROWS), 4, SEQ_LEN, 64, generator=g).cuda() for _ in range(3)]
+    outs, grads = [], []
+    for mask in (ours, ref):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        out = flex(*leaves, block_mask=mask)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad for t in leaves])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_padding_free_batches_of_changing_length_give_the_padded_logits():
+    """The tiny Llama on CUDA, not compiled, its flex attention routed: padding-free batches of
+    four lengths give each example's logits of the padded batch (fp32, 1e-4: flex against SDPA
+    kernels), and flex attention compiles at most twice (automatic dynamic shapes)."""
+    from torch._dynamo.utils import counters
+
+    import tune_recipes.modules.flex_in_graph as flex_in_graph
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.modules.flex_in_graph import route_flex_attention
+    from tune_recipes.training.step.batch import to_device
+
+    torch.manual_seed(0)
+    model = tiny_llama3().cuda()
+    assert route_flex_attention(model) == len(model.layers)
+    flex_in_graph._compiled_flex = None
+    counters.clear()
+    for seed, lengths in enumerate(([50, 7, 120, 31], [200, 90], [33, 250, 17], [100] * 5)):
+        rows = _rows(lengths, seed=seed)
+        padded = to_device(padded_collate_sft(rows, padding_idx=0, ignore_idx=-100), torch.device("cuda"))
+        free = to_device(padding_free_collate(rows, max_seq_len=model.max_seq_len), torch.device("cuda"))
+        with torch.no_grad():
+            logits_p = model(padded["tokens"])
+            logits_f = model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"])
+        start = 0
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(logits_f[0, start:start + n], logits_p[i, :n], rtol=1e-4, atol=1e-4)
+            start += n
+    assert counters["stats"]["unique_graphs"] <= 2
