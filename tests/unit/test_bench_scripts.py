@@ -101,6 +101,7 @@ def test_the_summary_averages_reps_takes_ratios_to_stock_and_the_mfu(tmp_path, c
     assert stock["peak_alloc_gib"] == 21.0 and stock["peak_reserved_gib"] == 24.0  # the largest of the reps
     assert ours["runs"] == 1 and ours["failed_runs"] == 1
     assert ours["speed_vs_stock"] == 1.3 and ours["alloc_vs_stock"] == round(15 / 21, 3)
+    assert ours["label_speed_vs_stock"] == 1.3  # label tokens: 130 against stock's 100
     assert ours["reserved_vs_stock"] == 0.75
     assert ours["mfu"] == round(6 * 1e9 * 260 / 790e12, 3)  # 6 x params x tokens/s over 790 TFLOP/s
     lora = dict(rows[2], lora=True, ac=True)
@@ -111,7 +112,7 @@ def test_the_summary_averages_reps_takes_ratios_to_stock_and_the_mfu(tmp_path, c
     out = tmp_path / "r.json"
     bench.write_outputs({"meta": {"gpu": "cpu", "torch": "x", "date": "d"}, "rows": rows}, out)
     table = out.with_suffix(".md").read_text()
-    assert "| full_1b | ours: README fastest settings | 260 (260; 1 failed) | 130 | 1.3 | 15.0 | 18.0 |" in table
+    assert "| full_1b | ours: README fastest settings | 260 (260; 1 failed) | 130 | 1.3 | 1.3 | 15.0 | 18.0 |" in table
     assert "loss full_1b ours_best rep 0 vs stock over 2 steps: max rel diff 0.1, last-50 mean gap +3.333%" in table
     assert out.with_suffix(".png").exists() and json.loads(out.read_text())["summary"][1]["speed_vs_stock"] == 1.3
 
