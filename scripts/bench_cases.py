@@ -132,7 +132,8 @@ CASES = {
     "full_1b_padded": _case("1b", "padded", [
         _STOCK, _v("ours_best", "ours", "ours: padding-free, whole model compiled, fused CE (bf16)", **OURS_1B_PADDED),
         _v("ours_padded", "ours", "ours: the same on padded rows", **OURS_1B_PACKED),
-        _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS], warmup=20, window=40),
+        _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS],
+        warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,
                                               *_on_a_smaller_gpu(24, 1, OURS_8B_FP8)]),
     "lora_8b_packed": _case("8b_lora", "packed", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME]),
