@@ -46,9 +46,23 @@ def readme_fast_commands():
     return [c for c in commands if c[:2] == ["tune", "run"]]
 
 
+def _fast_config_overrides(config):
+    """(the base config, the keys a ``<base>_fast`` config changes): a fast config is its base
+    config with overrides, key for key (it may add keys, never drop one)."""
+    base = config.removesuffix("_fast")
+    fast = _flat(yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text()))
+    shipped = _flat(yaml.safe_load((REPO / "configs" / f"{base}.yaml").read_text()))
+    assert not set(shipped) - set(fast), f"{config} drops keys of {base}: {set(shipped) - set(fast)}"
+    return base, {k: v for k, v in fast.items() if k != "output_dir" and shipped.get(k, "<unset>") != v}
+
+
 def _parse(cmd):
+    """(recipe, the shipped config, the overrides of it): a ``_fast`` config's changes count as
+    overrides of its base config."""
     recipe, config = cmd[2], cmd[cmd.index("--config") + 1]
     overrides = {}
+    if config.endswith("_fast"):
+        config, overrides = _fast_config_overrides(config)
     for arg in cmd[cmd.index("--config") + 2:]:
         key, value = arg.split("=", 1)
         overrides[key] = yaml.safe_load(value)
@@ -111,6 +125,21 @@ def test_tune_validate_accepts_a_fast_command(key, capsys):
     cmd = _command(key)
     # --portable: the shipped configs point at /tmp/<model> and device cuda, absent here.
     assert main(["validate", "--portable", *cmd[cmd.index("--config") + 1:]]) == 0, capsys.readouterr().err
+
+
+def test_each_fast_config_is_its_base_config_with_overrides_and_says_what_it_measured():
+    """Every shipped ``*_fast`` config: the recipe of its base config, the base's keys all kept
+    (only values changed or keys added), and a header with its measured factor against stock."""
+    from tune_recipes._cli import registry
+
+    fast = [c for c in registry.list_configs() if c.endswith("_fast")]
+    assert fast
+    for config in fast:
+        base, overrides = _fast_config_overrides(config)
+        assert registry.recipe_for_config(config) == registry.recipe_for_config(base)
+        assert overrides, f"{config} changes nothing"
+        header = (REPO / "configs" / f"{config}.yaml").read_text().split("output_dir:")[0]
+        assert "x its tokens/s" in header and "torchtune 0.6.1" in header, config
 
 
 def test_the_readme_variants_of_the_lora_command_are_the_ones_measured():

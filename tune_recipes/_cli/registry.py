@@ -51,12 +51,18 @@ def list_configs() -> List[str]:
     return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
 
 
+# A config named ``<base>_fast`` is its base config with the benchmarked fastest settings.
+FAST_SUFFIX = "_fast"
+
+
 def recipe_for_config(config_name: str) -> Optional[str]:
     """The recipe a config is for, from its name or file path (``llama3_1/8B_lora_single_device``,
-    ``configs/llama3_1/8B_lora_single_device.yaml`` or a copy named alike); None if unknown."""
+    ``configs/llama3_1/8B_lora_single_device.yaml``, a ``..._fast`` variant, or a copy named
+    alike); None if unknown."""
     stem = Path(config_name).name
     if stem.endswith((".yaml", ".yml")):  # a path: the name without its suffix
         stem = stem.rsplit(".", 1)[0]
+    stem = stem.removesuffix(FAST_SUFFIX)
     for suffix in sorted(CONFIG_SUFFIX_TO_RECIPE, key=len, reverse=True):
         if stem == suffix or stem.endswith("_" + suffix):
             return CONFIG_SUFFIX_TO_RECIPE[suffix]
