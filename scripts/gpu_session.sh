@@ -55,9 +55,12 @@ cat "$W/machine.txt"
 # bench NAME ARGS...: one scripts/bench_recipes.py run (540 s at most, 300 s a run; a run cut
 # short keeps the rows before it in NAME.json), its table printed and its logs kept.
 bench() {
-  local name=$1; shift
+  local name=$1 args=(); shift
+  while [ $# -gt 0 ]; do  # ONLY=...: the named variants of the step's cases, preset or not
+    if [ -n "${ONLY:-}" ] && [ "$1" = --preset ]; then shift 2; else args+=("$1"); shift; fi
+  done
   timeout "${BENCH_TIMEOUT:-540}" python3 scripts/bench_recipes.py --work $W --run-timeout 300 \
-    --out "$OUT/$name.json" ${ONLY:+--only "$ONLY"} "$@" > "$W/$name.log" 2>&1
+    --out "$OUT/$name.json" ${ONLY:+--only "$ONLY"} "${args[@]}" > "$W/$name.log" 2>&1
   echo "bench_recipes.py exit $?"
   grep -h "^|\|^loss\|^checkpoint\|rror" "$W/$name.log" | cut -c1-300
   tar czf "$OUT/${name}_logs.tgz" "$W/machine.txt" "$W/$name.log" "$W"/*_rep*.log "$W"/*_rep*.yaml \
