@@ -34,7 +34,8 @@
 #   daccept7b  the same: Qwen2.5-7B                                                      ~6 min
 #   profile    each side's best 1B step on packed rows under torch.profiler (steps 7-9), by
 #              kernel kind (its tokens/s include the profiler: not a speed row)          ~6 min
-# REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants.
+# REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants;
+# BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py.
 # A+B runs step A on GPU 0 and step B on GPU 1
 # at once (the nvidia-h200-x2 kind; 8 files come back: two benchmark steps), e.g. packed1b+packed8b.
 set -uo pipefail
@@ -60,7 +61,7 @@ bench() {
     if [ -n "${ONLY:-}" ] && [ "$1" = --preset ]; then shift 2; else args+=("$1"); shift; fi
   done
   timeout "${BENCH_TIMEOUT:-540}" python3 scripts/bench_recipes.py --work $W --run-timeout 300 \
-    --out "$OUT/$name.json" ${ONLY:+--only "$ONLY"} "${args[@]}" > "$W/$name.log" 2>&1
+    --out "$OUT/$name.json" ${ONLY:+--only "$ONLY"} ${BENCH_ARGS:-} "${args[@]}" > "$W/$name.log" 2>&1
   echo "bench_recipes.py exit $?"
   grep -h "^|\|^loss\|^checkpoint\|rror" "$W/$name.log" | cut -c1-300
   tar czf "$OUT/${name}_logs.tgz" "$W/machine.txt" "$W/$name.log" "$W"/*_rep*.log "$W"/*_rep*.yaml \
