@@ -8,7 +8,7 @@ two (forward and backward), with a Python round trip between the halves. Calling
 ``flex_attention`` directly while torch.compile traces puts the same fused kernels inside the
 layer's (or the whole model's) graph instead: ``compile_scope: model`` then traces the whole
 forward as one graph. On the H200, Llama-3.2-1B full on packed instruction data ran 2% faster
-with it (docs/benchmarks.md, "On instruction data (packed) and as shipped").
+with it (docs/benchmarks.md, "On instruction data (packed, padded) and as shipped").
 
 Outside torch.compile (``compile: False``), torchtune's call compiles flex attention for one
 sequence length (``dynamic=False``): padding-free batches (``data.collate``), whose length
