@@ -108,6 +108,14 @@ def test_padding_free_scores_exactly_the_padded_batchs_targets():
     assert targets(free["labels"]) == targets(padded["labels"])
 
 
+def _assert_each_example(free_logits, padded_logits, lengths, tol):
+    """Each example's logits in the padding-free row equal its padded row's."""
+    start = 0
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(free_logits[0, start:start + n], padded_logits[i, :n], rtol=tol, atol=tol)
+        start += n
+
+
 def test_padding_free_logits_and_gradients_are_the_padded_batchs():
     """The tiny Llama on a padded batch and on the same rows padding-free (the dense document
     mask: no flex attention on the CPU): each example's logits, and the loss's gradients, equal
@@ -129,11 +137,8 @@ def test_padding_free_logits_and_gradients_are_the_padded_batchs():
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
     logits_p = model(padded["tokens"])
-    logits_f = model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"])
-    start = 0
-    for i, n in enumerate(lengths):
-        torch.testing.assert_close(logits_f[0, start:start + n], logits_p[i, :n], rtol=1e-5, atol=1e-5)
-        start += n
+    _assert_each_example(model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"]),
+                         logits_p, lengths, tol=1e-5)
     loss_p, grads_p = loss_and_grads(logits_p, padded["labels"])
     loss_f, grads_f = loss_and_grads(model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"]),
                                      free["labels"])
@@ -221,10 +226,6 @@ def test_on_cuda_padding_free_batches_of_changing_length_give_the_padded_logits(
         padded = to_device(padded_collate_sft(rows, padding_idx=0, ignore_idx=-100), torch.device("cuda"))
         free = to_device(padding_free_collate(rows, max_seq_len=model.max_seq_len), torch.device("cuda"))
         with torch.no_grad():
-            logits_p = model(padded["tokens"])
-            logits_f = model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"])
-        start = 0
-        for i, n in enumerate(lengths):
-            torch.testing.assert_close(logits_f[0, start:start + n], logits_p[i, :n], rtol=1e-4, atol=1e-4)
-            start += n
+            _assert_each_example(model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"]),
+                                 model(padded["tokens"]), lengths, tol=1e-4)
     assert counters["stats"]["unique_graphs"] <= 2
