@@ -35,3 +35,12 @@ def test_padding_free_conflicts_are_named(tmp_path, override, named):
                 f"output_dir={tmp_path}", "padding_free=True", override, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_padding_free_with_the_whole_model_compiled_warns(tmp_path):
+    proc = tune("validate", "tiny/full_single_device", "padding_free=True", "compile=True",
+                "compile_scope=model", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "padding_free=True with compile_scope=model" in said
+    quiet = tune("validate", "tiny/full_single_device", "padding_free=True", "compile=True", check=False)
+    assert "compile_scope=model" not in quiet.stdout + quiet.stderr
