@@ -1,7 +1,7 @@
 """The library's shape: layers import only downwards, and every module has its unit tests.
 
 Layers, bottom to top: constants, validation (the config schema), config, plotting, modules,
-training.reporting, training.step,
+data.collate (batches with document masks), training.reporting, training.step,
 training.losses, training.checkpointing, training.setup. A module may import its own package
 and anything below it; recipes sit on top and nothing imports them.
 """
@@ -20,6 +20,7 @@ LAYERS = [
     "tune_recipes.config",
     "tune_recipes.plotting",
     "tune_recipes.modules",
+    "tune_recipes.data.collate",
     "tune_recipes.training.reporting",
     "tune_recipes.training.step",
     "tune_recipes.training.losses",
@@ -44,6 +45,7 @@ TESTS = {
     "_cli/registry.py": "test_cli.py",
     "data/__init__.py": "test_tiny.py",
     "data/tiny.py": "test_tiny.py",
+    "data/collate.py": "data/test_collate.py",
     "data/synthetic.py": "test_tiny.py",
     "models/__init__.py": "test_tiny.py",
     "models/tiny.py": "test_tiny.py",
