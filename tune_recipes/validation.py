@@ -463,15 +463,18 @@ def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     return None
 
 
-def padding_free_problem(cfg: DictConfig) -> Optional[str]:
-    """``padding_free`` lays an unpacked micro-batch's rows end to end: with a packed dataset
-    there is nothing to lay out, and it replaces the padding ``collate_fn``."""
-    if cfg.get("padding_free", False) is not True:
-        return None
+def dataset_packed(cfg: DictConfig) -> bool:
+    """Whether ``dataset`` (or any dataset of its list) is packed."""
     datasets = cfg.dataset if isinstance(cfg.get("dataset"), ListConfig) else [cfg.get("dataset")]
-    if any(hasattr(d, "get") and d.get("packed", False) is True for d in datasets):
-        return ("padding_free=True with dataset.packed=True: packed sequences have no padding to "
-                "remove; set padding_free=False or dataset.packed=False")
+    return any(hasattr(d, "get") and d.get("packed", False) is True for d in datasets)
+
+
+def padding_free_problem(cfg: DictConfig) -> Optional[str]:
+    """``padding_free`` lays an unpacked micro-batch's rows end to end, replacing the padding
+    ``collate_fn``. (With a packed dataset it has nothing to do: a warning, see check_config,
+    so that ``dataset.packed=True`` works on the shipped configs, which set it.)"""
+    if cfg.get("padding_free", False) is not True or dataset_packed(cfg):
+        return None
     collate_fn = cfg.get("collate_fn", DEFAULT_COLLATE)
     if collate_fn != DEFAULT_COLLATE:
         return (f"padding_free=True with collate_fn={collate_fn}: padding-free batches are "
@@ -1193,6 +1196,10 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
     if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
         _warmup_warning(cfg)
+    if (keys is None or "padding_free" in keys) and cfg.get("padding_free", False) is True \
+            and dataset_packed(cfg):
+        _warn("padding_free=True has no effect with dataset.packed=True: packed sequences have "
+              "no padding to remove")
     if (keys is None or {"padding_free", "compile_scope"} <= keys) and cfg.get("padding_free", False) is True \
             and cfg.get("compile", False) is True and cfg.get("compile_scope", None) == "model":
         # Measured on an H200 (Llama-3.2-1B, docs/benchmarks.md): the whole-model graph, compiled

@@ -26,7 +26,6 @@ def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra):
 
 
 @pytest.mark.parametrize("override,named", [
-    ("dataset.packed=True", "padding_free=True with dataset.packed=True"),
     ("collate_fn=torchtune.data.padded_collate_dpo", "padding_free=True with collate_fn="),
     ("padding_free=3", "padding_free=3"),
 ])
@@ -44,3 +43,13 @@ def test_padding_free_with_the_whole_model_compiled_warns(tmp_path):
     assert proc.returncode == 0 and "padding_free=True with compile_scope=model" in said
     quiet = tune("validate", "tiny/full_single_device", "padding_free=True", "compile=True", check=False)
     assert "compile_scope=model" not in quiet.stdout + quiet.stderr
+
+
+def test_packing_a_shipped_config_that_sets_padding_free_warns_and_packs(tmp_path):
+    """The shipped configs set padding_free: True; dataset.packed=True on top packs (one line
+    says padding_free has nothing to do) rather than failing."""
+    proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
+                      ["padding_free=True", "dataset.packed=True", "max_steps_per_epoch=1"])
+    said = proc.stdout + proc.stderr
+    assert "padding_free=True has no effect with dataset.packed=True" in said
+    assert len(losses(tmp_path)) == 1

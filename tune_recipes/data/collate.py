@@ -74,9 +74,12 @@ def document_block_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
     blocks lie inside one document and the keys come before the queries; else "partial"."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    if seq_len % FLEX_BLOCK:
-        raise ValueError(f"sequence length {seq_len} is not a multiple of {FLEX_BLOCK}")
+    # A length that is not a multiple of the block: the ids run on to the next multiple (the
+    # extra positions join the last document; flex attention never reads past seq_len).
+    padded = -(-seq_len // FLEX_BLOCK) * FLEX_BLOCK
     ids = document_ids(seq_lens, seq_len)
+    if padded > seq_len:
+        ids = torch.cat([ids, ids[:, -1:].expand(-1, padded - seq_len)], dim=1)
     blocks = ids.view(ids.shape[0], -1, FLEX_BLOCK)
     first, last = blocks[..., 0], blocks[..., -1]  # documents are contiguous: a block spans first..last
     n = blocks.shape[1]
@@ -85,7 +88,8 @@ def document_block_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
     # Key block j (j <= i) holds a key some query of block i may see iff j's last document is
     # not before i's first; on the diagonal every query sees itself.
     visible = (kv <= q) & (last[:, None, :] >= first[:, :, None])
-    one_doc = first == last
+    # A block running past seq_len is never full (flex attention masks its outside positions).
+    one_doc = (first == last) & (torch.arange(1, n + 1) * FLEX_BLOCK <= seq_len)
     full = (kv < q) & one_doc[:, :, None] & one_doc[:, None, :] & (first[:, :, None] == first[:, None, :])
     partial = visible & ~full
     kv_num, kv_idx = _first_true_indices(partial)
@@ -119,7 +123,7 @@ def document_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
     """The document mask in the form the model's attention takes on this machine: a
     ``BlockMask`` where flex attention runs, else a dense [rows, seq_len, seq_len] boolean mask
     (torchtune's, for SDPA)."""
-    if flex_available() and seq_len % FLEX_BLOCK == 0:
+    if flex_available():
         return document_block_mask(seq_lens, seq_len)
     from torchtune.modules.attention_utils import create_block_causal_mask
 

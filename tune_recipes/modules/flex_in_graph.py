@@ -14,7 +14,8 @@ Outside torch.compile (``compile: False``), torchtune's call compiles flex atten
 sequence length (``dynamic=False``): padding-free batches (``data.collate``), whose length
 changes from batch to batch, would compile it again for each new length until torch's recompile
 limit, then fall back to the unfused reference. Here it is compiled with torch's automatic
-dynamic shapes instead: one compile for the first length, one more for all the others.
+dynamic shapes instead: a graph for the first length, then a dynamic-shape one for the others
+(inductor may split a size range once more).
 """
 
 from typing import Callable

@@ -43,8 +43,27 @@ def test_the_block_mask_from_lengths_is_torchs_block_mask_of_the_document_causal
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
     assert torch.equal(ours.to_dense(), ref.to_dense())
     assert ours.seq_lengths == (SEQ_LEN, SEQ_LEN) and ours.BLOCK_SIZE == (128, 128)
-    with pytest.raises(ValueError, match="not a multiple of 128"):
-        document_block_mask([[100]], 100)
+
+
+@pytest.mark.parametrize("seq_len", [1000, 130, 100])
+def test_a_length_off_the_block_grid_gets_torchs_block_mask_too(seq_len):
+    """Packs of a tokenizer.max_seq_len that is not a multiple of 128 (and padding-free rows cut
+    at such a model length) keep flex attention: the mask torch builds for that length."""
+    rows = [[seq_len // 3, seq_len - seq_len // 3], [seq_len], [7, 1, seq_len - 20]]
+    ours, ref = document_block_mask(rows, seq_len), _reference_mask(rows, seq_len)
+    assert ours.seq_lengths == ref.seq_lengths == (seq_len, seq_len)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 2, seq_len, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    ids, pos = document_ids(rows, seq_len), torch.arange(seq_len)
+    dense = (pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :])
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None]),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_attention_under_the_block_mask_is_attention_under_the_dense_document_mask():
