@@ -9,9 +9,10 @@
 # The machine: python3.12 and torch 2.11 preinstalled, no network. The other wheels travel in a
 # carried .whl/ folder (bash ../shared/device/wheels.sh pytest pluggy iniconfig pytest-xdist
 # execnet packaging liger-kernel==0.8.5 cut-cross-entropy==25.1.1; the shipped* steps also need
-# bitsandbytes==0.50.2, 43 MB: torchtune's full-fine-tune configs use its PagedAdamW8bit). `tune` is not on PATH
-# there: everything runs as `python3 -m tune_recipes` or a script. Results: $OUT/<step>.json,
-# .md, .png and <step>_logs.tgz; at most 8 files come back a call, so run one step a call.
+# bitsandbytes==0.50.2, 43 MB: torchtune's full-fine-tune configs use its PagedAdamW8bit).
+# `tune` is not on PATH there: everything runs as `python3 -m tune_recipes` or a script.
+# Results: $OUT/<step>.json, .md, .png and <step>_logs.tgz; at most 8 files come back a call,
+# so run one step a call.
 #
 #   tests      the GPU tests (pytest -m gpu)                                            ~4 min
 #   packed1b   Llama-3.2-1B full fine-tune on packed instruction rows: stock's best vs
