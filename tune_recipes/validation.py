@@ -463,17 +463,24 @@ def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     return None
 
 
-def dataset_packed(cfg: DictConfig) -> bool:
-    """Whether ``dataset`` (or any dataset of its list) is packed."""
-    datasets = cfg.dataset if isinstance(cfg.get("dataset"), ListConfig) else [cfg.get("dataset")]
-    return any(hasattr(d, "get") and d.get("packed", False) is True for d in datasets)
+def dataset_unpacked(dataset) -> bool:
+    """True when a dataset config (or any of a list of them) is known not to be packed."""
+    if isinstance(dataset, (list, ListConfig)):
+        return any(dataset_unpacked(d) for d in dataset)
+    return isinstance(dataset, (dict, DictConfig)) and not dataset.get("packed", False)
+
+
+def dataset_packed(dataset) -> bool:
+    """True when a dataset config (or every one of a list of them) is packed."""
+    return isinstance(dataset, (dict, DictConfig, list, ListConfig)) and bool(dataset) \
+        and not dataset_unpacked(dataset)
 
 
 def padding_free_problem(cfg: DictConfig) -> Optional[str]:
     """``padding_free`` lays an unpacked micro-batch's rows end to end, replacing the padding
     ``collate_fn``. (With a packed dataset it has nothing to do: a warning, see check_config,
     so that ``dataset.packed=True`` works on the shipped configs, which set it.)"""
-    if cfg.get("padding_free", False) is not True or dataset_packed(cfg):
+    if cfg.get("padding_free", False) is not True or dataset_packed(cfg.get("dataset")):
         return None
     collate_fn = cfg.get("collate_fn", DEFAULT_COLLATE)
     if collate_fn != DEFAULT_COLLATE:
@@ -1197,7 +1204,7 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
     if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
         _warmup_warning(cfg)
     if (keys is None or "padding_free" in keys) and cfg.get("padding_free", False) is True \
-            and dataset_packed(cfg):
+            and dataset_packed(cfg.get("dataset")):
         _warn("padding_free=True has no effect with dataset.packed=True: packed sequences have "
               "no padding to remove")
     if (keys is None or {"padding_free", "compile_scope"} <= keys) and cfg.get("padding_free", False) is True \

@@ -16,6 +16,7 @@ import copy
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 
@@ -97,12 +98,6 @@ def document_block_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
     return BlockMask.from_kv_blocks(
         kv_num[:, None], kv_idx[:, None], full_num[:, None], full_idx[:, None],
         BLOCK_SIZE=FLEX_BLOCK, mask_mod=_document_causal(ids), seq_lengths=(seq_len, seq_len))
-
-
-def is_block_mask(value) -> bool:
-    from torch.nn.attention.flex_attention import BlockMask
-
-    return isinstance(value, BlockMask)
 
 
 def move_block_mask(mask, device: torch.device):

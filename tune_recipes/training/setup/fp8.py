@@ -33,12 +33,12 @@ import dataclasses
 from typing import Callable, List, Optional
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from torch import nn
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
-from tune_recipes.validation import FP8_RECIPES, fp8_lora_problem
+from tune_recipes.validation import FP8_RECIPES, dataset_packed, dataset_unpacked, fp8_lora_problem
 
 log = get_logger("INFO")
 
@@ -72,7 +72,7 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
     if not cfg.get("compile", False) and is_main:
         log.warning("enable_fp8_training without compile: the float8 casts run as separate "
                     "kernels and the step is usually slower than bf16; set compile=True")
-    elif _unpacked(cfg.get("dataset", None)) and is_main:
+    elif dataset_unpacked(cfg.get("dataset", None)) and is_main:
         # Measured on 2 H200s (torch 2.11, torchao 0.15): the tiny model's first step compiled in
         # 17 s; its second batch, 6 tokens shorter, set off a dynamic-shape recompile of the FP8
         # layers that had not finished within the smoke test's 240 s (docs/benchmarks.md).
@@ -80,7 +80,7 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
                     "recompiles the FP8 layers with dynamic shapes, which can take minutes per "
                     "recompile (torch 2.11); pack the dataset (dataset.packed=True) or give the "
                     "batches one fixed length")
-    elif has_compile_scope and is_main and _packed(cfg.get("dataset", None)):
+    elif has_compile_scope and is_main and dataset_packed(cfg.get("dataset", None)):
         # Measured on one H200 (Llama-3.2-1B full, packed instruction rows, docs/benchmarks.md):
         # with the whole model compiled, the README's FP8 settings ran a median step of 144.7 ms
         # against 135.0 ms for the same settings in bf16 (same data and window); per-layer FP8
@@ -100,19 +100,6 @@ def fp8_lora_wanted(cfg: DictConfig, device: torch.device, is_main: bool = True)
     if problem:
         raise ConfigError(problem)
     return fp8_recipe_wanted(cfg, device, is_main) is not None
-
-
-def _unpacked(dataset) -> bool:
-    """True when a dataset config (or any of a list of them) is known not to be packed."""
-    if isinstance(dataset, (list, ListConfig)):
-        return any(_unpacked(d) for d in dataset)
-    return isinstance(dataset, (dict, DictConfig)) and not dataset.get("packed", False)
-
-
-def _packed(dataset) -> bool:
-    """True when a dataset config (or every one of a list of them) is packed."""
-    return isinstance(dataset, (dict, DictConfig, list, ListConfig)) and bool(dataset) \
-        and not _unpacked(dataset)
 
 
 def should_convert(module: nn.Module, fqn: str) -> bool:

@@ -3,8 +3,10 @@
 from typing import Any, Dict
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.data.collate import move_block_mask
 
 
 def count_valid_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
@@ -27,8 +29,6 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_
 def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     """The batch's tensors and its flex attention ``BlockMask`` (if any) on ``device``, copied
     without waiting for the GPU."""
-    from tune_recipes.data.collate import is_block_mask, move_block_mask
-
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
-                else move_block_mask(v, device) if is_block_mask(v) else v)
+                else move_block_mask(v, device) if isinstance(v, BlockMask) else v)
             for k, v in batch.items()}
