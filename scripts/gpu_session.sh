@@ -9,7 +9,9 @@
 # The machine: python3.12 and torch 2.11 preinstalled, no network. The other wheels travel in a
 # carried .whl/ folder (bash ../shared/device/wheels.sh pytest pluggy iniconfig pytest-xdist
 # execnet packaging liger-kernel==0.8.5 cut-cross-entropy==25.1.1; the shipped* steps also need
-# bitsandbytes==0.50.2, 43 MB: torchtune's full-fine-tune configs use its PagedAdamW8bit).
+# bitsandbytes==0.50.2, 43 MB, a manylinux_2_24 wheel that wheels.sh's platforms miss: pip download
+# it as the device README says, adding --platform manylinux_2_24_x86_64. torchtune's full
+# fine-tune configs use its PagedAdamW8bit).
 # `tune` is not on PATH there: everything runs as `python3 -m tune_recipes` or a script.
 # Results: $OUT/<step>.json, .md, .png and <step>_logs.tgz; at most 8 files come back a call,
 # so run one step a call.
@@ -79,6 +81,9 @@ accept() {
 
 for step in "$@"; do
   echo "=== $step"
+  # The runs' output folders (an 8B run's epoch checkpoint is 16 GB: two steps' fill the 64 GB
+  # disk); the checkpoints they start from (ckpt_*) and their logs stay.
+  find "$W" -mindepth 1 -maxdepth 1 -type d -name '*_rep[0-9]*' -exec rm -rf {} +
   if [[ $step == *+* ]]; then  # A+B: one step a GPU, at once
     CUDA_VISIBLE_DEVICES=0 ONE_OF_TWO=1 bash "$0" "${step%%+*}" > "$W/gpu0.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 ONE_OF_TWO=1 bash "$0" "${step#*+}" > "$W/gpu1.out" 2>&1

@@ -6,8 +6,8 @@ save_adapter_weights_only, QAT quantizer and its timing, KD teacher and loss, FS
 Replaced: the model and teacher builders by the tiny builder of the same family (same adapter
 options), the checkpoints by that family's tiny checkpoint (the checkpointer and its
 ``model_type`` stay, so the family's weight conversion runs), the tokenizer and data by the tiny
-ones (``packed`` etc. kept), the device by the CPU, and the length by ``steps`` optimizer steps
-in one epoch.
+ones (``packed`` etc. kept), the device by the CPU (with it FP8 training and ``embedding_on_cpu``
+off: both need a CUDA GPU), and the length by ``steps`` optimizer steps in one epoch.
 """
 
 from pathlib import Path
@@ -110,6 +110,12 @@ def shrink(config_name: str, output_dir: Path, steps: int = 2,
         cfg.epochs = 1
         cfg.max_steps_per_epoch = steps
     cfg.device = "cpu"
+    if cfg.get("enable_fp8_training", False):  # FP8 matmuls need a CUDA GPU (>= sm_89)
+        for key in [k for k in cfg if str(k).startswith("fp8_")]:
+            del cfg[key]
+        cfg.enable_fp8_training = False
+    if cfg.get("embedding_on_cpu", False):  # the table is in CPU memory already
+        cfg.embedding_on_cpu = False
     cfg.output_dir = str(output_dir)
     facts["adapter_only"] = bool(cfg.get("save_adapter_weights_only", False))
     facts["steps"] = steps

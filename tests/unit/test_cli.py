@@ -96,8 +96,8 @@ def test_every_shipped_config_parses_and_validates(capsys):
     configs = registry.list_configs()
     # Single device: 6 models x (full, lora) + 8B QLoRA; distributed: 4 models x (full, lora,
     # qat, qat_lora); QAT single device + quantize: 3 models x 2; KD 8B->1B: 2; tiny: 10;
-    # the _fast variants: 1. Counted, so a config cannot silently vanish.
-    assert len(configs) == 13 + 16 + 6 + 2 + 10 + 1, configs
+    # the _fast variants: 2. Counted, so a config cannot silently vanish.
+    assert len(configs) == 13 + 16 + 6 + 2 + 10 + 2, configs
     for name in configs:
         # --portable: the real-model configs point at /tmp/<model> downloads and device cuda.
         rc, out, err = _run(capsys, "validate", name, "--portable")

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 MEASURED = {("llama3_2/1B_full_single_device", True, False): "full_1b_packed",
             ("llama3_2/1B_full_single_device", False, True): "full_1b_padded",
             ("llama3_2/1B_full_single_device", False, False): "full_1b",
-            ("llama3_1/8B_lora_single_device", False, False): "lora_8b"}
+            ("llama3_1/8B_lora_single_device", True, False): "lora_8b_packed"}
 # The bench's own keys that the shipped configs set to something else and that change the step:
 # the README's commands must set them as the bench ran (clip_grad_norm inf still computes a norm).
 STEP_KEYS = ("clip_grad_norm", "gradient_accumulation_steps", "dtype", "optimizer_in_bwd",
@@ -149,19 +149,22 @@ def test_each_fast_config_is_its_base_config_with_overrides_and_says_what_it_mea
         assert "x its tokens/s" in header and "torchtune 0.6.1" in header, config
 
 
-def test_the_readme_variants_of_the_lora_command_are_the_ones_measured():
-    """The README's "without fp8_transposed_weight_layers" figure (lora_8b's ours_fp8_ain_embcpu)
-    and its QLoRA sentence (qlora_8b's ours_fp8_instead: the same settings on the bf16-base
-    LoRA model in place of NF4) are the LoRA command less that key."""
+def test_the_lora_fast_configs_less_memory_variants_are_the_ones_measured():
+    """The 8B LoRA fast config's "fp8_transposed_weight_layers=0" figures (lora_8b_packed's
+    ours_fp8_ain_embcpu, and qlora_8b_packed's ours_fp8_instead: the same settings on the
+    bf16-base LoRA model in place of NF4) are that config less that key."""
     bench = _bench()
-    _, _, overrides = _parse(_command(("llama3_1/8B_lora_single_device", False, False)))
+    _, config, overrides = _parse(_command(("llama3_1/8B_lora_single_device", True, False)))
     assert overrides.pop("fp8_transposed_weight_layers") == 20
-    for case_name, variant_name in (("lora_8b", "ours_fp8_ain_embcpu"), ("qlora_8b", "ours_fp8_instead")):
+    overrides.pop("dataset.packed")
+    effective = {**_flat(yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())), **overrides}
+    for case_name, variant_name in (("lora_8b_packed", "ours_fp8_ain_embcpu"),
+                                    ("qlora_8b_packed", "ours_fp8_instead")):
         case = bench.CASES[case_name]
         cfg = next(v for v in case["variants"] if v["name"] == variant_name)["cfg"]
         measured = {k: v for k, v in _flat(cfg).items() if not k.startswith("model.")}
-        assert {k: overrides.get(k) for k in measured} == measured, variant_name
+        assert {k: effective.get(k) for k in measured} == measured, variant_name
         assert not [k for k in overrides if k not in measured and k not in _flat(case["extra"])
                     and k not in ("clip_grad_norm", "gradient_accumulation_steps", "padding_free")], variant_name
-        if case_name == "qlora_8b":  # the LoRA model, not the case's NF4 one
+        if case_name == "qlora_8b_packed":  # the LoRA model, not the case's NF4 one
             assert cfg["model"]["_component_"] == "torchtune.models.llama3_1.lora_llama3_1_8b"
