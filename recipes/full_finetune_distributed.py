@@ -50,7 +50,7 @@ CONFIG_KEYS = {
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
-    "collate_fn", "log_level", "dataset_val", "batch_size_val", "run_val_every_n_steps",
+    "collate_fn", "padding_free", "log_level", "dataset_val", "batch_size_val", "run_val_every_n_steps",
     "on_nonfinite", "profiler", "enable_activation_offloading", "fsdp_cpu_offload", "fsdp",
     "save_every_n_steps", "keep_last_n_checkpoints",
     "enable_fp8_training", "fp8_recipe_name", "fp8_fast_accum_backward",

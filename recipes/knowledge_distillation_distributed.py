@@ -49,7 +49,7 @@ CONFIG_KEYS = {
     "compile", "device", "dtype", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "fsdp_reshard_after_forward",
     "custom_sharded_layers", "metric_logger", "log_every_n_steps", "log_peak_memory_stats",
-    "collate_fn", "save_adapter_weights_only",
+    "collate_fn", "padding_free", "save_adapter_weights_only",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading", "fsdp_cpu_offload", "fsdp",

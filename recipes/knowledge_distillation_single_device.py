@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import check_known_keys, parse
+from tune_recipes.modules.flex_in_graph import route_flex_attention
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
@@ -48,7 +49,7 @@ CONFIG_KEYS = {
     "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler", "loss",
     "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
     "ac_mode", "ac_option",
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn",
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "collate_fn", "padding_free",
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio", "log_level", "dataset_val",
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading",
@@ -101,6 +102,7 @@ class KDRecipeSingleDevice:
         teacher_sd = tt_config.instantiate(cfg_checkpointer).load_checkpoint()[training.MODEL_KEY]
         with training.set_default_dtype(self._dtype), self._runtime.device:
             teacher = tt_config.instantiate(cfg_model)
+        route_flex_attention(teacher)  # it reads the student's document-masked batches too
         teacher.load_state_dict(teacher_sd)
         return teacher
 

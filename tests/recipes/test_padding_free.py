@@ -1,10 +1,12 @@
 """``padding_free: True``: an unpacked micro-batch's rows end to end with document masks trains
-exactly as the padded batch does (fp32, tiny, CPU)."""
+exactly as the padded batch does (fp32, tiny, CPU), on one device, on two gloo ranks, and under
+distillation (the teacher reads the same batches)."""
 
 import pytest
 import torch
 
-from helpers import assert_same_weights, losses, run_recipe, tune, weights
+from helpers import assert_same_weights, losses, run_dist, run_recipe, tune, weights
+from tune_recipes.training.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 STEPS = ["max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1"]
@@ -23,6 +25,38 @@ def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra):
     if recipe.startswith("full"):
         assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "padded"), rtol=1e-4, atol=1e-6)
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("recipe,config,extra", [
+    ("full_finetune_distributed", "tiny/full_distributed", ["gradient_accumulation_steps=2", "batch_size=4"]),
+    ("lora_finetune_distributed", "tiny/lora_distributed", ["optimizer.lr=3e-3", "batch_size=4"]),
+])
+def test_padding_free_trains_as_padded_on_two_ranks(tmp_path, recipe, config, extra):
+    """Each rank's micro-batches padding-free: the same losses and weights as padded batches (the
+    global token count, all-reduced, is the same)."""
+    run_dist(2, recipe, config, tmp_path / "padded", [*STEPS, *extra])
+    run_dist(2, recipe, config, tmp_path / "free", [*STEPS, *extra, "padding_free=True"])
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "free")),
+                               torch.tensor(losses(tmp_path / "padded")), rtol=1e-5, atol=0)
+    if recipe.startswith("full"):
+        assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "padded"), rtol=1e-4, atol=1e-5)
+
+
+def test_padding_free_distills_as_padded(tmp_path):
+    common = [*STEPS, "gradient_accumulation_steps=2", "batch_size=4"]
+    run_recipe("knowledge_distillation_single_device", "tiny/kd_single_device", tmp_path / "padded", common)
+    run_recipe("knowledge_distillation_single_device", "tiny/kd_single_device", tmp_path / "free",
+               [*common, "padding_free=True"])
+    for key in ("loss", "class_loss", "kd_loss"):
+        torch.testing.assert_close(torch.tensor(read_metrics(tmp_path / "free" / "metrics.jsonl", key)),
+                                   torch.tensor(read_metrics(tmp_path / "padded" / "metrics.jsonl", key)),
+                                   rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("config", ["tiny/qat_distributed", "tiny/qat_lora_distributed", "tiny/kd_distributed"])
+def test_the_other_distributed_recipes_take_padding_free(config):
+    proc = tune("validate", config, "padding_free=True", check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("override,named", [
