@@ -136,6 +136,12 @@ CASES = {
         _v("ours_padded", "ours", "ours: the same on padded rows",
            **{k: v for k, v in OURS_1B_PADDED.items() if k != "padding_free"}),
         _v("ours_free_model", "ours", "ours: padding-free, whole model compiled", **OURS_1B_PACKED, padding_free=True),
+        # Why padded compiled steps are slow on both sides: cuDNN attention's plan per new length?
+        *[_v(f"{side}_{lever}", side, f"{side}: {what}", env=env, **cfg)
+          for lever, what, env in (("no_cudnn", "padded, SDPA without cuDNN", {"BENCH_SDPA_NO_CUDNN": "1"}),
+                                   ("pad128", "padded to 128-token multiples", {"BENCH_PAD_MULTIPLE": "128"}))
+          for side, cfg in (("stock", STOCK_BEST),
+                            ("ours", {k: v for k, v in OURS_1B_PADDED.items() if k != "padding_free"}))],
         _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,
@@ -183,8 +189,8 @@ def shipped_cases() -> dict:
 
 CASES.update(shipped_cases())
 
-# Ours' variant per case whose settings the README's fastest-settings commands give
-# (tests/unit/test_readme_fast.py holds them equal).
+# Ours' variant per case whose figures the README's fastest-settings table quotes: the settings
+# of its commands and _fast configs (tests/unit/test_readme_fast.py holds them equal).
 CLAIM = {"full_1b": "ours_best", "lora_8b": "ours_best", "qlora_8b": "ours_fp8_instead",
          "full_1b_packed": "ours_best", "full_1b_padded": "ours_best", "lora_8b_packed": "ours_best"}
 # --preset NAME: cases and the variants of each, every one run every repetition.

@@ -9,9 +9,9 @@
 # The machine: python3.12 and torch 2.11 preinstalled, no network. The other wheels travel in a
 # carried .whl/ folder (bash ../shared/device/wheels.sh pytest pluggy iniconfig pytest-xdist
 # execnet packaging liger-kernel==0.8.5 cut-cross-entropy==25.1.1; the shipped* steps also need
-# bitsandbytes==0.50.2, 43 MB, a manylinux_2_24 wheel that wheels.sh's platforms miss: pip download
-# it as the device README says, adding --platform manylinux_2_24_x86_64. torchtune's full
-# fine-tune configs use its PagedAdamW8bit).
+# bitsandbytes==0.50.2, 43 MB, a manylinux_2_24 wheel that wheels.sh's platforms miss: pip
+# download it with --platform manylinux_2_24_x86_64; torchtune's full configs use its
+# PagedAdamW8bit).
 # `tune` is not on PATH there: everything runs as `python3 -m tune_recipes` or a script.
 # Results: $OUT/<step>.json, .md, .png and <step>_logs.tgz; at most 8 files come back a call,
 # so run one step a call.
@@ -29,6 +29,8 @@
 #   shipped1b  Llama-3.2 1B/3B single-device configs as shipped, ours vs torchtune's     ~7 min
 #   shipped8b  the Llama-3.1-8B LoRA config as shipped                                   ~5 min
 #   shippedq8b the Llama-3.1-8B QLoRA config as shipped                                  ~5 min
+#   shipped    CASES=shipped:<config>,... as shipped, ours vs torchtune's (default: the 3B full
+#              config; a run of a small model ~1 min, an 8B/7B one ~2, plus its checkpoint once)
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
 #   accept     shipped-config acceptance, single device: Llama-3.2 1B/3B, Qwen2.5 0.5B/1.5B ~8 min
 #   accept8b   the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~7 min
@@ -83,7 +85,7 @@ for step in "$@"; do
   echo "=== $step"
   # The runs' output folders (an 8B run's epoch checkpoint is 16 GB: two steps' fill the 64 GB
   # disk); the checkpoints they start from (ckpt_*) and their logs stay.
-  find "$W" -mindepth 1 -maxdepth 1 -type d -name '*_rep[0-9]*' -exec rm -rf {} +
+  [ -n "${ONE_OF_TWO:-}" ] || find "$W" -mindepth 1 -maxdepth 1 -type d -name '*_rep[0-9]*' -exec rm -rf {} +
   if [[ $step == *+* ]]; then  # A+B: one step a GPU, at once
     CUDA_VISIBLE_DEVICES=0 ONE_OF_TWO=1 bash "$0" "${step%%+*}" > "$W/gpu0.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 ONE_OF_TWO=1 bash "$0" "${step#*+}" > "$W/gpu1.out" 2>&1
@@ -104,6 +106,7 @@ for step in "$@"; do
                  shipped:llama3_2/1B_full_single_device,shipped:llama3_2/1B_lora_single_device,shipped:llama3_2/3B_lora_single_device ;;
     shipped8b) bench shipped8b --preset shipped --reps "${REPS:-1}" --cases shipped:llama3_1/8B_lora_single_device ;;
     shippedq8b) bench shippedq8b --preset shipped --reps "${REPS:-1}" --cases shipped:llama3_1/8B_qlora_single_device ;;
+    shipped)   bench shipped --preset shipped --reps "${REPS:-1}" --cases "${CASES:-shipped:llama3_2/3B_full_single_device}" ;;
     fused)     timeout 540 python3 scripts/bench_fused_ce.py --out "$OUT/fused.json" > "$W/fused.log" 2>&1
                echo "bench_fused_ce.py exit $?"; grep -h "^|\|rror" "$W/fused.log" | cut -c1-200 ;;
     accept)    accept accept single "llama3_2/1B_*,llama3_2/3B_*,qwen2_5/0.5B_*,qwen2_5/1.5B_*" ;;

@@ -8,6 +8,12 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 - BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator capped at G GiB
   (``torch.cuda.set_per_process_memory_fraction``), as on a GPU of about G + 0.5 GiB (the CUDA
   context is outside the cap): does the run fit there?
+- BENCH_SDPA_NO_CUDNN=1: SDPA without its cuDNN backend (``torch.backends.cuda.enable_cudnn_sdp``),
+  both sides. On sm90 torch tries cuDNN attention first, and cuDNN builds an execution plan for
+  each new shape (batch, sequence length): padded batches, a new length most steps, may pay
+  that build every step.
+- BENCH_PAD_MULTIPLE=N: both sides' ``torchtune.data.padded_collate_sft`` pads its rows on to a
+  multiple of N tokens (the padding never scored): at most max_seq_len / N lengths in a run.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -36,6 +42,30 @@ if os.environ.get("BENCH_MEMORY_CAP_GIB") and _IS_TRAINING:
     if torch.cuda.is_available():
         _total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(float(os.environ["BENCH_MEMORY_CAP_GIB"]) * 2**30 / _total, 0)
+
+if os.environ.get("BENCH_SDPA_NO_CUDNN") == "1" and _IS_TRAINING:
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+if os.environ.get("BENCH_PAD_MULTIPLE") and _IS_TRAINING:
+    if _IS_RECIPE:
+        import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
+    import torch
+    import torchtune.data
+
+    _multiple = int(os.environ["BENCH_PAD_MULTIPLE"])
+    _padded_collate_sft = torchtune.data.padded_collate_sft
+
+    def _padded_to_a_multiple(batch, padding_idx=0, ignore_idx=-100):
+        out = _padded_collate_sft(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
+        extra = -out["tokens"].shape[1] % _multiple
+        if extra:
+            out["tokens"] = torch.nn.functional.pad(out["tokens"], (0, extra), value=padding_idx)
+            out["labels"] = torch.nn.functional.pad(out["labels"], (0, extra), value=ignore_idx)
+        return out
+
+    torchtune.data.padded_collate_sft = _padded_to_a_multiple  # both sides resolve it by this path
 
 if os.environ.get("BENCH_SDPA_GQA") == "1" and _IS_RECIPE:
     import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao

@@ -7,7 +7,8 @@ Replaced: the model and teacher builders by the tiny builder of the same family 
 options), the checkpoints by that family's tiny checkpoint (the checkpointer and its
 ``model_type`` stay, so the family's weight conversion runs), the tokenizer and data by the tiny
 ones (``packed`` etc. kept), the device by the CPU (with it FP8 training and ``embedding_on_cpu``
-off: both need a CUDA GPU), and the length by ``steps`` optimizer steps in one epoch.
+off: FP8 needs a CUDA GPU, and on a CPU the table is in CPU memory already), and the length by
+``steps`` optimizer steps in one epoch.
 """
 
 from pathlib import Path

@@ -188,7 +188,7 @@ def test_the_results_name_the_code_commit(monkeypatch):
 
 def _gpu_script_commands(script: str):
     """The argv (after the script's name) of each scripts/<script> call in gpu_session.sh, as the
-    shell would pass it: continuations joined, the step's REPS default substituted."""
+    shell would pass it: continuations joined, the step's defaults (``${REPS:-1}``) substituted."""
     text = (SCRIPTS / "gpu_session.sh").read_text().replace("\\\n", " ")
     found = []
     for line in text.splitlines():
@@ -197,7 +197,7 @@ def _gpu_script_commands(script: str):
         words = shlex.split(line.replace(";;", ""), comments=True)
         words = words[1:] if words[0].endswith(")") else words
         if words[:1] == [script]:
-            found.append([w.replace("${REPS:-1}", "1").replace("${REPS:-2}", "2") for w in words[2:]])
+            found.append([re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", w) for w in words[2:]])  # defaults
     return found
 
 
@@ -335,6 +335,30 @@ def test_the_sdpa_gqa_hook_hands_unexpanded_kv_to_attention_with_the_same_gradie
     values = {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines()
               if line.startswith(("logits_rel", "grad_rel"))}
     assert values["logits_rel"] < 1e-6 and values["grad_rel"] < 1e-6, out.stdout
+
+
+_PAD_PROBE = """
+import torch
+import torchtune.data
+from torchtune.config._utils import _get_component_from_path
+
+rows = [{"tokens": [5] * n, "labels": [6] * n} for n in (3, 130)]
+collate = _get_component_from_path("torchtune.data.padded_collate_sft")  # as both recipes resolve it
+batch = collate(rows, padding_idx=0, ignore_idx=-100)
+print("shape", *batch["tokens"].shape)
+print("scored", int((batch["labels"] != -100).sum()))
+print("cudnn_sdp", torch.backends.cuda.cudnn_sdp_enabled())
+"""
+
+
+def test_the_padding_and_cudnn_levers_pad_collated_rows_and_turn_cudnn_attention_off():
+    """BENCH_PAD_MULTIPLE=128 pads torchtune's collate (both sides resolve it by name) on to 256
+    tokens with nothing more scored; BENCH_SDPA_NO_CUDNN=1 turns SDPA's cuDNN backend off;
+    without them, neither happens."""
+    levers = _run_hook_probe(_PAD_PROBE, BENCH_PAD_MULTIPLE="128", BENCH_SDPA_NO_CUDNN="1").stdout
+    assert "shape 2 256" in levers and "scored 133" in levers and "cudnn_sdp False" in levers, levers
+    plain = _run_hook_probe(_PAD_PROBE).stdout
+    assert "shape 2 130" in plain and "scored 133" in plain and "cudnn_sdp True" in plain, plain
 
 
 @pytest.mark.slow

@@ -149,6 +149,16 @@ def test_each_fast_config_is_its_base_config_with_overrides_and_says_what_it_mea
         assert "x its tokens/s" in header and "torchtune 0.6.1" in header, config
 
 
+def test_the_full_row_8b_figure_is_the_fast_configs_settings():
+    """The README's full-length-rows 8B LoRA figure (lora_8b's ours_best) is the fast config's
+    settings on unpacked full rows: the two bench variants are one set of settings."""
+    bench = _bench()
+    cfg = {c: next(v for v in bench.CASES[c]["variants"] if v["name"] == "ours_best")["cfg"]
+           for c in ("lora_8b", "lora_8b_packed")}
+    assert cfg["lora_8b"] == cfg["lora_8b_packed"]
+    assert bench.CASES["lora_8b"]["extra"] == bench.CASES["lora_8b_packed"]["extra"]
+
+
 def test_the_lora_fast_configs_less_memory_variants_are_the_ones_measured():
     """The 8B LoRA fast config's "fp8_transposed_weight_layers=0" figures (lora_8b_packed's
     ours_fp8_ain_embcpu, and qlora_8b_packed's ours_fp8_instead: the same settings on the

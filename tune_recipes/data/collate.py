@@ -10,9 +10,6 @@ device with the rest of the batch (``move_block_mask``, without a sync).
 ``padding_free_collate`` lays the rows of an unpacked micro-batch end to end in one sequence
 with a document mask instead of padding each row to the longest: the same examples, the same
 (position, target) pairs scored, the same attention, without the padding's compute.
-
-``padded_collate`` pads each row to the longest as torchtune's ``padded_collate_sft`` does, then
-on to a multiple of 8 tokens.
 """
 
 import copy
@@ -139,39 +136,6 @@ def packed_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
             "input_pos": torch.stack([torch.as_tensor(x["input_pos"]) for x in batch]),
             "mask": document_mask([torch.as_tensor(x["seq_lens"]).tolist() for x in batch],
                                   tokens.shape[1])}
-
-
-# The padded length's multiple: 8 bf16/fp16 values are 16 bytes, the alignment tensor cores'
-# matrix kernels want of the dimension a product contracts over (PyTorch's performance tuning
-# guide: sizes in multiples of 8).
-TENSOR_CORE_MULTIPLE = 8
-
-
-def padded_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
-                   ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX,
-                   pad_to_multiple_of: int = TENSOR_CORE_MULTIPLE,
-                   max_seq_len: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    """torchtune's ``padded_collate_sft`` (each row padded to the longest, labels with
-    ``ignore_idx``), then padded on to a multiple of ``pad_to_multiple_of`` tokens, never past
-    ``max_seq_len`` (the most the model takes in a row). Padding comes after every row's last
-    token and is never scored, so under the causal mask the loss and gradients are the
-    unaligned batch's.
-
-    NOTE: the alignment is why this exists. A batch of B rows of odd length L gives the weight
-    gradients' products a contracted dimension of B x L tokens; when that is not a multiple of 8,
-    cuBLAS cannot use its aligned tensor-core kernels for them."""
-    from torchtune.data import padded_collate_sft
-
-    out = padded_collate_sft(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
-    length = out["tokens"].shape[1]
-    aligned = -(-length // pad_to_multiple_of) * pad_to_multiple_of
-    if max_seq_len is not None:
-        aligned = max(min(aligned, max_seq_len), length)
-    if aligned > length:
-        pad = (0, aligned - length)
-        out["tokens"] = torch.nn.functional.pad(out["tokens"], pad, value=padding_idx)
-        out["labels"] = torch.nn.functional.pad(out["labels"], pad, value=ignore_idx)
-    return out
 
 
 def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,

@@ -1,6 +1,5 @@
 """Batches with document masks (tune_recipes.data.collate): the BlockMask built from lengths on
-the CPU, its move to the device, and padding-free micro-batches; and padded batches aligned to
-a multiple of 8 tokens."""
+the CPU, its move to the device, and padding-free micro-batches."""
 
 import pytest
 import torch
@@ -8,8 +7,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtune.data import padded_collate_sft
 
 from tune_recipes.data.collate import (
-    document_block_mask, document_ids, move_block_mask, packed_collate, padded_collate,
-    padding_free_collate)
+    document_block_mask, document_ids, move_block_mask, packed_collate, padding_free_collate)
 from tune_recipes.training.step.batch import count_valid_tokens, shift_labels
 
 pytestmark = pytest.mark.unit
@@ -195,44 +193,6 @@ def test_padding_free_fills_more_rows_where_the_model_takes_fewer_tokens():
     assert count_valid_tokens(batch["labels"]) == count_valid_tokens(
         padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)["labels"])
     assert padding_free_collate(rows, max_seq_len=4096)["tokens"].shape == (1, 768)
-
-
-def test_padded_batches_are_torchtunes_padded_on_to_a_multiple_of_8():
-    rows = _rows([50, 7, 121])
-    stock = padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)
-    ours = padded_collate(rows, padding_idx=0, ignore_idx=-100)
-    assert stock["tokens"].shape == (3, 121) and ours["tokens"].shape == (3, 128)
-    assert torch.equal(ours["tokens"][:, :121], stock["tokens"])
-    assert torch.equal(ours["labels"][:, :121], stock["labels"])
-    assert ours["tokens"][:, 121:].eq(0).all() and ours["labels"][:, 121:].eq(-100).all()
-    # an aligned length stays; the model's max_seq_len caps the alignment
-    assert padded_collate(_rows([64, 3]))["tokens"].shape == (2, 64)
-    assert padded_collate(rows, max_seq_len=125)["tokens"].shape == (3, 125)
-    assert padded_collate(rows, max_seq_len=121)["tokens"].shape == (3, 121)
-
-
-def test_aligned_padding_leaves_the_loss_and_gradients_as_they_were():
-    """The tiny Llama in float64 on torchtune's padded batch and on ours: the same loss and
-    gradients (1e-12; the extra padding is after every row's last token, never scored)."""
-    from tune_recipes.models import tiny_llama3
-
-    torch.manual_seed(0)
-    model = tiny_llama3().double()
-    rows = _rows([50, 7, 121], seed=2)
-
-    def loss_and_grads(batch):
-        model.zero_grad()
-        logits = model(batch["tokens"])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift_labels(batch["labels"]).flatten(),
-                                                 ignore_index=-100)
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    loss_s, grads_s = loss_and_grads(padded_collate_sft(rows, padding_idx=0, ignore_idx=-100))
-    loss_o, grads_o = loss_and_grads(padded_collate(rows, padding_idx=0, ignore_idx=-100))
-    torch.testing.assert_close(loss_o, loss_s, rtol=1e-12, atol=0)
-    for go, gs in zip(grads_o, grads_s):
-        torch.testing.assert_close(go, gs, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
-from tune_recipes.data.collate import packed_collate, padded_collate, padding_free_collate
+from tune_recipes.data.collate import packed_collate, padding_free_collate
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -134,8 +134,7 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     """The batch collation for ``dataset``: packed sequences with their document masks
     (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
     masks (``padding_free``: ``data.collate.padding_free_collate``); or padding by
-    ``collate_fn`` (the default one's rows on to a multiple of 8 tokens:
-    ``data.collate.padded_collate``)."""
+    ``collate_fn``."""
     # NOTE: torchtune's PackedDataset has no ``packed`` attribute (only its ConcatDataset sets
     # one): test the type too, or a single packed dataset is padded like an unpacked one and
     # its examples attend to each other across pack boundaries, silently.
@@ -145,9 +144,6 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
         return packed_collate  # padding_free has nothing to remove (validation warns)
     if padding_free:
         return partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
-                       max_seq_len=max_seq_len)
-    if collate_fn == DEFAULT_COLLATE:  # the same rows, padded on to an aligned length
-        return partial(padded_collate, padding_idx=pad_id, ignore_idx=ignore_index,
                        max_seq_len=max_seq_len)
     if "left_pad_sequence" in collate_fn:
         raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")

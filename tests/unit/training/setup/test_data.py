@@ -107,15 +107,3 @@ def test_a_single_packed_dataset_gets_the_packed_collate():
     batch = make_collate(packed, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
                          ignore_index=-100)([packed[0]])
     assert {"mask", "input_pos"} <= set(batch)
-
-
-def test_the_default_collate_pads_to_an_aligned_length_and_another_is_used_as_given():
-    from tune_recipes.training.setup.data import make_collate
-
-    rows = [{"tokens": [1] * n, "labels": [1] * n} for n in (2, 3, 9)]
-    default = make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
-                           ignore_index=-100, max_seq_len=64)
-    assert default(rows)["tokens"].shape == (3, 16)
-    given = make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_packed",
-                         ignore_index=-100)
-    assert given.func.__name__ == "padded_collate_packed"
