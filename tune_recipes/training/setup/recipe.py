@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config as tt_config, training
 
@@ -42,6 +42,7 @@ from tune_recipes.training.step.driver import (
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward
 from tune_recipes.training.step.validation import Validator
+from tune_recipes.validation import warmup_problem
 
 
 def training_dtype(cfg: DictConfig, device) -> torch.dtype:
@@ -266,8 +267,19 @@ def setup_data_and_schedule(
         base = optimizer.first if isinstance(optimizer, OptimizerInBackward) else optimizer
         for group in base.param_groups:
             group.setdefault("initial_lr", group["lr"])
+    total_steps = state.total_epochs * steps
+    # NOTE: validation warns from epochs x max_steps_per_epoch alone; only here, with the dataset
+    # built, is a run's length known where the dataset sets it (no max_steps_per_epoch, or fewer
+    # batches than it allows). Warn then, on one rank, and not twice for the same bound.
+    if rank == 0 and (state.max_steps_per_epoch is None or steps < state.max_steps_per_epoch):
+        problem = warmup_problem(
+            OmegaConf.select(cfg, "lr_scheduler.num_warmup_steps", default=None), total_steps,
+            f": {state.total_epochs} epoch(s) of {steps} steps, {len(dataloader)} batches of "
+            f"batch_size={cfg.batch_size} an epoch")
+        if problem:
+            print(f"warning: {problem}", file=sys.stderr)
     lr_schedule = LRSchedule(
-        cfg.get("lr_scheduler", None), optimizer, num_training_steps=state.total_epochs * steps,
+        cfg.get("lr_scheduler", None), optimizer, num_training_steps=total_steps,
         last_epoch=global_step - 1,
     )
     return DataAndSchedule(dataloader, steps, global_step, lr_schedule, first_step)

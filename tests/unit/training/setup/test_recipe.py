@@ -153,3 +153,20 @@ def test_the_data_setup_collates_as_the_padding_free_key_says(padding_free):
         assert batch["tokens"].shape[0] == 1 and {"mask", "input_pos"} <= set(batch)
     else:
         assert batch["tokens"].shape[0] == cfg.batch_size and "mask" not in batch
+
+
+def test_a_warmup_longer_than_the_dataset_makes_the_run_is_named_once_the_length_is_known(capsys):
+    """Without max_steps_per_epoch the dataset sets the run's length, which validation cannot
+    see: the setup warns (one rank) when lr_scheduler.num_warmup_steps exceeds it, naming the
+    counts; a run bounded by max_steps_per_epoch is validation's to warn about, not again here."""
+    cfg = load_config(CONFIG)
+    cfg.lr_scheduler.num_warmup_steps = 100_000
+    plan, _ = _plan(cfg, epochs_run=0)
+    said = capsys.readouterr().err
+    assert "lr_scheduler.num_warmup_steps=100000 is longer than the whole run" in said
+    assert f"3 epoch(s) of {plan.steps_per_epoch} steps" in said and "batch_size=" in said
+    _plan(cfg, epochs_run=0, world_size=2, rank=1)
+    _plan(cfg, epochs_run=0, max_steps=6)
+    cfg.lr_scheduler.num_warmup_steps = 1
+    _plan(cfg, epochs_run=0)
+    assert "num_warmup_steps" not in capsys.readouterr().err
