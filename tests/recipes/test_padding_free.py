@@ -62,6 +62,34 @@ def test_the_other_distributed_recipes_take_padding_free(config):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def _on_cuda(launch, recipe, config, out, *overrides):
+    """A tiny config on the GPU in fp32 (flex attention there, SDPA on padded rows), 4 steps."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tune_recipes", "run", *launch, recipe, "--config", config,
+           f"output_dir={out}", "device=cuda", "dtype=fp32", *STEPS, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return losses(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch,recipe,config,extra", [
+    (["--nproc_per_node", "1"], "full_finetune_distributed", "tiny/full_distributed", ["compile=True"]),
+    ([], "knowledge_distillation_single_device", "tiny/kd_single_device", []),
+])
+def test_on_cuda_padding_free_trains_as_padded_in_the_sharded_model_and_the_teacher(
+        tmp_path, launch, recipe, config, extra):
+    """Flex attention routed where the sharded (FSDP2) model and the distillation teacher are
+    built: padding-free batches (a BlockMask) train as padded ones (SDPA), fp32, 2e-4."""
+    padded = _on_cuda(launch, recipe, config, tmp_path / "padded", *extra)
+    free = _on_cuda(launch, recipe, config, tmp_path / "free", *extra, "padding_free=True")
+    assert len(free) == len(padded) == 4
+    torch.testing.assert_close(torch.tensor(free), torch.tensor(padded), rtol=2e-4, atol=0)
+
+
 @pytest.mark.parametrize("override,named", [
     ("collate_fn=torchtune.data.padded_collate_dpo", "padding_free=True with collate_fn="),
     ("padding_free=3", "padding_free=3"),
