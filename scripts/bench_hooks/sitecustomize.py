@@ -1,7 +1,7 @@
 """Hooks set from the environment when a Python process starts: scripts/bench_recipes.py puts
 this folder first on PYTHONPATH for every run it launches. They apply only to a training process,
 never to inductor's compile workers: the clock and the memory cap to both sides' (ours through
-``-m tune_recipes``, or any recipe file in a ``recipes`` folder), the attention levers to ours'.
+``-m tune_recipes``, or any recipe file in a ``recipes`` folder), as each lever below says.
 
 - BENCH_CLOCK=PATH: the benchmark's timer and true peak memory, identical for both sides
   (bench_clock.py says how it measures).
@@ -13,7 +13,8 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   each new shape (batch, sequence length): padded batches, a new length most steps, may pay
   that build every step.
 - BENCH_PAD_MULTIPLE=N: both sides' ``torchtune.data.padded_collate_sft`` pads its rows on to a
-  multiple of N tokens (the padding never scored): at most max_seq_len / N lengths in a run.
+  multiple of N tokens (the padding never scored): at most max_seq_len / N lengths in a run (N
+  should divide max_seq_len). Its tokens/s counts the added padding: compare label tokens/s.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for

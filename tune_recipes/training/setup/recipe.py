@@ -204,7 +204,7 @@ class DataAndSchedule:
 def setup_data_and_schedule(
     cfg: DictConfig, tokenizer, optimizer, state: RecipeState, *, ignore_index: int,
     resume: Optional[SavedState] = None, world_size: int = 1, rank: int = 0,
-    max_seq_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None, is_main: Optional[bool] = None,
 ) -> DataAndSchedule:
     """Dataset and dataloader (order from the seed, epoch and rank only), optimizer steps per
     epoch, the global step a run starts at, and the LR schedule positioned at that step.
@@ -214,6 +214,8 @@ def setup_data_and_schedule(
     dataloader and schedule are built, and its RNG restored after model init consumed it. A
     mid-epoch checkpoint also positions this rank's dataloader after the batches it consumed.
     ``max_seq_len``: the most tokens the model takes in a row (``padding_free`` batches' rows).
+    ``is_main``: the process that prints (default: data-parallel rank 0; under tensor
+    parallelism every rank of the first group has that rank).
     """
     if resume is not None:
         if resume.mid_epoch and len(resume.rank_states) != world_size:
@@ -270,12 +272,14 @@ def setup_data_and_schedule(
     total_steps = state.total_epochs * steps
     # NOTE: validation warns from epochs x max_steps_per_epoch alone; only here, with the dataset
     # built, is a run's length known where the dataset sets it (no max_steps_per_epoch, or fewer
-    # batches than it allows). Warn then, on one rank, and not twice for the same bound.
-    if rank == 0 and (state.max_steps_per_epoch is None or steps < state.max_steps_per_epoch):
+    # batches than it allows). Warn then, in one process, unless validation already did.
+    warmup = OmegaConf.select(cfg, "lr_scheduler.num_warmup_steps", default=None)
+    bound = None if state.max_steps_per_epoch is None else state.total_epochs * state.max_steps_per_epoch
+    if (rank == 0 if is_main is None else is_main) and \
+            (bound is None or (steps < state.max_steps_per_epoch and not warmup_problem(warmup, bound))):
         problem = warmup_problem(
-            OmegaConf.select(cfg, "lr_scheduler.num_warmup_steps", default=None), total_steps,
-            f": {state.total_epochs} epoch(s) of {steps} steps, {len(dataloader)} batches of "
-            f"batch_size={cfg.batch_size} an epoch")
+            warmup, total_steps, f": {state.total_epochs} epoch(s) of {steps} steps, {len(dataloader)} "
+            f"batches of batch_size={cfg.batch_size} an epoch in each of {world_size} process(es)")
         if problem:
             print(f"warning: {problem}", file=sys.stderr)
     lr_schedule = LRSchedule(
@@ -300,7 +304,7 @@ def setup_step_driver(
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                   max_seq_len=getattr(model, "max_seq_len", None))
+                                   max_seq_len=getattr(model, "max_seq_len", None), is_main=runtime.is_main)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
         optimizer_in_bwd=path.steps_in_backward,

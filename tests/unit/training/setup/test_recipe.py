@@ -167,6 +167,11 @@ def test_a_warmup_longer_than_the_dataset_makes_the_run_is_named_once_the_length
     assert f"3 epoch(s) of {plan.steps_per_epoch} steps" in said and "batch_size=" in said
     _plan(cfg, epochs_run=0, world_size=2, rank=1)
     _plan(cfg, epochs_run=0, max_steps=6)
+    _plan(cfg, epochs_run=0, max_steps=20_000)  # past even that bound (60,000): validation warns
     cfg.lr_scheduler.num_warmup_steps = 1
     _plan(cfg, epochs_run=0)
     assert "num_warmup_steps" not in capsys.readouterr().err
+    # a bound the config sets but the dataset ends first, the warmup between the two
+    cfg.lr_scheduler.num_warmup_steps = 3 * plan.steps_per_epoch + 1
+    _plan(cfg, epochs_run=0, max_steps=20_000)
+    assert "is longer than the whole run" in capsys.readouterr().err
