@@ -30,12 +30,11 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training
 
 from tune_recipes.config import check_known_keys, parse
-from tune_recipes.modules.flex_in_graph import route_flex_attention
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
 from tune_recipes.training.setup.activations import ac_interval
-from tune_recipes.training.setup.model import setup_lora_model
+from tune_recipes.training.setup.model import setup_full_model, setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import single_device
@@ -100,11 +99,10 @@ class KDRecipeSingleDevice:
 
     def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:
         teacher_sd = tt_config.instantiate(cfg_checkpointer).load_checkpoint()[training.MODEL_KEY]
-        with training.set_default_dtype(self._dtype), self._runtime.device:
-            teacher = tt_config.instantiate(cfg_model)
-        route_flex_attention(teacher)  # it reads the student's document-masked batches too
-        teacher.load_state_dict(teacher_sd)
-        return teacher
+        # The library's full-model build: flex attention routed for the student's
+        # document-masked batches, and a checkpoint of the wrong shapes named in one line.
+        return setup_full_model(cfg_model, dtype=self._dtype, device=self._runtime.device,
+                                state_dict=teacher_sd, key="teacher_model")
 
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self, epoch: int, position: Optional[Position] = None) -> None:

@@ -213,6 +213,16 @@ def test_kd_single_device_logs_both_parts_and_mixes_them(tmp_path):
     assert proc.returncode == 2 and "kd_ratio=1.5: expected a number >= 0 and <= 1" in proc.stderr
 
 
+def test_a_teacher_that_does_not_fit_its_checkpoint_is_named_in_one_line(tmp_path):
+    proc = tune("run", "knowledge_distillation_single_device", "--config", "tiny/kd_single_device",
+                f"output_dir={tmp_path}", "teacher_model._component_=tune_recipes.models.tiny_qwen2_5",
+                "max_steps_per_epoch=1", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("teacher_model: tune_recipes.models.tiny_qwen2_5 does not fit the checkpoint's weights"
+            in proc.stderr and "teacher_checkpointer.checkpoint_dir" in proc.stderr)
+    assert "Traceback" not in proc.stderr
+
+
 def test_resume_keeps_the_checkpoints_seed_and_data_order(tmp_path):
     """A resumed run with a different seed in the config still continues the original run
     (same data order), and says so."""

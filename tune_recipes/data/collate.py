@@ -73,8 +73,6 @@ def document_block_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
     A (query block, key block) pair is skipped when no query in it may see any key in it: keys
     after the queries, or only other documents. It is "full" (no mask_mod evaluated) when both
     blocks lie inside one document and the keys come before the queries; else "partial"."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     # A length that is not a multiple of the block: the ids run on to the next multiple (the
     # extra positions join the last document; flex attention never reads past seq_len).
     padded = -(-seq_len // FLEX_BLOCK) * FLEX_BLOCK

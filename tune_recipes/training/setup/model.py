@@ -41,7 +41,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
                      activation_memory_budget: Optional[float] = None,
                      fp8_fast_accum_backward: bool = False,
                      fp8_mlp_activations: bool = False,
-                     fp8_mlp_layers: Optional[int] = None) -> nn.Module:
+                     fp8_mlp_layers: Optional[int] = None, key: str = "model") -> nn.Module:
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
@@ -53,6 +53,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     instead of one per layer, fusion across layer boundaries, a longer first compile).
     ``activation_memory_budget``: see ``set_activation_memory_budget`` (compile only).
     ``fp8_fast_accum_backward``: see ``setup.fp8.convert_to_fp8`` (FP8 only).
+    ``key``: the model's config key, for errors (``teacher_model``: a distillation teacher).
     ``fp8_mlp_activations``: each MLP (``fp8_mlp_layers`` N: the first N layers') keeps its
     gate and up products in float8 e4m3 for backward and runs its down product itself
     (``modules.fp8_mlp``; FP8 or not)."""
@@ -70,16 +71,16 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
-    load_weights(model, state_dict, cfg_model)
+    load_weights(model, state_dict, cfg_model, key=key)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
 
 
 def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictConfig,
-                 strict: bool = True):
+                 strict: bool = True, key: str = "model"):
     """``model.load_state_dict``, with weights of other shapes (a checkpoint of another model
-    size or family than ``model._component_`` builds) as one line naming the builder and the
-    first mismatched weight, not torch's list of every one."""
+    size or family than ``<key>._component_`` builds) as one line naming the config key, the
+    builder and the first mismatched weight, not torch's list of every one."""
     try:
         return model.load_state_dict(state_dict, strict=strict)
     except RuntimeError as e:
@@ -89,8 +90,9 @@ def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictCo
         mismatches = [line for line in lines[1:] if line.startswith("size mismatch")]
         first = (mismatches or lines[1:] or [""])[0][:300]
         raise ConfigError(
-            f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
-            f"({first}); check model._component_ against checkpointer.checkpoint_dir") from None
+            f"{key}: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
+            f"({first}); check {key}._component_ against "
+            f"{key.replace('model', 'checkpointer')}.checkpoint_dir") from None
 
 
 def set_activation_memory_budget(budget: Optional[float]) -> None:
