@@ -189,10 +189,11 @@ def run_variant(name: str, case: dict, rep: int, variant: dict, shape: tuple, ck
     work, tag = Path(args.work), f"{name}_{variant['name']}_rep{rep}".replace("/", "_").replace(":", "_")
     out_dir, cfg_path, clock_file = work / tag, work / f"{tag}.yaml", work / f"{tag}.clock.json"
     subprocess.run(["rm", "-rf", str(out_dir), str(clock_file)])
-    if args.profile:  # torchtune's profiler, CPU + CUDA over steps 7-9, for scripts/trace_summary.py
+    if args.profile:  # torchtune's profiler, CPU + CUDA over 3 steps once the clock's warm-up is
+        # over (recompiles and autotuning done), for scripts/trace_summary.py
         overrides = {**overrides, "profiler": {
             "_component_": "torchtune.training.setup_torch_profiler", "enabled": True, "output_dir": str(
-                work / f"prof_{tag}"), "cpu": True, "cuda": True, "wait_steps": 5, "warmup_steps": 2,
+                work / f"prof_{tag}"), "cpu": True, "cuda": True, "wait_steps": max(5, warmup), "warmup_steps": 2,
             "active_steps": 3, "num_cycles": 1}}
     cfg = write_config(cfg_path, case, variant, ckpt, out_dir, data_file, steps, overrides)
     row = {"case": name, "variant": variant["name"], "label": variant["label"], "rep": rep,

@@ -38,7 +38,7 @@
 #   daccept    distributed configs on 2 GPUs (the nvidia-h200-x2 kind): Llama-3.2 1B/3B ~7 min
 #   daccept8b  the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~8 min
 #   daccept7b  the same: Qwen2.5-7B                                                      ~6 min
-#   profile    each side's best 1B step on packed rows under torch.profiler (steps 7-9), by
+#   profile    each side's best 1B step on packed rows under torch.profiler (3 steps after the clock's warm-up), by
 #              kernel kind (its tokens/s include the profiler: not a speed row)          ~6 min
 # REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants;
 # BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py.
