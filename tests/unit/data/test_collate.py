@@ -1,5 +1,5 @@
-"""Batches with document masks (tune_recipes.data.collate): the BlockMask built from lengths on
-the CPU, its move to the device, and padding-free micro-batches."""
+"""Batches (tune_recipes.data.collate): the BlockMask built from lengths on the CPU, its move to
+the device, padding-free micro-batches, and padded batches on to a multiple of 128 tokens."""
 
 import pytest
 import torch
@@ -7,7 +7,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtune.data import padded_collate_sft
 
 from tune_recipes.data.collate import (
-    document_block_mask, document_ids, move_block_mask, packed_collate, padding_free_collate)
+    document_block_mask, document_ids, move_block_mask, packed_collate, padded_to_a_multiple,
+    padding_free_collate)
 from tune_recipes.training.step.batch import count_valid_tokens, shift_labels
 
 pytestmark = pytest.mark.unit
@@ -125,6 +126,65 @@ def test_padding_free_scores_exactly_the_padded_batchs_targets():
     assert count_valid_tokens(free["labels"]) == count_valid_tokens(padded["labels"])
     targets = lambda labels: sorted(shift_labels(labels)[shift_labels(labels) != -100].tolist())  # noqa: E731
     assert targets(free["labels"]) == targets(padded["labels"])
+
+
+def test_padded_batches_go_on_to_a_multiple_of_128_and_keep_torchtunes_values():
+    """Every length in a run is one of max_seq_len / 128 (a bounded set of shapes): torchtune's
+    padded batch in its columns, the padding after it never scored."""
+    for lengths in ([50, 7, 120], [129, 3], [256], [1, 1]):
+        rows = _rows(lengths)
+        plain = padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)
+        batch = padded_to_a_multiple(rows, collate=padded_collate_sft, padding_idx=0, ignore_idx=-100)
+        n = max(lengths)
+        assert batch["tokens"].shape == (len(lengths), -(-n // 128) * 128)
+        assert torch.equal(batch["tokens"][:, :n], plain["tokens"])
+        assert torch.equal(batch["labels"][:, :n], plain["labels"])
+        assert batch["tokens"][:, n:].eq(0).all() and batch["labels"][:, n:].eq(-100).all()
+        assert count_valid_tokens(batch["labels"]) == count_valid_tokens(plain["labels"])
+    # never past what the model takes, never shorter than the longest row
+    rows = _rows([150, 20])
+    assert padded_to_a_multiple(rows, collate=padded_collate_sft, max_seq_len=200)["tokens"].shape == (2, 200)
+    assert padded_to_a_multiple(rows, collate=padded_collate_sft, max_seq_len=100)["tokens"].shape == (2, 150)
+
+
+def test_a_collate_returning_more_than_tokens_and_labels_is_left_as_it_returns_them():
+    rows = _rows([50, 7])
+
+    def with_a_mask(batch, padding_idx, ignore_idx):
+        out = padded_collate_sft(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
+        return {**out, "mask": torch.ones(2, 50, 50, dtype=torch.bool)}
+
+    batch = padded_to_a_multiple(rows, collate=with_a_mask)
+    assert batch["tokens"].shape == (2, 50) and batch["mask"].shape == (2, 50, 50)
+
+
+def test_the_padding_to_a_multiple_leaves_each_rows_logits_and_the_loss_and_gradients():
+    """The tiny Llama on a padded batch and on the same batch padded on to 128 tokens: each real
+    position's logits (the padding comes after it, causal attention never looks ahead), the
+    loss and its gradients equal in fp32 (1e-6)."""
+    from tune_recipes.models import tiny_llama3
+
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    rows = _rows([50, 7, 93], seed=2)
+    plain = padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)
+    longer = padded_to_a_multiple(rows, collate=padded_collate_sft, padding_idx=0, ignore_idx=-100)
+    assert longer["tokens"].shape[1] == 128 > plain["tokens"].shape[1]
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        logits = model(batch["tokens"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 shift_labels(batch["labels"]).flatten(), ignore_index=-100)
+        loss.backward()
+        return logits.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits_p, loss_p, grads_p = loss_and_grads(plain)
+    logits_l, loss_l, grads_l = loss_and_grads(longer)
+    torch.testing.assert_close(logits_l[:, :93], logits_p, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_l, loss_p, rtol=1e-6, atol=0)
+    for gl, gp in zip(grads_l, grads_p):
+        torch.testing.assert_close(gl, gp, rtol=1e-5, atol=1e-6)
 
 
 def _assert_each_example(free_logits, padded_logits, lengths, tol):

@@ -13,7 +13,7 @@ from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
-from tune_recipes.data.collate import packed_collate, padding_free_collate
+from tune_recipes.data.collate import packed_collate, padded_to_a_multiple, padding_free_collate
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -134,7 +134,8 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     """The batch collation for ``dataset``: packed sequences with their document masks
     (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
     masks (``padding_free``: ``data.collate.padding_free_collate``); or padding by
-    ``collate_fn``."""
+    ``collate_fn``, then on to a multiple of 128 tokens (``data.collate.padded_to_a_multiple``).
+    ``max_seq_len``: the most tokens the model takes in a row."""
     # NOTE: torchtune's PackedDataset has no ``packed`` attribute (only its ConcatDataset sets
     # one): test the type too, or a single packed dataset is padded like an unpacked one and
     # its examples attend to each other across pack boundaries, silently.
@@ -148,11 +149,12 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     if "left_pad_sequence" in collate_fn:
         raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
     fn = resolve_component(collate_fn, "collate_fn")
-    return partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
+    return partial(padded_to_a_multiple, collate=fn, padding_idx=pad_id, ignore_idx=ignore_index,
+                   max_seq_len=max_seq_len)
 
 
 def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size: int = 1,
-                                rank: int = 0):
+                                rank: int = 0, max_seq_len: Optional[int] = None):
     """``dataset_val`` in a fixed order, each example on exactly one rank, nothing dropped;
     None when the config has no ``dataset_val``."""
     if cfg.get("dataset_val") is None:
@@ -161,7 +163,7 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
 
     dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
-                           collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE))
+                           collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE), max_seq_len=max_seq_len)
     return DataLoader(shard_for_rank(dataset, world_size, rank),
                       batch_size=cfg.get("batch_size_val", None) or cfg.batch_size,
                       shuffle=False, collate_fn=collate, drop_last=False)

@@ -315,7 +315,8 @@ def setup_step_driver(
         raise ValueError(f"path {path.value} does not match the run's flags ({normalizer.path.value})")
     validator = None
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
-                                             world_size=runtime.dp_size, rank=runtime.dp_rank)
+                                             world_size=runtime.dp_size, rank=runtime.dp_rank,
+                                             max_seq_len=getattr(model, "max_seq_len", None))
     if val_loader is not None:
         if eval_loss is None:
             raise ConfigError("dataset_val: this recipe has no validation loss")

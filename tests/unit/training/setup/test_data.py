@@ -107,3 +107,16 @@ def test_a_single_packed_dataset_gets_the_packed_collate():
     batch = make_collate(packed, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
                          ignore_index=-100)([packed[0]])
     assert {"mask", "input_pos"} <= set(batch)
+
+
+def test_padded_batches_of_the_dataloader_are_multiples_of_128_tokens():
+    """The default collate (torchtune's padded_collate_sft) then on to a multiple of 128 tokens:
+    a run's batches take a bounded set of lengths (each new one cost host time in cuDNN
+    attention on an H200), up to the model's max_seq_len."""
+    lengths = {len(b["tokens"][0]) for b in _loader()}
+    assert lengths and all(n % 128 == 0 for n in lengths), lengths
+    # with the model taking 100 tokens: 100, or the longest row where it is longer (same order)
+    for capped, free in zip(_loader(max_seq_len=100), _loader()):
+        n, m = capped["tokens"].shape[1], free["tokens"].shape[1]
+        assert n == 100 or (100 < n <= m and -(-n // 128) * 128 == m), (n, m)
+        assert torch.equal(capped["labels"], free["labels"][:, :n])
