@@ -148,12 +148,12 @@ def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: i
     shorter than they were): padding that is never attended to (it comes after every real token
     of its row) nor scored (its labels are ``ignore_idx``).
 
-    NOTE: this is a speed fix, not cosmetics. Padded to the longest row, almost every batch has
-    a new length, and on an H200 each new shape cost ~120 ms of host time in cuDNN attention
-    (its execution plan is built per shape) for steps of ~50 ms: padded batches ran 3.3x slower
-    than the same ones padded to 128-token multiples, a bounded set of lengths whose plans (and
-    compiled graphs) are reused (docs/benchmarks.md). A collate that returns more than tokens and
-    labels (a mask, positions) is left as it returns them."""
+    NOTE: a speed fix, not cosmetics: do not pad to the longest row only. Then almost every batch
+    has a new length, and on an H200 each new shape cost ~120 ms of host work (profiled inside
+    cuDNN attention, which plans each shape) on steps of ~50 ms: 3.5x slower than the same
+    batches padded on to 128-token multiples, a bounded set of shapes whose plans and compiled
+    graphs are reused (docs/benchmarks.md). A collate that returns more than tokens and labels
+    (a mask, positions) is left as it returns them."""
     out = collate(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
     if set(out) != {"tokens", "labels"} or out["tokens"].dim() != 2 \
             or out["labels"].shape != out["tokens"].shape:
