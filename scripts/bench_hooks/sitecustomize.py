@@ -12,9 +12,10 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   both sides. On sm90 torch tries cuDNN attention first, and cuDNN builds an execution plan for
   each new shape (batch, sequence length): padded batches, a new length most steps, may pay
   that build every step.
-- BENCH_PAD_MULTIPLE=N: both sides' ``torchtune.data.padded_collate_sft`` pads its rows on to a
-  multiple of N tokens (the padding never scored): at most max_seq_len / N lengths in a run (N
-  should divide max_seq_len). Its tokens/s counts the added padding: compare label tokens/s.
+- BENCH_PAD_MULTIPLE=N: both sides' padded batches go on to a multiple of N tokens (the padding
+  never scored): torchtune's ``padded_collate_sft`` for stock, the multiple ours pads to
+  (``padded_to_a_multiple``, 128 by default) for ours; N=1 pads ours to the longest row only,
+  as stock does. Its tokens/s counts the added padding: compare label tokens/s.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -67,6 +68,12 @@ if os.environ.get("BENCH_PAD_MULTIPLE") and _IS_TRAINING:
         return out
 
     torchtune.data.padded_collate_sft = _padded_to_a_multiple  # both sides resolve it by this path
+    if _IS_RECIPE:
+        import functools
+
+        from tune_recipes.training.setup import data as _data
+
+        _data.padded_to_a_multiple = functools.partial(_data.padded_to_a_multiple, pad_to_multiple_of=_multiple)
 
 if os.environ.get("BENCH_SDPA_GQA") == "1" and _IS_RECIPE:
     import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao

@@ -348,17 +348,26 @@ batch = collate(rows, padding_idx=0, ignore_idx=-100)
 print("shape", *batch["tokens"].shape)
 print("scored", int((batch["labels"] != -100).sum()))
 print("cudnn_sdp", torch.backends.cuda.cudnn_sdp_enabled())
+from tune_recipes.training.setup.data import make_collate
+
+ours = make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100)(rows)
+print("ours_shape", *ours["tokens"].shape)
 """
 
 
 def test_the_padding_and_cudnn_levers_pad_collated_rows_and_turn_cudnn_attention_off():
     """BENCH_PAD_MULTIPLE=128 pads torchtune's collate (both sides resolve it by name) on to 256
     tokens with nothing more scored; BENCH_SDPA_NO_CUDNN=1 turns SDPA's cuDNN backend off;
-    without them, neither happens."""
+    without them, neither happens (ours pads to 128-token multiples itself). BENCH_PAD_MULTIPLE=1
+    pads ours' batches to the longest row only, as stock's."""
     levers = _run_hook_probe(_PAD_PROBE, BENCH_PAD_MULTIPLE="128", BENCH_SDPA_NO_CUDNN="1").stdout
     assert "shape 2 256" in levers and "scored 133" in levers and "cudnn_sdp False" in levers, levers
+    assert "ours_shape 2 256" in levers, levers
     plain = _run_hook_probe(_PAD_PROBE).stdout
     assert "shape 2 130" in plain and "scored 133" in plain and "cudnn_sdp True" in plain, plain
+    assert "ours_shape 2 256" in plain, plain
+    longest = _run_hook_probe(_PAD_PROBE, BENCH_PAD_MULTIPLE="1").stdout
+    assert "shape 2 130" in longest and "ours_shape 2 130" in longest, longest
 
 
 @pytest.mark.slow
