@@ -233,7 +233,9 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
             lines.append({**line, "error": runs[0]["error"][-300:]})
         elif ok:
             tps = statistics.mean(r["tokens_per_s"] for r in ok)
-            peaks = [max((r.get(k) or 0) for r in ok) or None for k in ("peak_alloc_gib", "peak_reserved_gib")]
+            # paged_gib: bitsandbytes' paged optimizer states, on the GPU but outside torch's counts
+            peaks = [max(((r.get(k) or 0) + (r.get("paged_gib") or 0) if r.get(k) else 0) for r in ok) or None
+                     for k in ("peak_alloc_gib", "peak_reserved_gib")]
             flops = flops_per_token_factor(ok[0]["lora"], ok[0]["ac"]) * ok[0]["params"] * tps
             lines.append({**line, "tokens_per_s": round(tps), "each": [round(r["tokens_per_s"]) for r in ok],
                           "label_tokens_per_s": round(statistics.mean(r["label_tokens_per_s"] for r in ok)),
@@ -275,7 +277,7 @@ def loss_gaps(rows: list) -> list:
 def table(result: dict) -> str:
     """The summary as a Markdown table, and the loss gaps below it."""
     out = ["| case | variant | tokens/s (each rep) | label tokens/s | x stock | label x stock | "
-           "peak alloc GiB | peak reserved GiB | alloc x stock | reserved x stock | MFU | last loss |",
+           "peak alloc GiB (+ paged) | peak reserved GiB (+ paged) | alloc x stock | reserved x stock | MFU | last loss |",
            "|---" * 12 + "|"]
     for s in result["summary"]:
         if "error" in s:

@@ -13,7 +13,10 @@ Batches arrive on the CPU, so counting them never waits for the GPU.
 Peak memory is the run's true peak: both recipes reset CUDA's peak counters while they log,
 so the hook makes ``torch.cuda.reset_peak_memory_stats`` a no-op in this process and reads
 ``max_memory_allocated`` / ``max_memory_reserved`` at exit (and, as ``window_peak_*``, when the
-window closes: the training steps' peak, before the recipe's final checkpoint save).
+window closes: the training steps' peak, before the recipe's final checkpoint save). Memory
+outside torch's allocator that the run keeps on the GPU is read apart: bitsandbytes' paged
+optimizer states (``PagedAdamW8bit``, torchtune's full configs; CUDA managed memory, which the
+optimizer's kernels use on the GPU) as ``paged_gib``, allocated at the first step and held.
 
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
@@ -71,7 +74,8 @@ class Clock:
             out.update(tokens=self.tokens, label_tokens=self.label_tokens, seconds=self.seconds,
                        tokens_per_s=self.tokens / self.seconds,
                        label_tokens_per_s=self.label_tokens / self.seconds)
-        return {**out, **self.at_window_end, **self._peaks("")}
+        paged = paged_gib()
+        return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 
     @staticmethod
     def _peaks(prefix: str) -> dict:
@@ -85,6 +89,17 @@ class Clock:
             return
         with open(self.path, "w") as f:
             json.dump(self.result(), f, indent=1)
+
+
+def paged_gib() -> float:
+    """GiB of bitsandbytes' paged tensors (its paged optimizers' states), 0.0 without any."""
+    import sys
+
+    functional = sys.modules.get("bitsandbytes.functional")
+    if functional is None:
+        return 0.0
+    tensors = functional.GlobalPageManager.get_instance().paged_tensors
+    return sum(t.numel() * t.element_size() for t in tensors) / GIB
 
 
 class ClockedIterator:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from script_loader import SCRIPTS, load_script
 
@@ -115,6 +116,33 @@ def test_the_summary_averages_reps_takes_ratios_to_stock_and_the_mfu(tmp_path, c
     assert "| full_1b | ours: README fastest settings | 260 (260; 1 failed) | 130 | 1.3 | 1.3 | 15.0 | 18.0 |" in table
     assert "loss full_1b ours_best rep 0 vs stock over 2 steps: max rel diff 0.1, last-50 mean gap +3.333%" in table
     assert out.with_suffix(".png").exists() and json.loads(out.read_text())["summary"][1]["speed_vs_stock"] == 1.3
+
+
+def test_bitsandbytes_paged_states_count_in_the_peak_memory(monkeypatch):
+    """Paged optimizer states (CUDA managed memory, outside torch's allocator counts) are read
+    from bitsandbytes' page manager by the clock and added to the run's peaks in the summary."""
+    import types
+
+    sys.path.insert(0, str(SCRIPTS / "bench_hooks"))
+    try:
+        import bench_clock
+    finally:
+        sys.path.remove(str(SCRIPTS / "bench_hooks"))
+    assert bench_clock.paged_gib() == 0.0 or "bitsandbytes.functional" in sys.modules
+    manager = types.SimpleNamespace(paged_tensors=[torch.zeros(2**20, dtype=torch.uint8),
+                                                   torch.zeros(2**18, dtype=torch.float32)])
+    functional = types.SimpleNamespace(GlobalPageManager=types.SimpleNamespace(get_instance=lambda: manager))
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", functional)
+    assert bench_clock.paged_gib() == 2 * 2**20 / 2**30
+    clock = bench_clock.Clock(str(SCRIPTS / "unused.json"))
+    clock.count({"tokens": torch.zeros(1, 4)})
+    assert clock.result()["paged_gib"] == 2 * 2**20 / 2**30
+
+    bench = _bench()
+    rows = [_row("stock_best", "stock", 100.0, 10.0, 12.0, paged_gib=6.0), _row("ours_best", "ours", 200.0, 15.0, 16.0)]
+    lines = {s["variant"]: s for s in bench.aggregate("full_1b", bench.CASES["full_1b"], rows)}
+    assert lines["stock_best"]["peak_alloc_gib"] == 16.0 and lines["stock_best"]["peak_reserved_gib"] == 18.0
+    assert lines["ours_best"]["alloc_vs_stock"] == round(15 / 16, 3)
 
 
 def test_merged_runs_number_each_variants_reps_on():
