@@ -180,7 +180,13 @@ def shipped_cases() -> dict:
         if recipe in ("full_finetune_single_device", "lora_finetune_single_device") and \
                 (stock_root / f"{name}.yaml").is_file():
             ours = registry.resolve_config(name).path
-            module, fn = yaml.safe_load(ours.read_text())["model"]["_component_"].rsplit(".", 1)
+            ours_cfg = yaml.safe_load(ours.read_text())
+            module, fn = ours_cfg["model"]["_component_"].rsplit(".", 1)
+            # full fine-tunes: torchao's 8-bit AdamW stepped in backward (no gradients kept), the
+            # memory of torchtune's configs' 8-bit paged AdamW in backward, as a candidate default
+            lean = [_v("ours_8bit_in_bwd", "ours", "our config, torchao's AdamW8bit stepped in backward",
+                       optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": ours_cfg["optimizer"]["lr"]},
+                       optimizer_in_bwd=True, clip_grad_norm=None)] if recipe.startswith("full") else []
             out[f"shipped:{name}"] = dict(
                 recipe=recipe, shipped={"stock": stock_root / f"{name}.yaml", "ours": ours},
                 builder=f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}", seq_len=2048,
@@ -188,7 +194,7 @@ def shipped_cases() -> dict:
                 variants=[_v("stock", "stock", "torchtune 0.6.1's config as shipped", head=True),
                           _v("ours", "ours", "our config as shipped", head=True),
                           _v("ours_padded", "ours", "our config as shipped, padding_free=False",
-                             padding_free=False)])
+                             padding_free=False), *lean])
     return out
 
 

@@ -38,8 +38,9 @@
 #   daccept    distributed configs on 2 GPUs (the nvidia-h200-x2 kind): Llama-3.2 1B/3B ~7 min
 #   daccept8b  the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~8 min
 #   daccept7b  the same: Qwen2.5-7B                                                      ~6 min
-#   profile    each side's best 1B step on packed rows under torch.profiler (3 steps after the clock's warm-up), by
-#              kernel kind (its tokens/s include the profiler: not a speed row)          ~6 min
+#   profile    each side's best 1B step on packed rows under torch.profiler (3 steps after the
+#              clock's warm-up), by kernel kind and by what the GPU waited on (its tokens/s
+#              include the profiler: not a speed row; CASE=full_1b_padded: unpacked rows)  ~6 min
 # REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants;
 # BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py.
 # A+B runs step A on GPU 0 and step B on GPU 1
@@ -115,9 +116,9 @@ for step in "$@"; do
     daccept)   accept daccept distributed "llama3_2/1B_*,llama3_2/3B_*" ;;
     daccept8b) accept daccept8b distributed "llama3_1/*,llama3_2/8B_to_1B_*" ;;
     daccept7b) accept daccept7b distributed "qwen2_5/7B_*" ;;
-    profile)   bench profile --cases full_1b_packed --only stock_best,ours_best --reps 1 --profile
-               python3 scripts/trace_summary.py $W/prof_full_1b_packed_stock_best_rep0 \
-                 $W/prof_full_1b_packed_ours_best_rep0 > "$OUT/profile_kernels.txt" 2>&1
+    profile)   bench profile --cases "${CASE:-full_1b_packed}" --only stock_best,ours_best --reps 1 --profile
+               python3 scripts/trace_summary.py $W/prof_${CASE:-full_1b_packed}_stock_best_rep0 \
+                 $W/prof_${CASE:-full_1b_packed}_ours_best_rep0 > "$OUT/profile_kernels.txt" 2>&1
                cut -c1-160 "$OUT/profile_kernels.txt" | head -80 ;;
     *)         echo "unknown step $step (steps: see the header of $0)"; exit 2 ;;
   esac
