@@ -904,12 +904,12 @@ def lora_model_problem(cfg: DictConfig) -> Optional[str]:
 
 
 def warmup_problem(num_warmup_steps: Any, total_steps: int, how: str = "") -> Optional[str]:
-    """``lr_scheduler.num_warmup_steps`` longer than the run's ``total_steps`` optimizer steps
-    (the learning rate never reaches ``optimizer.lr``), or None. ``how``: where the total
-    comes from, appended to it."""
-    if not _is_int(num_warmup_steps) or not _is_int(total_steps) or num_warmup_steps <= total_steps:
+    """``lr_scheduler.num_warmup_steps`` as long as the run's ``total_steps`` optimizer steps or
+    longer (the learning rate never reaches ``optimizer.lr``: warmup's last step runs at
+    (warmup - 1) / warmup of it), or None. ``how``: where the total comes from, appended to it."""
+    if not _is_int(num_warmup_steps) or not _is_int(total_steps) or num_warmup_steps < total_steps:
         return None
-    return (f"lr_scheduler.num_warmup_steps={num_warmup_steps} is longer than the whole run "
+    return (f"lr_scheduler.num_warmup_steps={num_warmup_steps} is as long as the whole run or longer "
             f"({total_steps} optimizer steps{how}): the learning rate never reaches optimizer.lr")
 
 
