@@ -1,0 +1,45 @@
+"""Every command a shipped config's header shows (its run line and its example overrides) passes
+``tune validate`` for the recipe it names: a user who copies one does not meet an error the
+config itself causes (e.g. more accumulation where the optimizer steps inside backward)."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tune_recipes._cli.main import main
+
+pytestmark = pytest.mark.unit
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _header_commands():
+    found = []
+    for path in sorted(CONFIGS.glob("*/*.yaml")):
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break  # the header: the comment lines before the first key
+            header.append(line.lstrip("#").strip())
+        # a command continued over lines (a trailing backslash) is one command
+        for match in re.finditer(r"\btune run ([^\n]*)", "\n".join(header).replace("\\\n", " ")):
+            found.append((f"{path.parent.name}/{path.stem}", match.group(1).strip()))
+    return found
+
+
+def test_every_shipped_config_shows_a_run_command():
+    named = {config for config, _ in _header_commands()}
+    assert named == {f"{p.parent.name}/{p.stem}" for p in CONFIGS.glob("*/*.yaml")}
+
+
+@pytest.mark.parametrize("config,command", _header_commands(), ids=[f"{c}: {cmd}" for c, cmd in _header_commands()])
+def test_a_header_command_validates(config, command, capsys):
+    words = shlex.split(command.replace("<output_dir>", "/tmp/out"))
+    while words[0].startswith("--"):  # torchrun's options: --nproc_per_node N
+        words = words[2:]
+    recipe, rest = words[0], words[1:]
+    assert rest[0] == "--config", command
+    # --portable: the configs point at /tmp/<model> downloads and a CUDA device, absent here
+    rc = main(["validate", "--portable", *rest[1:], "--recipe", recipe])
+    assert rc == 0, f"{config}: `tune run {command}`: {capsys.readouterr().err[-500:]}"
