@@ -106,3 +106,21 @@ def test_the_hook_times_both_loaders_of_a_recipe_process_and_writes_at_exit(tmp_
     result = json.loads((tmp_path / "clock.json").read_text())
     assert result["batches_fetched"] == 6 and result["tokens"] == 4 * 2 * 8
     assert result["label_tokens"] == 3 and result["tokens_per_s"] > 0
+
+
+
+def test_bitsandbytes_paged_states_are_read_apart(monkeypatch, tmp_path):
+    """Paged optimizer states (CUDA managed memory, outside torch's allocator counts) are read
+    from bitsandbytes' page manager, when bitsandbytes is loaded, as ``paged_gib``."""
+    import types
+
+    monkeypatch.delitem(sys.modules, "bitsandbytes.functional", raising=False)
+    assert bench_clock.paged_gib() == 0.0
+    manager = types.SimpleNamespace(paged_tensors=[torch.zeros(2**20, dtype=torch.uint8),
+                                                   torch.zeros(2**18, dtype=torch.float32)])
+    functional = types.SimpleNamespace(GlobalPageManager=types.SimpleNamespace(get_instance=lambda: manager))
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", functional)
+    assert bench_clock.paged_gib() == 2 * 2**20 / 2**30
+    clock = bench_clock.Clock(str(tmp_path / "clock.json"))
+    clock.count(_batches(1)[0])
+    assert clock.result()["paged_gib"] == 2 * 2**20 / 2**30
