@@ -7,8 +7,8 @@ O((seq_len / 128)^2) work a row, where torchtune's collate evaluates the mask on
 on the GPU (a seq_len^2 tensor a row, and a host sync) each batch. The mask is moved to the
 device with the rest of the batch (``move_block_mask``, without a sync).
 
-``padded_to_a_multiple`` pads a padded batch's rows on to a multiple of 128 tokens, so that a
-run sees a bounded set of batch shapes.
+``padded_to_a_multiple`` pads a padded batch's rows on to a multiple of 128 tokens on a GPU, so
+that a run sees a bounded set of batch shapes.
 
 ``padding_free_collate`` lays the rows of an unpacked micro-batch end to end in one sequence
 with a document mask instead of padding each row to the longest: the same examples, the same
@@ -16,7 +16,7 @@ with a document mask instead of padding each row to the longest: the same exampl
 """
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -148,14 +148,15 @@ def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: i
     shorter than they were): padding that is never attended to (it comes after every real token
     of its row) nor scored (its labels are ``ignore_idx``).
 
-    NOTE: a speed fix, not cosmetics: do not pad to the longest row only. Then almost every batch
-    has a new length, and on an H200 each new shape cost ~120 ms of host work (profiled inside
-    cuDNN attention, which plans each shape) on steps of ~50 ms: 3.5x slower than the same
-    batches padded on to 128-token multiples, a bounded set of shapes whose plans and compiled
-    graphs are reused (docs/benchmarks.md). A collate that returns more than tokens and labels
-    (a mask, positions) is left as it returns them."""
+    NOTE: a speed fix, not cosmetics: do not pad to the longest row only on a GPU. Then almost
+    every batch has a new length, and on an H200 each new shape cost ~120 ms of host work (in the
+    profile, inside cuDNN attention, which plans per shape; the cause is not isolated) on compiled
+    steps of ~50 ms: 3.3x slower (label tokens/s) than the same batches padded on to 128-token
+    multiples, a bounded set of shapes whose plans and compiled graphs are reused
+    (docs/benchmarks.md). A collate that returns anything but a mapping of exactly tokens and
+    labels (a mask, positions, a list) is left as it returns it."""
     out = collate(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
-    if set(out) != {"tokens", "labels"} or out["tokens"].dim() != 2 \
+    if not isinstance(out, Mapping) or set(out) != {"tokens", "labels"} or out["tokens"].dim() != 2 \
             or out["labels"].shape != out["tokens"].shape:
         return out
     length = out["tokens"].shape[1]

@@ -156,6 +156,8 @@ def test_a_collate_returning_more_than_tokens_and_labels_is_left_as_it_returns_t
 
     batch = padded_to_a_multiple(rows, collate=with_a_mask)
     assert batch["tokens"].shape == (2, 50) and batch["mask"].shape == (2, 50, 50)
+    as_a_list = padded_to_a_multiple(rows, collate=lambda b, padding_idx, ignore_idx: [dict(x) for x in b])
+    assert as_a_list == [dict(x) for x in rows]
 
 
 def test_the_padding_to_a_multiple_leaves_each_rows_logits_and_the_loss_and_gradients():

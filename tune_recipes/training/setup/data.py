@@ -4,6 +4,7 @@ from functools import partial
 from typing import Optional
 from pathlib import Path
 
+import torch
 from omegaconf import ListConfig
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -13,7 +14,7 @@ from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
-from tune_recipes.data.collate import packed_collate, padded_to_a_multiple, padding_free_collate
+from tune_recipes.data.collate import FLEX_BLOCK, packed_collate, padded_to_a_multiple, padding_free_collate
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -129,13 +130,23 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
             f"{key}.train_on_input=True to train on the prompts too")
 
 
+def padded_batch_multiple(device) -> int:
+    """The multiple of tokens a padded batch's rows go on to on ``device``: 128 on a CUDA GPU
+    (``data.collate.padded_to_a_multiple`` says why), 1 (the longest row) elsewhere, where no
+    per-shape cost was measured and the padding would only add compute."""
+    return FLEX_BLOCK if device is not None and torch.device(device).type == "cuda" else 1
+
+
 def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int,
-                 padding_free: bool = False, max_seq_len: Optional[int] = None):
+                 padding_free: bool = False, max_seq_len: Optional[int] = None,
+                 pad_to_multiple_of: int = 1, longest_row: Optional[int] = None):
     """The batch collation for ``dataset``: packed sequences with their document masks
     (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
     masks (``padding_free``: ``data.collate.padding_free_collate``); or padding by
-    ``collate_fn``, then on to a multiple of 128 tokens (``data.collate.padded_to_a_multiple``).
-    ``max_seq_len``: the most tokens the model takes in a row."""
+    ``collate_fn``, then on to a multiple of ``pad_to_multiple_of`` tokens
+    (``data.collate.padded_to_a_multiple``; see ``padded_batch_multiple``) but never past
+    ``longest_row`` (the tokenizer's ``max_seq_len``) or ``max_seq_len`` (the most tokens the
+    model takes in a row)."""
     # NOTE: torchtune's PackedDataset has no ``packed`` attribute (only its ConcatDataset sets
     # one): test the type too, or a single packed dataset is padded like an unpacked one and
     # its examples attend to each other across pack boundaries, silently.
@@ -149,12 +160,15 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     if "left_pad_sequence" in collate_fn:
         raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
     fn = resolve_component(collate_fn, "collate_fn")
+    if pad_to_multiple_of <= 1:
+        return partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
+    caps = [n for n in (max_seq_len, longest_row) if n is not None]
     return partial(padded_to_a_multiple, collate=fn, padding_idx=pad_id, ignore_idx=ignore_index,
-                   max_seq_len=max_seq_len)
+                   pad_to_multiple_of=pad_to_multiple_of, max_seq_len=min(caps) if caps else None)
 
 
 def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size: int = 1,
-                                rank: int = 0, max_seq_len: Optional[int] = None):
+                                rank: int = 0, max_seq_len: Optional[int] = None, device=None):
     """``dataset_val`` in a fixed order, each example on exactly one rank, nothing dropped;
     None when the config has no ``dataset_val``."""
     if cfg.get("dataset_val") is None:
@@ -163,7 +177,9 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
 
     dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
-                           collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE), max_seq_len=max_seq_len)
+                           collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE), max_seq_len=max_seq_len,
+                           pad_to_multiple_of=padded_batch_multiple(device),
+                           longest_row=getattr(tokenizer, "max_seq_len", None))
     return DataLoader(shard_for_rank(dataset, world_size, rank),
                       batch_size=cfg.get("batch_size_val", None) or cfg.batch_size,
                       shuffle=False, collate_fn=collate, drop_last=False)
@@ -183,6 +199,8 @@ def build_dataloader(
     drop_last: bool = True,
     padding_free: bool = False,
     max_seq_len: Optional[int] = None,
+    pad_to_multiple_of: int = 1,
+    longest_row: Optional[int] = None,
 ) -> StatefulDataLoader:
     """A dataloader whose order depends only on (seed, epoch, rank), so a resumed run sees
     exactly the batches an uninterrupted one would.
@@ -194,7 +212,8 @@ def build_dataloader(
     Plain ints and dicts, so the recipe state still loads with ``weights_only=True``.
     """
     collate = make_collate(dataset, pad_id=pad_id, collate_fn=collate_fn, ignore_index=ignore_index,
-                           padding_free=padding_free, max_seq_len=max_seq_len)
+                           padding_free=padding_free, max_seq_len=max_seq_len,
+                           pad_to_multiple_of=pad_to_multiple_of, longest_row=longest_row)
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )

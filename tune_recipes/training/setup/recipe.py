@@ -29,6 +29,7 @@ from tune_recipes.training.setup.data import (
     build_dataloader,
     build_dataset,
     build_validation_dataloader,
+    padded_batch_multiple,
 )
 from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
@@ -204,7 +205,7 @@ class DataAndSchedule:
 def setup_data_and_schedule(
     cfg: DictConfig, tokenizer, optimizer, state: RecipeState, *, ignore_index: int,
     resume: Optional[SavedState] = None, world_size: int = 1, rank: int = 0,
-    max_seq_len: Optional[int] = None, is_main: Optional[bool] = None,
+    max_seq_len: Optional[int] = None, is_main: Optional[bool] = None, device=None,
 ) -> DataAndSchedule:
     """Dataset and dataloader (order from the seed, epoch and rank only), optimizer steps per
     epoch, the global step a run starts at, and the LR schedule positioned at that step.
@@ -215,7 +216,8 @@ def setup_data_and_schedule(
     mid-epoch checkpoint also positions this rank's dataloader after the batches it consumed.
     ``max_seq_len``: the most tokens the model takes in a row (``padding_free`` batches' rows).
     ``is_main``: the process that prints (default: data-parallel rank 0; under tensor
-    parallelism every rank of the first group has that rank).
+    parallelism every rank of the first group has that rank). ``device``: where the batches go
+    (padded batches on a GPU go on to 128-token multiples: ``padded_batch_multiple``).
     """
     if resume is not None:
         if resume.mid_epoch and len(resume.rank_states) != world_size:
@@ -233,6 +235,7 @@ def setup_data_and_schedule(
         collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE),
         ignore_index=ignore_index, world_size=world_size, rank=rank,
         padding_free=cfg.get("padding_free", False), max_seq_len=max_seq_len,
+        pad_to_multiple_of=padded_batch_multiple(device), longest_row=getattr(tokenizer, "max_seq_len", None),
     )
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
                             state.max_steps_per_epoch, cfg.batch_size)
@@ -304,7 +307,8 @@ def setup_step_driver(
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                   max_seq_len=getattr(model, "max_seq_len", None), is_main=runtime.is_main)
+                                   max_seq_len=getattr(model, "max_seq_len", None), is_main=runtime.is_main,
+                                   device=runtime.device)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
         optimizer_in_bwd=path.steps_in_backward,
@@ -316,7 +320,8 @@ def setup_step_driver(
     validator = None
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
                                              world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                             max_seq_len=getattr(model, "max_seq_len", None))
+                                             max_seq_len=getattr(model, "max_seq_len", None),
+                                             device=runtime.device)
     if val_loader is not None:
         if eval_loss is None:
             raise ConfigError("dataset_val: this recipe has no validation loss")

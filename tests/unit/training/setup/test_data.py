@@ -109,14 +109,21 @@ def test_a_single_packed_dataset_gets_the_packed_collate():
     assert {"mask", "input_pos"} <= set(batch)
 
 
-def test_padded_batches_of_the_dataloader_are_multiples_of_128_tokens():
-    """The default collate (torchtune's padded_collate_sft) then on to a multiple of 128 tokens:
-    a run's batches take a bounded set of lengths (each new one cost host time in cuDNN
-    attention on an H200), up to the model's max_seq_len."""
-    lengths = {len(b["tokens"][0]) for b in _loader()}
-    assert lengths and all(n % 128 == 0 for n in lengths), lengths
-    # with the model taking 100 tokens: 100, or the longest row where it is longer (same order)
-    for capped, free in zip(_loader(max_seq_len=100), _loader()):
-        n, m = capped["tokens"].shape[1], free["tokens"].shape[1]
-        assert n == 100 or (100 < n <= m and -(-n // 128) * 128 == m), (n, m)
-        assert torch.equal(capped["labels"], free["labels"][:, :n])
+def test_padded_batches_go_on_to_128_token_multiples_on_a_gpu_only():
+    """On a CUDA device padded batches go on to a multiple of 128 tokens (a run's batches take a
+    bounded set of lengths: each new one cost host time on an H200), never past the tokenizer's
+    or the model's max_seq_len; elsewhere they stay padded to their longest row."""
+    from tune_recipes.training.setup.data import padded_batch_multiple
+
+    assert padded_batch_multiple("cuda") == padded_batch_multiple(torch.device("cuda", 1)) == 128
+    assert padded_batch_multiple("cpu") == padded_batch_multiple(None) == 1
+    plain = [b["tokens"].shape[1] for b in _loader()]
+    assert any(n % 128 for n in plain), plain  # the data has lengths off the grid
+    on_gpu = [b["tokens"].shape[1] for b in _loader(pad_to_multiple_of=128)]
+    assert all(m == -(-n // 128) * 128 for n, m in zip(plain, on_gpu)), (plain, on_gpu)
+    # capped: by the tokenizer's max_seq_len (longest_row) and the model's, the smaller
+    for caps in ({"longest_row": 100}, {"max_seq_len": 100}, {"longest_row": 300, "max_seq_len": 100}):
+        for capped, free in zip(_loader(pad_to_multiple_of=128, **caps), _loader()):
+            n, m = capped["tokens"].shape[1], free["tokens"].shape[1]
+            assert n == max(min(-(-m // 128) * 128, 100), m), (caps, n, m)
+            assert torch.equal(capped["labels"][:, :m], free["labels"])

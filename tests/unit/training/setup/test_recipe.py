@@ -175,3 +175,22 @@ def test_a_warmup_longer_than_the_dataset_makes_the_run_is_named_once_the_length
     cfg.lr_scheduler.num_warmup_steps = 3 * plan.steps_per_epoch + 1
     _plan(cfg, epochs_run=0, max_steps=20_000)
     assert "is as long as the whole run or longer" in capsys.readouterr().err
+
+
+def test_the_run_pads_batches_for_its_device_up_to_the_tokenizers_max_seq_len():
+    """The recipes' data setup pads padded batches on to 128-token multiples for a CUDA device
+    only, never past the tokenizer's max_seq_len (nothing touches the device to build them)."""
+    cfg = load_config(CONFIG)
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+
+    def lengths(device, max_seq_len=None):
+        state = RecipeState(seed=cfg.seed, total_epochs=1, max_steps_per_epoch=4, epochs_run=0)
+        plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100,
+                                       device=device, max_seq_len=max_seq_len)
+        return [b["tokens"].shape[1] for b, _ in zip(plan.dataloader, range(6))]
+
+    plain, on_gpu = lengths(torch.device("cpu")), lengths(torch.device("cuda"))
+    assert any(n % 128 for n in plain) and all(m % 128 == 0 or m == tokenizer.max_seq_len for m in on_gpu)
+    assert all(m == min(-(-n // 128) * 128, tokenizer.max_seq_len) for n, m in zip(plain, on_gpu))
+    assert all(m <= max(n, 100) for n, m in zip(plain, lengths("cuda", max_seq_len=100)))
