@@ -14,8 +14,8 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   that build every step.
 - BENCH_PAD_MULTIPLE=N: both sides' padded batches go on to a multiple of N tokens (the padding
   never scored): torchtune's ``padded_collate_sft`` for stock, the multiple ours pads to
-  (``padded_to_a_multiple``, 128 by default) for ours; N=1 pads ours to the longest row only,
-  as stock does. Its tokens/s counts the added padding: compare label tokens/s.
+  (``padded_batch_multiple``: 128 on a GPU by default) for ours; N=1 pads ours to the longest
+  row only, as stock does. Its tokens/s counts the added padding: compare label tokens/s.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -68,12 +68,11 @@ if os.environ.get("BENCH_PAD_MULTIPLE") and _IS_TRAINING:
         return out
 
     torchtune.data.padded_collate_sft = _padded_to_a_multiple  # both sides resolve it by this path
-    if _IS_RECIPE:
-        import functools
-
+    if _IS_RECIPE:  # ours: the multiple its padded batches go on to on a GPU
         from tune_recipes.training.setup import data as _data
+        from tune_recipes.training.setup import recipe as _recipe
 
-        _data.padded_to_a_multiple = functools.partial(_data.padded_to_a_multiple, pad_to_multiple_of=_multiple)
+        _data.padded_batch_multiple = _recipe.padded_batch_multiple = lambda device: _multiple
 
 if os.environ.get("BENCH_SDPA_GQA") == "1" and _IS_RECIPE:
     import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao

@@ -357,9 +357,12 @@ batch = collate(rows, padding_idx=0, ignore_idx=-100)
 print("shape", *batch["tokens"].shape)
 print("scored", int((batch["labels"] != -100).sum()))
 print("cudnn_sdp", torch.backends.cuda.cudnn_sdp_enabled())
-from tune_recipes.training.setup.data import make_collate
+from tune_recipes.training.setup import data, recipe
 
-ours = make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100)(rows)
+multiple = recipe.padded_batch_multiple("cuda")  # what the recipes' setup asks for on a GPU
+assert data.padded_batch_multiple("cuda") == multiple  # and the validation loader's
+ours = data.make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100,
+                         pad_to_multiple_of=multiple)(rows)
 print("ours_shape", *ours["tokens"].shape)
 """
 
