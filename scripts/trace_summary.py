@@ -18,7 +18,9 @@ GPU) is reported apart. Where it waited: each gap of
 more than 20 us between device work (kernels, copies) inside the profiled steps is charged to
 the innermost host op (a CPU op, or a Python function when the trace has stacks) around the
 launch of the work that ends the gap, on the launching thread (backward launches from
-autograd's own thread), summed by name. Gaps under 20 us, and before the first or after the
+autograd's own thread), summed by name; beside it, the part of those gaps the host spent inside
+that op before the launch (the op's own host work, such as a plan built per shape) rather than
+reaching it. Gaps under 20 us, and before the first or after the
 last piece of work, are not counted. The host's waits for the GPU inside the steps (CUDA
 synchronize calls, e.g. an ``.item()``) are listed by the op around them: each drains the
 GPU's queue.
@@ -130,10 +132,11 @@ def _kind(kernel_name: str) -> str:
     return next((name for name, pat in KINDS if pat.search(kernel_name)), "other")
 
 
-def _innermost(ops, queries, depth=1):
+def _innermost(ops, queries, depth=1, with_start=False):
     """For each (ts, key) in ``queries``, the name of the shortest op in ``ops`` [(start, end,
     name), ...] that contains ts, or None: one sweep over both, sorted by time. With depth > 1,
-    the names of that many innermost ops, inner first, joined by " < "."""
+    the names of that many innermost ops, inner first, joined by " < ". ``with_start``: (name,
+    the innermost op's start) instead of the name."""
     ops, found, active, i = sorted(ops), {}, [], 0
     for ts, key in sorted(queries):
         while i < len(ops) and ops[i][0] <= ts:
@@ -141,7 +144,8 @@ def _innermost(ops, queries, depth=1):
             i += 1
         active = [op for op in active if op[1] >= ts]
         inner = sorted(active, key=lambda op: op[1] - op[0])[:depth]
-        found[key] = " < ".join(op[2] for op in inner) if inner else None
+        name = " < ".join(op[2] for op in inner) if inner else None
+        found[key] = (name, inner[0][0] if inner else None) if with_start else name
     return found
 
 
@@ -229,18 +233,25 @@ def idle(events, work, steps, n_steps) -> None:
         if corr in launches:
             tid, ts = launches[corr]
             queries.setdefault(tid, []).append((ts, n))
-    names = {}
+    found = {}
     for tid, qs in queries.items():
-        names.update(_innermost(ops_by_thread.get(tid, []), qs))
-    charged = {}
+        found.update(_innermost(ops_by_thread.get(tid, []), qs, with_start=True))
+    charged, inside = {}, {}
     for n, (g0, g1, corr) in enumerate(gaps):
-        name = names.get(n) or ("(launched outside any op)" if corr in launches else "(no launch record)")
+        name, start = found.get(n, (None, None))
+        name = name or ("(launched outside any op)" if corr in launches else "(no launch record)")
         charged[name] = charged.get(name, 0.0) + (g1 - g0) / 1000
+        if start is not None:  # the part of the gap the host spent in this op before the launch
+            launch = launches[corr][1]
+            inside[name] = inside.get(name, 0.0) + max(0.0, min(g1, launch) - max(g0, start)) / 1000
     total = sum(charged.values())
     print(f"GPU idle inside the steps: {total / n_steps:.2f} ms per step in {len(gaps)} gaps "
-          f"> {GAP_US} us; by the host op that launched the work ending each gap (ms per step):")
+          f"> {GAP_US} us; by the host op that launched the work ending each gap (ms per step), "
+          "and of that the part the host spent inside the op before its launch (its own host "
+          "work, e.g. planning; the rest the host spent reaching the op):")
     for name, ms in sorted(charged.items(), key=lambda kv: -kv[1])[:TOP]:
-        print(f"  {ms / n_steps:7.2f}  {name[:110]}")
+        own = f"{inside[name] / n_steps:7.2f}" if name in inside else "      -"
+        print(f"  {ms / n_steps:7.2f} {own}  {name[:110]}")
 
 
 def scope(events, work, op_name, n_steps) -> None:

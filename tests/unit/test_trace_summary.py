@@ -81,8 +81,32 @@ def test_gpu_idle_gaps_are_charged_to_the_op_that_launched_the_next_work(tmp_pat
     _module().summarize(path)
     out = capsys.readouterr().out
     assert "GPU idle inside the steps: 5.90 ms per step in 2 gaps" in out, out
-    assert "     4.90  autograd::engine::evaluate_function: MmBackward0" in out, out
-    assert "     1.00  (no launch record)" in out and "aten::item" not in out, out
+    # of its 4.9 ms, the host was inside MmBackward0 (from 10.0 ms) for 0.8 ms before the launch
+    assert "     4.90    0.80  autograd::engine::evaluate_function: MmBackward0" in out, out
+    assert "     1.00       -  (no launch record)" in out and "aten::item" not in out, out
+
+
+def test_an_idle_gap_spent_inside_the_launching_op_is_told_from_one_spent_reaching_it(tmp_path, capsys):
+    """Two gaps of 5 ms, each ended by a kernel its op launched: one op ran 4.9 ms on the host
+    before launching (its own work, e.g. building a plan), the other started just before its
+    launch (the host was busy before it): the first column is the same, the second tells them
+    apart."""
+    events = [
+        _x("ProfilerStep#1", 0, 30_000, "cpu_op"),
+        _x("k0", 1_000, 1_000, "kernel", tid=7, corr=1),
+        _x("aten::_cudnn_attention_forward", 2_050, 5_000, "cpu_op"),
+        _x("cudaLaunchKernel", 6_990, 5, "cuda_runtime", corr=2),
+        _x("k1", 7_000, 1_000, "kernel", tid=7, corr=2),
+        _x("aten::mm", 12_900, 200, "cpu_op"),
+        _x("cudaLaunchKernel", 12_990, 5, "cuda_runtime", corr=3),
+        _x("k2", 13_000, 1_000, "kernel", tid=7, corr=3),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    _module().summarize(path)
+    out = capsys.readouterr().out
+    assert "     5.00    4.94  aten::_cudnn_attention_forward" in out, out
+    assert "     5.00    0.09  aten::mm" in out, out
 
 
 def test_host_waits_are_listed_by_the_ops_around_them_and_a_host_ahead_is_flagged(tmp_path, capsys):

@@ -149,11 +149,11 @@ def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: i
     of its row) nor scored (its labels are ``ignore_idx``).
 
     NOTE: a speed fix, not cosmetics: do not pad to the longest row only on a GPU. Then almost
-    every batch has a new length, and on an H200 each new shape cost ~120 ms of host work (in the
-    profile, inside cuDNN attention, which plans per shape; the cause is not isolated) on compiled
-    steps of ~50 ms: 3.3x slower (label tokens/s) than the same batches padded on to 128-token
-    multiples, a bounded set of shapes whose plans and compiled graphs are reused
-    (docs/benchmarks.md). A collate that returns anything but a mapping of exactly tokens and
+    every batch has a new length, and on an H200 each new shape cost ~120 ms of host work on
+    compiled steps of ~50 ms (in the profile the idle gaps end at cuDNN attention, which plans
+    per shape; the cause is not isolated): 3.3x slower (label tokens/s) than the same batches
+    padded on to 128-token multiples, a bounded set of shapes whose plans and compiled graphs
+    are reused (docs/benchmarks.md). A collate that returns anything but a mapping of exactly tokens and
     labels (a mask, positions, a list) is left as it returns it."""
     out = collate(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
     if not isinstance(out, Mapping) or set(out) != {"tokens", "labels"} or out["tokens"].dim() != 2 \
