@@ -56,6 +56,14 @@ def _x(name, ts, dur, cat, tid=1, corr=None):
     return e
 
 
+def _summary_of(events, tmp_path, capsys) -> str:
+    """What scripts/trace_summary.py prints for a trace of ``events``."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    _module().summarize(path)
+    return capsys.readouterr().out
+
+
 def test_gpu_idle_gaps_are_charged_to_the_op_that_launched_the_next_work(tmp_path, capsys):
     """A gap is measured from the end of the last work on any stream (overlapping kernels), copies
     count as work, and the gap goes to the innermost op around the launch of the work that ends
@@ -76,10 +84,7 @@ def test_gpu_idle_gaps_are_charged_to_the_op_that_launched_the_next_work(tmp_pat
         # Gap 2: 12 -> 13 ms, ended by k_d, whose launch was not recorded.
         _x("k_d", 13_000, 1_000, "kernel", tid=7, corr=5),
     ]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    _module().summarize(path)
-    out = capsys.readouterr().out
+    out = _summary_of(events, tmp_path, capsys)
     assert "GPU idle inside the steps: 5.90 ms per step in 2 gaps" in out, out
     # of its 4.9 ms, the host was inside MmBackward0 (from 10.0 ms) for 0.8 ms before the launch
     assert "     4.90    0.80  autograd::engine::evaluate_function: MmBackward0" in out, out
@@ -91,20 +96,16 @@ def test_an_idle_gap_spent_inside_the_launching_op_is_told_from_one_spent_reachi
     before launching (its own work, e.g. building a plan), the other started just before its
     launch (the host was busy before it): the first column is the same, the second tells them
     apart."""
-    events = [
-        _x("ProfilerStep#1", 0, 30_000, "cpu_op"),
-        _x("k0", 1_000, 1_000, "kernel", tid=7, corr=1),
-        _x("aten::_cudnn_attention_forward", 2_050, 5_000, "cpu_op"),
-        _x("cudaLaunchKernel", 6_990, 5, "cuda_runtime", corr=2),
-        _x("k1", 7_000, 1_000, "kernel", tid=7, corr=2),
-        _x("aten::mm", 12_900, 200, "cpu_op"),
-        _x("cudaLaunchKernel", 12_990, 5, "cuda_runtime", corr=3),
-        _x("k2", 13_000, 1_000, "kernel", tid=7, corr=3),
-    ]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    _module().summarize(path)
-    out = capsys.readouterr().out
+    def op_launching_a_kernel_at(op, op_start, kernel_start, corr):
+        """``op`` on the host from ``op_start``, launching a 1 ms kernel 10 us before it runs."""
+        return [_x(op, op_start, kernel_start - op_start + 100, "cpu_op"),
+                _x("cudaLaunchKernel", kernel_start - 10, 5, "cuda_runtime", corr=corr),
+                _x(f"k{corr}", kernel_start, 1_000, "kernel", tid=7, corr=corr)]
+
+    events = [_x("ProfilerStep#1", 0, 30_000, "cpu_op"), _x("k0", 1_000, 1_000, "kernel", tid=7, corr=1),
+              *op_launching_a_kernel_at("aten::_cudnn_attention_forward", 2_050, 7_000, corr=2),
+              *op_launching_a_kernel_at("aten::mm", 12_900, 13_000, corr=3)]
+    out = _summary_of(events, tmp_path, capsys)
     assert "     5.00    4.94  aten::_cudnn_attention_forward" in out, out
     assert "     5.00    0.09  aten::mm" in out, out
 
@@ -123,10 +124,7 @@ def test_host_waits_are_listed_by_the_ops_around_them_and_a_host_ahead_is_flagge
         _x("cudaStreamSynchronize", 1_300, 2_600, "cuda_runtime", tid=2),
         _x("cudaDeviceSynchronize", 21_000, 4_000, "cuda_runtime", tid=1),  # after the steps
     ]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    _module().summarize(path)
-    out = capsys.readouterr().out
+    out = _summary_of(events, tmp_path, capsys)
     assert "host waits for the GPU inside the steps: 0.5 per step, 1.30 ms per step" in out, out
     assert ("    0.5    1.30  cudaStreamSynchronize in aten::_local_scalar_dense < aten::item"
             " < MyLossBackward") in out, out
@@ -149,10 +147,7 @@ def test_work_queued_before_the_profiled_steps_is_not_counted_as_theirs(tmp_path
         _x("cudaLaunchKernel", 100, 10, "cuda_runtime", tid=1, corr=2),
         _x("aten::mm", 50, 100, "cpu_op", tid=1),
     ]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    _module().summarize(path)
-    out = capsys.readouterr().out
+    out = _summary_of(events, tmp_path, capsys)
     assert "kernels summed 2.3 ms" in out and "GPU span 5.8 ms" in out, out
     assert "1 kernels (4.0 ms) were not launched inside the profiled steps" in out, out
     assert "GPU idle inside the steps: 0.00 ms per step in 0 gaps" in out, out
