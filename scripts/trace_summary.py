@@ -19,8 +19,8 @@ more than 20 us between device work (kernels, copies) inside the profiled steps 
 the innermost host op (a CPU op, or a Python function when the trace has stacks) around the
 launch of the work that ends the gap, on the launching thread (backward launches from
 autograd's own thread), summed by name; beside it, the part of those gaps the host spent inside
-that op before the launch (the op's own host work, such as a plan built per shape) rather than
-reaching it. Gaps under 20 us, and before the first or after the
+that op before the launch (the op's own host work, such as a plan built per shape); the rest of
+a gap is the host reaching the op, launch latency or waits on other work. Gaps under 20 us, and before the first or after the
 last piece of work, are not counted. The host's waits for the GPU inside the steps (CUDA
 synchronize calls, e.g. an ``.item()``) are listed by the op around them: each drains the
 GPU's queue.
@@ -248,7 +248,7 @@ def idle(events, work, steps, n_steps) -> None:
     print(f"GPU idle inside the steps: {total / n_steps:.2f} ms per step in {len(gaps)} gaps "
           f"> {GAP_US} us; by the host op that launched the work ending each gap (ms per step), "
           "and of that the part the host spent inside the op before its launch (its own host "
-          "work, e.g. planning; the rest the host spent reaching the op):")
+          "work, e.g. planning; the rest: the host reaching the op, launch latency, waits):")
     for name, ms in sorted(charged.items(), key=lambda kv: -kv[1])[:TOP]:
         own = f"{inside[name] / n_steps:7.2f}" if name in inside else "      -"
         print(f"  {ms / n_steps:7.2f} {own}  {name[:110]}")

@@ -22,7 +22,7 @@ OURS_TO_CHOOSE = ("output_dir", "checkpointer", "metric_logger", "profiler", "lo
                   "dtype", "tokenizer.max_seq_len", "tokenizer.path", "tokenizer.merges_file", "loss.", "compile", "enable_activation", "optimizer_in_bwd",
                   "padding_free", "resume_from_checkpoint", "clip_grad_norm", "optimizer._component_",
                   "optimizer.fused", "optimizer.optim_bits", "optimizer.paged", "dataset.packed", "seed", "batch_size", "gradient_accumulation_steps", "low_cpu_ram",
-                  "save_adapter_weights_only", "model.use_dora", "model.apply_lora_to_output",
+                  "save_adapter_weights_only",
                   "enable_fp8", "fp8_", "embedding_on_cpu", "compile_")
 # What the builders and torch.optim.AdamW default to when a config leaves a key out.
 DEFAULTS = {"optimizer.weight_decay": 0.01, "model.use_dora": False, "model.apply_lora_to_output": False}
@@ -55,3 +55,9 @@ def test_a_same_named_config_trains_what_torchtunes_trains(name, stock_path):
     differ = {k: (s.get(k, "absent"), o.get(k, "absent")) for k in set(o) | set(s)
               if not k.startswith(OURS_TO_CHOOSE) and str(o.get(k, "absent")) != str(s.get(k, "absent"))}
     assert not differ, f"{name}: (torchtune's, ours) {differ}"
+    # of the keys ours chooses: clipping only measured (inf) or off, as torchtune's configs
+    # leave it; the optimizer an AdamW (torch's, or 8-bit states as torchtune's full configs)
+    assert ours.get("clip_grad_norm") in (None, "inf", float("inf")) or \
+        ours.get("clip_grad_norm") == stock.get("clip_grad_norm"), ours.get("clip_grad_norm")
+    assert ours["optimizer"]["_component_"].rsplit(".", 1)[-1].startswith(("AdamW", "PagedAdamW")), \
+        ours["optimizer"]["_component_"]

@@ -96,18 +96,24 @@ def test_an_idle_gap_spent_inside_the_launching_op_is_told_from_one_spent_reachi
     before launching (its own work, e.g. building a plan), the other started just before its
     launch (the host was busy before it): the first column is the same, the second tells them
     apart."""
-    def op_launching_a_kernel_at(op, op_start, kernel_start, corr):
-        """``op`` on the host from ``op_start``, launching a 1 ms kernel 10 us before it runs."""
-        return [_x(op, op_start, kernel_start - op_start + 100, "cpu_op"),
-                _x("cudaLaunchKernel", kernel_start - 10, 5, "cuda_runtime", corr=corr),
+    def op_launching_a_kernel_at(op, op_start, kernel_start, corr, launch=None):
+        """``op`` on the host from ``op_start``, launching a 1 ms kernel at ``launch`` (10 us
+        before it runs unless given)."""
+        launch = kernel_start - 10 if launch is None else launch
+        return [_x(op, op_start, launch - op_start + 100, "cpu_op"),
+                _x("cudaLaunchKernel", launch, 5, "cuda_runtime", corr=corr),
                 _x(f"k{corr}", kernel_start, 1_000, "kernel", tid=7, corr=corr)]
 
     events = [_x("ProfilerStep#1", 0, 30_000, "cpu_op"), _x("k0", 1_000, 1_000, "kernel", tid=7, corr=1),
               *op_launching_a_kernel_at("aten::_cudnn_attention_forward", 2_050, 7_000, corr=2),
-              *op_launching_a_kernel_at("aten::mm", 12_900, 13_000, corr=3)]
+              *op_launching_a_kernel_at("aten::mm", 12_900, 13_000, corr=3),
+              # launched before its gap began (13.5 ms; the GPU idles 14 -> 20 ms on a wait):
+              # none of that gap is the op's own host work
+              *op_launching_a_kernel_at("aten::add", 13_500, 20_000, corr=4, launch=13_550)]
     out = _summary_of(events, tmp_path, capsys)
     assert "     5.00    4.94  aten::_cudnn_attention_forward" in out, out
     assert "     5.00    0.09  aten::mm" in out, out
+    assert "     6.00    0.00  aten::add" in out, out
 
 
 def test_host_waits_are_listed_by_the_ops_around_them_and_a_host_ahead_is_flagged(tmp_path, capsys):

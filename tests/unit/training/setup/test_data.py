@@ -122,7 +122,8 @@ def test_padded_batches_go_on_to_128_token_multiples_on_a_gpu_only():
     on_gpu = [b["tokens"].shape[1] for b in _loader(pad_to_multiple_of=128)]
     assert all(m == -(-n // 128) * 128 for n, m in zip(plain, on_gpu)), (plain, on_gpu)
     # capped: by the tokenizer's max_seq_len (longest_row) and the model's, the smaller
-    for caps in ({"longest_row": 100}, {"max_seq_len": 100}, {"longest_row": 300, "max_seq_len": 100}):
+    for caps in ({"longest_row": 100}, {"max_seq_len": 100}, {"longest_row": 300, "max_seq_len": 100},
+                 {"longest_row": 100, "max_seq_len": 300}):
         for capped, free in zip(_loader(pad_to_multiple_of=128, **caps), _loader()):
             n, m = capped["tokens"].shape[1], free["tokens"].shape[1]
             assert n == max(min(-(-m // 128) * 128, 100), m), (caps, n, m)

@@ -121,6 +121,28 @@ def test_setup_step_driver_runs_the_path_the_recipe_chose(tmp_path):
         setup_step_driver(cfg, path=NormalizationPath.SKIP, state=state, **kwargs)
 
 
+def test_setup_step_driver_pads_both_loaders_for_the_runtimes_device(tmp_path, monkeypatch):
+    """The training and the validation loaders ask how to pad for the device the run is on
+    (``padded_batch_multiple``), whatever it is: a CPU run here, its answer recorded."""
+    from tune_recipes.training.setup import data, recipe
+    from tune_recipes.training.setup.runtime import Runtime
+    from tune_recipes.training.step.normalization import NormalizationPath
+
+    asked = []
+    for module in (data, recipe):
+        monkeypatch.setattr(module, "padded_batch_multiple", lambda device, m=module: asked.append((m, device)) or 1)
+    cfg = load_config(CONFIG, [f"output_dir={tmp_path}"])
+    cfg.dataset_val = cfg.dataset
+    model = torch.nn.Linear(2, 2)
+    driver = recipe.setup_step_driver(
+        cfg, path=NormalizationPath.SKIP, state=RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=2),
+        runtime=Runtime(torch.device("cpu")), resume=None, model=model,
+        tokenizer=tt_config.instantiate(cfg.tokenizer), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ignore_index=-100, eval_loss=torch.nn.CrossEntropyLoss())
+    driver.close()
+    assert asked == [(recipe, torch.device("cpu")), (data, torch.device("cpu"))], asked
+
+
 def test_a_checkpoint_the_checkpointer_cannot_convert_is_one_line(tmp_path):
     """torchtune's Meta checkpointer on HF-format files raises a bare Exception from its
     converter: one ConfigError naming the checkpointer, the folder and the model type."""
@@ -179,18 +201,19 @@ def test_a_warmup_longer_than_the_dataset_makes_the_run_is_named_once_the_length
 
 def test_the_run_pads_batches_for_its_device_up_to_the_tokenizers_max_seq_len():
     """The recipes' data setup pads padded batches on to 128-token multiples for a CUDA device
-    only, never past the tokenizer's max_seq_len (nothing touches the device to build them)."""
-    cfg = load_config(CONFIG)
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
-
-    def lengths(device, max_seq_len=None):
+    only, never past the tokenizer's max_seq_len (nothing touches the device to build them).
+    The tiny rows are 52-102 tokens: on to 128, or to 90 where the tokenizer cuts rows at 90."""
+    def lengths(device, *overrides, max_seq_len=None):
+        cfg = load_config(CONFIG, list(overrides))
+        tokenizer = tt_config.instantiate(cfg.tokenizer)
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
         state = RecipeState(seed=cfg.seed, total_epochs=1, max_steps_per_epoch=4, epochs_run=0)
         plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100,
                                        device=device, max_seq_len=max_seq_len)
-        return [b["tokens"].shape[1] for b, _ in zip(plan.dataloader, range(6))]
+        return {b["tokens"].shape[1] for b in plan.dataloader}
 
-    plain, on_gpu = lengths(torch.device("cpu")), lengths(torch.device("cuda"))
-    assert any(n % 128 for n in plain) and all(m % 128 == 0 or m == tokenizer.max_seq_len for m in on_gpu)
-    assert all(m == min(-(-n // 128) * 128, tokenizer.max_seq_len) for n, m in zip(plain, on_gpu))
-    assert all(m <= max(n, 100) for n, m in zip(plain, lengths("cuda", max_seq_len=100)))
+    assert len(lengths(torch.device("cpu"))) > 1  # padded to each batch's longest row
+    assert lengths(torch.device("cuda")) == {128}
+    assert len(lengths("cpu", "tokenizer.max_seq_len=90")) > 1
+    assert lengths("cuda", "tokenizer.max_seq_len=90") == {90}
+    assert lengths("cuda", max_seq_len=110) == {110}  # the model's max_seq_len caps it too
