@@ -139,6 +139,13 @@ def packed_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
                                   tokens.shape[1])}
 
 
+def padded_length(longest: int, multiple: int, max_seq_len: Optional[int] = None) -> int:
+    """The length rows of ``longest`` tokens are padded to: on to a multiple of ``multiple``, but
+    never past ``max_seq_len`` (the most a row may hold) nor shorter than ``longest``."""
+    length = -(-max(longest, 1) // multiple) * multiple
+    return length if max_seq_len is None else max(min(length, max_seq_len), longest)
+
+
 def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: int = 0,
                          ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX,
                          pad_to_multiple_of: int = FLEX_BLOCK,
@@ -160,9 +167,7 @@ def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: i
             or out["labels"].shape != out["tokens"].shape:
         return out
     length = out["tokens"].shape[1]
-    target = -(-max(length, 1) // pad_to_multiple_of) * pad_to_multiple_of
-    if max_seq_len is not None:
-        target = max(min(target, max_seq_len), length)
+    target = padded_length(length, pad_to_multiple_of, max_seq_len)
     if target > length:
         out = {"tokens": torch.nn.functional.pad(out["tokens"], (0, target - length), value=padding_idx),
                "labels": torch.nn.functional.pad(out["labels"], (0, target - length), value=ignore_idx)}
@@ -194,9 +199,7 @@ def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
         rows[-1].append({"tokens": t, "labels": y})
         filled += len(t)
     longest = max(sum(len(x["tokens"]) for x in row) for row in rows)
-    length = -(-max(longest, 1) // pad_to_multiple_of) * pad_to_multiple_of
-    if max_seq_len is not None:
-        length = max(min(length, max_seq_len), longest)
+    length = padded_length(longest, pad_to_multiple_of, max_seq_len)
     tokens, labels, input_pos, seq_lens = [], [], [], []
     for row in rows:
         lens = [len(x["tokens"]) for x in row]

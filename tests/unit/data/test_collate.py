@@ -7,8 +7,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtune.data import padded_collate_sft
 
 from tune_recipes.data.collate import (
-    document_block_mask, document_ids, move_block_mask, packed_collate, padded_to_a_multiple,
-    padding_free_collate)
+    document_block_mask, document_ids, move_block_mask, packed_collate, padded_length,
+    padded_to_a_multiple, padding_free_collate)
 from tune_recipes.training.step.batch import count_valid_tokens, shift_labels
 
 pytestmark = pytest.mark.unit
@@ -126,6 +126,13 @@ def test_padding_free_scores_exactly_the_padded_batchs_targets():
     assert count_valid_tokens(free["labels"]) == count_valid_tokens(padded["labels"])
     targets = lambda labels: sorted(shift_labels(labels)[shift_labels(labels) != -100].tolist())  # noqa: E731
     assert targets(free["labels"]) == targets(padded["labels"])
+
+
+def test_the_padded_length_is_the_next_multiple_within_the_cap_and_never_shorter():
+    assert [padded_length(n, 128) for n in (0, 1, 128, 129)] == [128, 128, 128, 256]
+    assert padded_length(150, 128, max_seq_len=200) == 200  # the cap
+    assert padded_length(150, 128, max_seq_len=100) == 150  # never cut below the longest row
+    assert padded_length(7, 1) == 7
 
 
 def test_padded_batches_go_on_to_a_multiple_of_128_and_keep_torchtunes_values():
