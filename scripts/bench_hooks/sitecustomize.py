@@ -51,23 +51,17 @@ if os.environ.get("BENCH_SDPA_NO_CUDNN") == "1" and _IS_TRAINING:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 if os.environ.get("BENCH_PAD_MULTIPLE") and _IS_TRAINING:
-    if _IS_RECIPE:
-        import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
-    import torch
+    import functools
+
+    # tune_recipes first (its notice filters, before torchtune imports torchao); on stock's side
+    # only for its padding function, which patches nothing
+    from tune_recipes.data.collate import padded_to_a_multiple as _padded_to_a_multiple
     import torchtune.data
 
     _multiple = int(os.environ["BENCH_PAD_MULTIPLE"])
-    _padded_collate_sft = torchtune.data.padded_collate_sft
-
-    def _padded_to_a_multiple(batch, padding_idx=0, ignore_idx=-100):
-        out = _padded_collate_sft(batch, padding_idx=padding_idx, ignore_idx=ignore_idx)
-        extra = -out["tokens"].shape[1] % _multiple
-        if extra:
-            out["tokens"] = torch.nn.functional.pad(out["tokens"], (0, extra), value=padding_idx)
-            out["labels"] = torch.nn.functional.pad(out["labels"], (0, extra), value=ignore_idx)
-        return out
-
-    torchtune.data.padded_collate_sft = _padded_to_a_multiple  # both sides resolve it by this path
+    # both sides resolve torchtune's collate by this path
+    torchtune.data.padded_collate_sft = functools.partial(
+        _padded_to_a_multiple, collate=torchtune.data.padded_collate_sft, pad_to_multiple_of=_multiple)
     if _IS_RECIPE:  # ours: the multiple its padded batches go on to on a GPU
         from tune_recipes.training.setup import data as _data
         from tune_recipes.training.setup import recipe as _recipe
