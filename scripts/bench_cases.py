@@ -187,7 +187,8 @@ def shipped_cases() -> dict:
             lean = [_v("ours_8bit_in_bwd", "ours", "our config, torchao's AdamW8bit stepped in backward",
                        optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": ours_cfg["optimizer"]["lr"]},
                        optimizer_in_bwd=True, clip_grad_norm=None)] \
-                if recipe.startswith("full") and ours_cfg.get("gradient_accumulation_steps", 1) == 1 else []
+                if recipe.startswith("full") and ours_cfg.get("gradient_accumulation_steps", 1) == 1 \
+                and not ours_cfg.get("optimizer_in_bwd") else []
             out[f"shipped:{name}"] = dict(
                 recipe=recipe, shipped={"stock": stock_root / f"{name}.yaml", "ours": ours},
                 builder=f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}", seq_len=2048,

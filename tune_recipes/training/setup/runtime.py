@@ -52,8 +52,38 @@ class Runtime:
             dist.destroy_process_group()
 
 
+#: what the recipes ask of PyTorch's CUDA caching allocator unless the user's environment says
+#: otherwise (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF)
+CUDA_ALLOCATOR_SETTINGS = "expandable_segments:True"
+
+
+def prefer_expandable_segments(device: torch.device) -> bool:
+    """Grow CUDA memory in expandable segments, unless the user's environment configures the
+    allocator. Returns whether the setting was applied.
+
+    Batches of instruction rows change length every step (padded to a multiple, or laid end to
+    end), and the default allocator keeps a fixed-size block per request size it has seen: on
+    an H200, a Qwen2.5-1.5B LoRA run reserved 2.6x the memory it ever allocated. Expandable
+    segments map pages into one growing range instead, so reserved memory stays near the peak
+    allocated (docs/benchmarks.md)."""
+    if device.type != "cuda" or any(
+            name in os.environ for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return False
+    # NOTE: set through the runtime call, not the environment variable: the allocator reads the
+    # variable once, when CUDA starts, and a config's components may already have started it.
+    # Segments mapped before this call stay as they are; the recipes call it before loading
+    # anything onto the GPU.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    if setter is None:
+        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    setter(CUDA_ALLOCATOR_SETTINGS)
+    return True
+
+
 def single_device(device_name: str) -> Runtime:
-    return Runtime(utils.get_device(device_name))
+    device = utils.get_device(device_name)
+    prefer_expandable_segments(device)
+    return Runtime(device)
 
 
 def init_distributed(device_name: str, tensor_parallel_dim: int = 1) -> Runtime:
@@ -83,6 +113,7 @@ def init_distributed(device_name: str, tensor_parallel_dim: int = 1) -> Runtime:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    prefer_expandable_segments(device)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tp = int(tensor_parallel_dim)
     if tp < 1 or world_size % tp != 0:

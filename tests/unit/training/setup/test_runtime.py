@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tune_recipes.config import ConfigError
-from tune_recipes.training.setup.runtime import Runtime, init_distributed, single_device
+from tune_recipes.training.setup.runtime import (
+    CUDA_ALLOCATOR_SETTINGS, Runtime, init_distributed, prefer_expandable_segments, single_device)
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +63,62 @@ def test_cuda_process_group_also_has_a_cpu_backend(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     rt = init_distributed("cuda")
     assert started == [("cuda:nccl,cpu:gloo", 600.0)] and rt.device == torch.device("cuda", 0)
+
+
+@pytest.fixture
+def allocator_calls(monkeypatch):
+    """The settings strings handed to the allocator, with the real setter replaced."""
+    calls = []
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append)
+    else:
+        monkeypatch.setattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", calls.append)
+    return calls
+
+
+def test_cuda_asks_for_expandable_segments(allocator_calls):
+    assert prefer_expandable_segments(torch.device("cuda", 0))
+    assert allocator_calls == ["expandable_segments:True"] == [CUDA_ALLOCATOR_SETTINGS]
+
+
+def test_cpu_leaves_the_allocator_alone(allocator_calls):
+    assert not prefer_expandable_segments(torch.device("cpu"))
+    single_device("cpu")
+    assert allocator_calls == []
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_the_users_allocator_settings_win(allocator_calls, monkeypatch, name):
+    monkeypatch.setenv(name, "max_split_size_mb:128")
+    assert not prefer_expandable_segments(torch.device("cuda", 0))
+    assert allocator_calls == []
+
+
+GROWING_ALLOCATIONS = """
+import torch
+from tune_recipes.training.setup.runtime import single_device
+single_device("cuda")
+mib = 2 ** 20
+sizes = [64 * mib * k for k in range(1, 11)]  # each request larger than any block freed before it
+for size in sizes:
+    x = torch.empty(size, dtype=torch.uint8, device="cuda")
+    del x
+print(torch.cuda.memory_reserved() / max(sizes))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_growing_requests_reuse_one_segment_on_cuda(monkeypatch):
+    """The default allocator keeps every freed block (reserving the sum of the sizes, 5.5x the
+    largest here); expandable segments grow one range, reserving about the largest."""
+    import subprocess
+    import sys
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run([sys.executable, "-c", GROWING_ALLOCATIONS], capture_output=True,
+                         text=True, check=True)
+    assert float(out.stdout.split()[-1]) <= 1.25, out.stdout + out.stderr
