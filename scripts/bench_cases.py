@@ -182,13 +182,6 @@ def shipped_cases() -> dict:
             ours = registry.resolve_config(name).path
             ours_cfg = yaml.safe_load(ours.read_text())
             module, fn = ours_cfg["model"]["_component_"].rsplit(".", 1)
-            # full fine-tunes: torchao's 8-bit AdamW stepped in backward (no gradients kept), the
-            # memory of torchtune's configs' 8-bit paged AdamW in backward, as a candidate default
-            lean = [_v("ours_8bit_in_bwd", "ours", "our config, torchao's AdamW8bit stepped in backward",
-                       optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": ours_cfg["optimizer"]["lr"]},
-                       optimizer_in_bwd=True, clip_grad_norm=None)] \
-                if recipe.startswith("full") and ours_cfg.get("gradient_accumulation_steps", 1) == 1 \
-                and not ours_cfg.get("optimizer_in_bwd") else []
             out[f"shipped:{name}"] = dict(
                 recipe=recipe, shipped={"stock": stock_root / f"{name}.yaml", "ours": ours},
                 builder=f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}", seq_len=2048,
@@ -196,8 +189,29 @@ def shipped_cases() -> dict:
                 variants=[_v("stock", "stock", "torchtune 0.6.1's config as shipped", head=True),
                           _v("ours", "ours", "our config as shipped", head=True),
                           _v("ours_padded", "ours", "our config as shipped, padding_free=False",
-                             padding_free=False), *lean])
+                             padding_free=False), *_shipped_levers(recipe, ours_cfg)])
     return out
+
+
+def _shipped_levers(recipe: str, ours: dict) -> list:
+    """What a shipped config of ours trades: the allocator's default (no expandable segments),
+    the optimizer's memory against speed (full fine-tunes), a micro-batch twice as large over
+    half the accumulation (the same examples a step)."""
+    levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
+                 env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})]
+    in_bwd, ga = ours.get("optimizer_in_bwd", False), ours.get("gradient_accumulation_steps", 1)
+    if recipe.startswith("full") and in_bwd:
+        levers.append(_v("ours_bf16_adamw", "ours", "our config, torch's fused AdamW stepped after backward",
+                         optimizer={"_component_": "torch.optim.AdamW", "lr": ours["optimizer"]["lr"], "fused": True},
+                         optimizer_in_bwd=False, clip_grad_norm="inf"))
+    elif recipe.startswith("full") and ga == 1:
+        levers.append(_v("ours_8bit_in_bwd", "ours", "our config, torchao's AdamW8bit stepped in backward",
+                         optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": ours["optimizer"]["lr"]},
+                         optimizer_in_bwd=True, clip_grad_norm=None))
+    if ga % 2 == 0:
+        levers.append(_v("ours_double_batch", "ours", "our config, twice the micro-batch, half the accumulation",
+                         batch_size=2 * ours["batch_size"], gradient_accumulation_steps=ga // 2))
+    return levers
 
 
 CASES.update(shipped_cases())

@@ -67,6 +67,34 @@ def test_a_shipped_config_runs_as_shipped_but_for_the_benchs_files(side, tmp_pat
     assert yaml.safe_load((tmp_path / "c.yaml").read_text()) == cfg
 
 
+def test_the_shipped_levers_change_only_what_they_name(tmp_path):
+    """Each lever of a shipped case is its config as shipped but for what its name trades: the
+    allocator setting (an environment variable), the optimizer (full fine-tunes), or the split
+    of a step's examples into micro-batches."""
+    bench = _bench()
+
+    def config(case_name, variant_name):
+        case = bench.CASES[case_name]
+        variant = next(v for v in case["variants"] if v["name"] == variant_name)
+        return variant, bench.write_config(tmp_path / "c.yaml", case, variant, tmp_path / "ckpt",
+                                           tmp_path / "out", tmp_path / "rows.json", steps=7)
+
+    def differs(case_name, variant_name):
+        _, ours = config(case_name, "ours")
+        variant, cfg = config(case_name, variant_name)
+        return variant, {k: (ours.get(k), cfg.get(k)) for k in ours.keys() | cfg.keys() if ours.get(k) != cfg.get(k)}
+
+    variant, diff = differs("shipped:qwen2_5/1.5B_lora_single_device", "ours_default_allocator")
+    assert diff == {} and variant["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    _, diff = differs("shipped:qwen2_5/1.5B_lora_single_device", "ours_double_batch")
+    assert diff == {"batch_size": (2, 4), "gradient_accumulation_steps": (8, 4)}  # 16 examples a step
+    _, diff = differs("shipped:llama3_2/3B_full_single_device", "ours_bf16_adamw")
+    assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}
+    assert diff["optimizer"][1]["_component_"] == "torch.optim.AdamW" and diff["optimizer_in_bwd"] == (True, False)
+    names = {v["name"] for v in bench.CASES["shipped:llama3_2/1B_full_single_device"]["variants"]}
+    assert "ours_8bit_in_bwd" in names and "ours_bf16_adamw" not in names  # 1B full ships bf16 AdamW
+
+
 def test_a_run_shape_counts_whole_optimizer_steps_and_fetches_past_the_window():
     """The clock's warmup and window are rounded up to whole optimizer steps (a window that
     ends inside a step would time part of its optimizer work), and the run has one step more,
