@@ -107,7 +107,7 @@ class KDRecipeDistributed:
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index,
-            eval_loss=self._kd.validation_loss,
+            eval_loss=self._kd.validation_loss, also_fed=(self._teacher,),
         )
 
     def save_checkpoint(self, epoch: int, position: Optional[Position] = None) -> None:

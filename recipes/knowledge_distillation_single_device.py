@@ -94,7 +94,7 @@ class KDRecipeSingleDevice:
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index,
-            eval_loss=self._kd.validation_loss,
+            eval_loss=self._kd.validation_loss, also_fed=(self._teacher,),
         )
 
     def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:

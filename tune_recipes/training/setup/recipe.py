@@ -292,22 +292,30 @@ def setup_data_and_schedule(
     return DataAndSchedule(dataloader, steps, global_step, lr_schedule, first_step)
 
 
+def longest_row_all_take(*models: nn.Module) -> Optional[int]:
+    """The most tokens a row may hold for every one of ``models`` (their ``max_seq_len``, the
+    length of torchtune's RoPE caches); None when none of them says."""
+    lengths = [m.max_seq_len for m in models if getattr(m, "max_seq_len", None) is not None]
+    return min(lengths) if lengths else None
+
+
 def setup_step_driver(
     cfg: DictConfig, *, path: NormalizationPath, runtime: Runtime, state: RecipeState,
     resume: Optional[SavedState], model: nn.Module, tokenizer, optimizer, ignore_index: int,
-    hooks: Sequence[StepHook] = (), eval_loss=None,
+    hooks: Sequence[StepHook] = (), eval_loss=None, also_fed: Sequence[nn.Module] = (),
 ) -> StepDriver:
     """The last setup step of every recipe: apply a resumed state, build the data and the LR
     schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
     ``path`` over the model's trainable parameters, with the ``profiler`` key's hook (if on)
-    after the recipe's ``hooks``.
+    after the recipe's ``hooks``. ``also_fed``: other models given the same batches (a
+    distillation teacher): padded and padding-free rows stay within what each of them takes.
 
     NOTE: data, token counts and the gradient average go by the *data-parallel* size and rank
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                   max_seq_len=getattr(model, "max_seq_len", None), is_main=runtime.is_main,
+                                   max_seq_len=longest_row_all_take(model, *also_fed), is_main=runtime.is_main,
                                    device=runtime.device)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
@@ -320,7 +328,7 @@ def setup_step_driver(
     validator = None
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
                                              world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                             max_seq_len=getattr(model, "max_seq_len", None),
+                                             max_seq_len=longest_row_all_take(model, *also_fed),
                                              device=runtime.device)
     if val_loader is not None:
         if eval_loss is None:

@@ -143,6 +143,36 @@ def test_setup_step_driver_pads_both_loaders_for_the_runtimes_device(tmp_path, m
     assert asked == [(recipe, torch.device("cpu")), (data, torch.device("cpu"))], asked
 
 
+def test_rows_stay_within_what_every_model_fed_takes(tmp_path, monkeypatch):
+    """A distillation teacher shorter than its student caps the rows as the student would."""
+    from tune_recipes.training.setup import recipe
+    from tune_recipes.training.setup.runtime import Runtime
+    from tune_recipes.training.step.normalization import NormalizationPath
+
+    def with_length(n):
+        m = torch.nn.Linear(2, 2)
+        m.max_seq_len = n
+        return m
+
+    assert recipe.longest_row_all_take(with_length(4096), with_length(1024)) == 1024
+    assert recipe.longest_row_all_take(torch.nn.Linear(2, 2), with_length(512)) == 512
+    assert recipe.longest_row_all_take(torch.nn.Linear(2, 2)) is None
+    caps = []
+    real = recipe.setup_data_and_schedule
+    monkeypatch.setattr(recipe, "setup_data_and_schedule",
+                        lambda *a, **kw: caps.append(kw["max_seq_len"]) or real(*a, **kw))
+    monkeypatch.setattr(recipe, "build_validation_dataloader",
+                        lambda *a, **kw: caps.append(kw["max_seq_len"]))
+    cfg = load_config(CONFIG, [f"output_dir={tmp_path}"])
+    student, teacher = with_length(4096), with_length(1024)
+    recipe.setup_step_driver(
+        cfg, path=NormalizationPath.SKIP, state=RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=2),
+        runtime=Runtime(torch.device("cpu")), resume=None, model=student,
+        tokenizer=tt_config.instantiate(cfg.tokenizer), optimizer=torch.optim.SGD(student.parameters(), lr=0.1),
+        ignore_index=-100, also_fed=(teacher,)).close()
+    assert caps == [1024, 1024]
+
+
 def test_a_checkpoint_the_checkpointer_cannot_convert_is_one_line(tmp_path):
     """torchtune's Meta checkpointer on HF-format files raises a bare Exception from its
     converter: one ConfigError naming the checkpointer, the folder and the model type."""
