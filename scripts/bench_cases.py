@@ -195,10 +195,14 @@ def shipped_cases() -> dict:
 
 def _shipped_levers(recipe: str, ours: dict) -> list:
     """What a shipped config of ours trades: the allocator's default (no expandable segments),
-    the optimizer's memory against speed (full fine-tunes), a micro-batch twice as large over
-    half the accumulation (the same examples a step)."""
+    compile, packing (what each config's header quotes), the optimizer's memory against speed
+    (full fine-tunes), a micro-batch twice as large over half the accumulation (the same
+    examples a step)."""
     levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
-                 env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})]
+                 env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
+              _v("ours_compiled", "ours", "our config, compile=True", compile=True),
+              _v("ours_packed", "ours", "our config, dataset.packed=True (other steps: compare label tokens/s)",
+                 dataset={"packed": True}, padding_free=False)]
     in_bwd, ga = ours.get("optimizer_in_bwd", False), ours.get("gradient_accumulation_steps", 1)
     if recipe.startswith("full") and in_bwd:
         levers.append(_v("ours_bf16_adamw", "ours", "our config, torch's fused AdamW stepped after backward",

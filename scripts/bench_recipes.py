@@ -62,8 +62,11 @@ def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Pat
         cfg["dataset"] = {**dataset, "packed": bool(cfg.get("dataset", {}).get("packed", False))}
         cfg["checkpointer"].update(checkpoint_dir=str(ckpt), checkpoint_files=["model.safetensors"],
                                    output_dir=str(out_dir), recipe_checkpoint=None)
-        cfg.update(output_dir=str(out_dir), resume_from_checkpoint=False, epochs=1, max_steps_per_epoch=steps,
-                   **variant["cfg"])  # a variant of a shipped config: top-level keys changed
+        cfg.update(output_dir=str(out_dir), resume_from_checkpoint=False, epochs=1, max_steps_per_epoch=steps)
+        for key, value in variant["cfg"].items():  # a variant of a shipped config
+            # a section's keys merge into the shipped section; one naming a component replaces it
+            merge = isinstance(value, dict) and "_component_" not in value and isinstance(cfg.get(key), dict)
+            cfg[key] = {**cfg[key], **value} if merge else value
     else:
         over = dict(variant["cfg"])
         batch, ga = over.pop("batch_size", case["batch_size"]), over.pop("gradient_accumulation_steps", 1)

@@ -88,9 +88,15 @@ def test_the_shipped_levers_change_only_what_they_name(tmp_path):
     assert diff == {} and variant["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     _, diff = differs("shipped:qwen2_5/1.5B_lora_single_device", "ours_double_batch")
     assert diff == {"batch_size": (2, 4), "gradient_accumulation_steps": (8, 4)}  # 16 examples a step
+    _, diff = differs("shipped:qwen2_5/1.5B_lora_single_device", "ours_compiled")
+    assert diff == {"compile": (False, True)}
+    _, diff = differs("shipped:qwen2_5/1.5B_lora_single_device", "ours_packed")
+    assert set(diff) == {"dataset", "padding_free"} and diff["padding_free"] == (True, False)
+    assert diff["dataset"][1] == {**diff["dataset"][0], "packed": True}  # the bench's rows, packed
     _, diff = differs("shipped:llama3_2/3B_full_single_device", "ours_bf16_adamw")
     assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}
-    assert diff["optimizer"][1]["_component_"] == "torch.optim.AdamW" and diff["optimizer_in_bwd"] == (True, False)
+    assert diff["optimizer"][1] == {"_component_": "torch.optim.AdamW", "lr": diff["optimizer"][0]["lr"], "fused": True}
+    assert diff["optimizer_in_bwd"] == (True, False)
     names = {v["name"] for v in bench.CASES["shipped:llama3_2/1B_full_single_device"]["variants"]}
     assert "ours_8bit_in_bwd" in names and "ours_bf16_adamw" not in names  # 1B full ships bf16 AdamW
 
