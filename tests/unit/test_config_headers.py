@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tune_recipes._cli.main import main
+from tune_recipes._cli.registry import recipe_for_config
 
 pytestmark = pytest.mark.unit
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -23,8 +24,14 @@ def _header_commands():
                 break  # the header: the comment lines before the first key
             header.append(line.lstrip("#").strip())
         # a command continued over lines (a trailing backslash) is one command
+        config = f"{path.parent.name}/{path.stem}"
         for match in re.finditer(r"\btune run ([^\n]*)", "\n".join(header).replace("\\\n", " ")):
-            found.append((f"{path.parent.name}/{path.stem}", match.group(1).strip()))
+            found.append((config, match.group(1).strip()))
+        # a line of overrides alone (key=value ...) is for this config's own recipe
+        for line in header:
+            words = line.split()
+            if words and all(re.fullmatch(r"[A-Za-z_][\w.]*=\S+", w) for w in words):
+                found.append((config, f"{recipe_for_config(config)} --config {config} {line}"))
     return found
 
 

@@ -48,8 +48,9 @@ def test_tensor_parallel_dim_must_divide_the_world_before_any_rendezvous(monkeyp
     assert not started
 
 
-def test_cuda_process_group_also_has_a_cpu_backend(monkeypatch):
-    """CPU-offloaded FSDP reduces CPU tensors: the group must carry gloo beside NCCL."""
+def test_cuda_process_group_also_has_a_cpu_backend(monkeypatch, allocator_calls):
+    """CPU-offloaded FSDP reduces CPU tensors: the group must carry gloo beside NCCL. Each rank
+    asks for expandable segments as a single-device run does."""
     import torch.distributed as dist
 
     monkeypatch.setenv("RANK", "0")
@@ -63,6 +64,7 @@ def test_cuda_process_group_also_has_a_cpu_backend(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     rt = init_distributed("cuda")
     assert started == [("cuda:nccl,cpu:gloo", 600.0)] and rt.device == torch.device("cuda", 0)
+    assert allocator_calls == ["expandable_segments:True"]
 
 
 @pytest.fixture
@@ -81,6 +83,14 @@ def allocator_calls(monkeypatch):
 def test_cuda_asks_for_expandable_segments(allocator_calls):
     assert prefer_expandable_segments(torch.device("cuda", 0))
     assert allocator_calls == ["expandable_segments:True"] == [CUDA_ALLOCATOR_SETTINGS]
+
+
+def test_a_single_cuda_device_asks_for_expandable_segments(allocator_calls, monkeypatch):
+    from tune_recipes.training.setup import runtime
+
+    monkeypatch.setattr(runtime.utils, "get_device", lambda name: torch.device("cuda", 0))
+    assert single_device("cuda") == Runtime(torch.device("cuda", 0))
+    assert allocator_calls == ["expandable_segments:True"]
 
 
 def test_cpu_leaves_the_allocator_alone(allocator_calls):
