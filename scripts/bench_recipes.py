@@ -410,8 +410,10 @@ def plan_runs(args, ap) -> dict:
         else dict.fromkeys(wanted)
     args.reps = args.reps or PRESET_REPS.get(args.preset, 2)
     only = set(args.only.split(",")) if args.only else None
-    plan = {c: [(rep, v) for rep, v in schedule(CASES[c], args.reps, names) if not only or v["name"] in only]
-            for c, names in selection.items()}
+    # --only names what to compare: each named variant every repetition, alternating (a lever
+    # left to the case's schedule would run once)
+    plan = {c: schedule(CASES[c], args.reps, [v["name"] for v in CASES[c]["variants"] if v["name"] in only])
+            if only else schedule(CASES[c], args.reps, names) for c, names in selection.items()}
     plan = {c: runs for c, runs in plan.items() if runs}
     never = sorted((only or set()) - {v["name"] for runs in plan.values() for _, v in runs})
     if never:

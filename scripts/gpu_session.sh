@@ -42,7 +42,8 @@
 #   profile    each side's best 1B step on packed rows under torch.profiler (3 steps after the
 #              clock's warm-up), by kernel kind and by what the GPU waited on (its tokens/s
 #              include the profiler: not a speed row; CASE=full_1b_padded: unpacked rows)  ~6 min
-# REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants;
+# REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants, each every
+# repetition (an A/B of a lever: ONLY=ours,ours_default_allocator REPS=2);
 # BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py.
 # A+B runs step A on GPU 0 and step B on GPU 1
 # at once (the nvidia-h200-x2 kind; 8 files come back: two benchmark steps), e.g. packed1b+packed8b.

@@ -259,6 +259,21 @@ def test_every_benchmark_step_of_the_gpu_script_plans_runs():
             assert set(plan) == set(args.cases.split(",")), argv
 
 
+def test_only_runs_each_named_variant_every_repetition_alternating():
+    """An A/B of a lever (``--only ours,ours_default_allocator --reps 2``) runs both sides twice,
+    in alternating order; without --only a lever runs once."""
+    bench = _bench()
+    ap = bench.build_parser()
+    case = "shipped:qwen2_5/1.5B_lora_single_device"
+    args = ap.parse_args(["--cases", case, "--only", "ours,ours_default_allocator,stock", "--reps", "2"])
+    runs = [(rep, v["name"]) for rep, v in bench.plan_runs(args, ap)[case]]
+    assert runs == [(0, "stock"), (0, "ours"), (0, "ours_default_allocator"),
+                    (1, "ours_default_allocator"), (1, "ours"), (1, "stock")]
+    args = ap.parse_args(["--cases", case, "--reps", "2"])
+    names = [v["name"] for _, v in bench.plan_runs(args, ap)[case]]
+    assert names.count("ours") == 2 and names.count("ours_default_allocator") == 1
+
+
 def test_every_acceptance_step_of_the_gpu_script_selects_configs_of_its_kind():
     from fnmatch import fnmatchcase
 
