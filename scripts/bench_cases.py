@@ -203,8 +203,9 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
               _v("ours_compiled", "ours", "our config, compile=True", compile=True),
               _v("ours_packed", "ours", "our config, dataset.packed=True (other steps: compare label tokens/s)",
                  dataset={"packed": True}, padding_free=False)]
-    in_bwd, ga = ours.get("optimizer_in_bwd", False), ours.get("gradient_accumulation_steps", 1)
-    if recipe.startswith("full") and in_bwd:
+    eight_bit = "8bit" in ours["optimizer"]["_component_"]
+    ga = ours.get("gradient_accumulation_steps", 1)
+    if recipe.startswith("full") and eight_bit:
         levers.append(_v("ours_bf16_adamw", "ours", "our config, torch's fused AdamW stepped after backward",
                          optimizer={"_component_": "torch.optim.AdamW", "lr": ours["optimizer"]["lr"], "fused": True},
                          optimizer_in_bwd=False, clip_grad_norm="inf"))

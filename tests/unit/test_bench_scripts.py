@@ -97,8 +97,9 @@ def test_the_shipped_levers_change_only_what_they_name(tmp_path):
     assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}
     assert diff["optimizer"][1] == {"_component_": "torch.optim.AdamW", "lr": diff["optimizer"][0]["lr"], "fused": True}
     assert diff["optimizer_in_bwd"] == (True, False)
-    names = {v["name"] for v in bench.CASES["shipped:llama3_2/1B_full_single_device"]["variants"]}
-    assert "ours_8bit_in_bwd" in names and "ours_bf16_adamw" not in names  # 1B full ships bf16 AdamW
+    for config in ("llama3_2/1B_full_single_device", "llama3_1/8B_full_single_device"):  # bf16 AdamW
+        names = {v["name"] for v in bench.CASES[f"shipped:{config}"]["variants"]}
+        assert "ours_8bit_in_bwd" in names and "ours_bf16_adamw" not in names, config
 
 
 def test_a_run_shape_counts_whole_optimizer_steps_and_fetches_past_the_window():
