@@ -313,9 +313,10 @@ def setup_step_driver(
     NOTE: data, token counts and the gradient average go by the *data-parallel* size and rank
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
+    max_seq_len = longest_row_all_take(model, *also_fed)
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                   max_seq_len=longest_row_all_take(model, *also_fed), is_main=runtime.is_main,
+                                   max_seq_len=max_seq_len, is_main=runtime.is_main,
                                    device=runtime.device)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
@@ -328,8 +329,7 @@ def setup_step_driver(
     validator = None
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
                                              world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                             max_seq_len=longest_row_all_take(model, *also_fed),
-                                             device=runtime.device)
+                                             max_seq_len=max_seq_len, device=runtime.device)
     if val_loader is not None:
         if eval_loss is None:
             raise ConfigError("dataset_val: this recipe has no validation loss")
