@@ -93,13 +93,13 @@ def test_the_shipped_levers_change_only_what_they_name(tmp_path):
     _, diff = differs("shipped:qwen2_5/1.5B_lora_single_device", "ours_packed")
     assert set(diff) == {"dataset", "padding_free"} and diff["padding_free"] == (True, False)
     assert diff["dataset"][1] == {**diff["dataset"][0], "packed": True}  # the bench's rows, packed
-    _, diff = differs("shipped:llama3_2/3B_full_single_device", "ours_bf16_adamw")
-    assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}
-    assert diff["optimizer"][1] == {"_component_": "torch.optim.AdamW", "lr": diff["optimizer"][0]["lr"], "fused": True}
-    assert diff["optimizer_in_bwd"] == (True, False)
-    for config in ("llama3_2/1B_full_single_device", "llama3_1/8B_full_single_device"):  # bf16 AdamW
-        names = {v["name"] for v in bench.CASES[f"shipped:{config}"]["variants"]}
-        assert "ours_8bit_in_bwd" in names and "ours_bf16_adamw" not in names, config
+    for shipped_name in ("llama3_2/3B_full_single_device", "llama3_1/8B_full_single_device"):  # AdamW8bit
+        _, diff = differs(f"shipped:{shipped_name}", "ours_bf16_adamw")
+        assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}, shipped_name
+        assert diff["optimizer"][1] == {"_component_": "torch.optim.AdamW", "lr": diff["optimizer"][0]["lr"], "fused": True}
+        assert diff["optimizer_in_bwd"] == (True, False)
+    names = {v["name"] for v in bench.CASES["shipped:llama3_2/1B_full_single_device"]["variants"]}
+    assert "ours_8bit_in_bwd" in names and "ours_bf16_adamw" not in names  # bf16 AdamW as shipped
 
 
 def test_a_run_shape_counts_whole_optimizer_steps_and_fetches_past_the_window():
