@@ -261,3 +261,47 @@ def test_compiled_step_is_refused_with_in_backward_or_other_optimizers():
         build_optimizer(ADAMW, _mlp(), optimizer_in_bwd=True, compile_step=True)
     with pytest.raises(ConfigError, match="torch.optim.SGD: only torch.optim.Adam and torch.optim.AdamW"):
         build_optimizer(SGD, _mlp(), compile_step=True)
+
+
+# ---------------------------------------------------------------- torchao's 8-bit AdamW in backward
+
+
+def test_adamw8bit_in_backward_resumes_exactly_from_a_saved_recipe_state(tmp_path):
+    """The 3B and 8B full configs step torchao's AdamW8bit inside backward. Its states are
+    tensor subclasses (8-bit codes and block scales): they must survive the recipe state's
+    ``weights_only`` load still quantized (loaded as fp32 they would double the optimizer's
+    memory), and the resumed steps must equal the uninterrupted ones bit for bit."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from tune_recipes.training.checkpointing.io import load_recipe_state
+
+    adamw8bit = OmegaConf.create({"_component_": "torchao.optim.AdamW8bit", "lr": 1e-2})
+
+    def model_():
+        torch.manual_seed(0)  # 256 x 64 = 16,384 elements: quantized (torchao keeps < 4,096 in fp32)
+        return torch.nn.Sequential(torch.nn.Linear(256, 64, bias=False), torch.nn.Linear(64, 2))
+
+    def step(model, seed):
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(5, 256, generator=g)).pow(2).mean().backward()
+
+    # NOTE: eager, not torchao's compiled step (minutes of CPU compile); the compiled step's
+    # own numerics are torchao's, what is tested here is the state's round trip.
+    with torch.compiler.set_stance("force_eager"):
+        straight = model_()
+        opt = build_optimizer(adamw8bit, straight, optimizer_in_bwd=True)
+        for s in range(2):
+            step(straight, s)
+        torch.save({"optimizer": opt.state_dict()}, tmp_path / "recipe_state.pt")
+        resumed = model_()
+        resumed.load_state_dict(straight.state_dict())
+        saved = load_recipe_state(tmp_path / "recipe_state.pt")["optimizer"]
+        again = build_optimizer(adamw8bit, resumed, optimizer_in_bwd=True, state_dict=saved)
+        state = again.optim_map["0.weight"].state_dict()["state"][0]
+        assert isinstance(state["exp_avg"], OptimState8bit) and state["exp_avg"].codes.dtype == torch.uint8
+        for s in range(2, 4):
+            step(straight, s)
+            step(resumed, s)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(straight[0].weight, model_()[0].weight)  # it trained
