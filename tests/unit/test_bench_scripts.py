@@ -94,8 +94,11 @@ def test_the_shipped_levers_change_only_what_they_name(tmp_path):
     assert set(diff) == {"dataset", "padding_free"} and diff["padding_free"] == (True, False)
     assert diff["dataset"][1] == {**diff["dataset"][0], "packed": True}  # the bench's rows, packed
     for shipped_name in ("llama3_2/3B_full_single_device", "llama3_1/8B_full_single_device"):  # AdamW8bit
+        shipped = yaml.safe_load((SCRIPTS.parent / "configs" / f"{shipped_name}.yaml").read_text())
+        assert shipped["optimizer"]["_component_"] == "torchao.optim.AdamW8bit", shipped_name
         _, diff = differs(f"shipped:{shipped_name}", "ours_bf16_adamw")
         assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}, shipped_name
+        assert diff["clip_grad_norm"] == (None, "inf")
         assert diff["optimizer"][1] == {"_component_": "torch.optim.AdamW", "lr": diff["optimizer"][0]["lr"], "fused": True}
         assert diff["optimizer_in_bwd"] == (True, False)
     names = {v["name"] for v in bench.CASES["shipped:llama3_2/1B_full_single_device"]["variants"]}

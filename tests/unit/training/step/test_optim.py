@@ -298,7 +298,8 @@ def test_adamw8bit_in_backward_resumes_exactly_from_a_saved_recipe_state(tmp_pat
         saved = load_recipe_state(tmp_path / "recipe_state.pt")["optimizer"]
         again = build_optimizer(adamw8bit, resumed, optimizer_in_bwd=True, state_dict=saved)
         state = again.optim_map["0.weight"].state_dict()["state"][0]
-        assert isinstance(state["exp_avg"], OptimState8bit) and state["exp_avg"].codes.dtype == torch.uint8
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], OptimState8bit) and state[key].codes.dtype == torch.uint8, key
         for s in range(2, 4):
             step(straight, s)
             step(resumed, s)
