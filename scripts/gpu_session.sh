@@ -45,6 +45,8 @@
 # REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants, each every
 # repetition (an A/B of a lever: ONLY=ours,ours_default_allocator REPS=2);
 # BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py.
+# BENCH_ARGS="--env BENCH_MEMORY_AT_PEAK=1": each run's memory at its peak, by where it was
+# allocated, in its .clock.json.memory.txt (in the logs; not a speed row: it records stacks).
 # A+B runs step A on GPU 0 and step B on GPU 1
 # at once (the nvidia-h200-x2 kind; 8 files come back: two benchmark steps), e.g. packed1b+packed8b.
 set -uo pipefail
@@ -74,7 +76,7 @@ bench() {
   echo "bench_recipes.py exit $?"
   grep -h "^|\|^loss\|^checkpoint\|rror" "$W/$name.log" | cut -c1-300
   tar czf "$OUT/${name}_logs.tgz" "$W/machine.txt" "$W/$name.log" "$W"/*_rep*.log "$W"/*_rep*.yaml \
-    "$W"/*.clock.json 2>/dev/null
+    "$W"/*.clock.json "$W"/*.memory.txt 2>/dev/null
 }
 # accept NAME KIND CONFIGS: scripts/gpu_acceptance.py over the configs matching CONFIGS
 # (comma-separated shell patterns), 5 steps each, its checkpoints shared with the benchmarks.

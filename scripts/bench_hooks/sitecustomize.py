@@ -5,6 +5,8 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 
 - BENCH_CLOCK=PATH: the benchmark's timer and true peak memory, identical for both sides
   (bench_clock.py says how it measures).
+- BENCH_MEMORY_AT_PEAK=1 (with BENCH_CLOCK=PATH): what is live on the GPU at the run's peak of
+  allocated memory, by where it was allocated, in PATH.memory.txt (memory_at_peak.py).
 - BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator capped at G GiB
   (``torch.cuda.set_per_process_memory_fraction``), as on a GPU of about G + 0.5 GiB (the CUDA
   context is outside the cap): does the run fit there?
@@ -37,6 +39,11 @@ if os.environ.get("BENCH_CLOCK") and _IS_TRAINING:
     import bench_clock
 
     bench_clock.install_from_env()
+
+if os.environ.get("BENCH_MEMORY_AT_PEAK") == "1" and os.environ.get("BENCH_CLOCK") and _IS_TRAINING:
+    import memory_at_peak
+
+    memory_at_peak.install_from_env()
 
 if os.environ.get("BENCH_MEMORY_CAP_GIB") and _IS_TRAINING:
     import torch
