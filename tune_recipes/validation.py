@@ -1203,10 +1203,9 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
     if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
         _warmup_warning(cfg)
-    if (keys is None or "padding_free" in keys) and cfg.get("padding_free", False) is True \
-            and dataset_packed(cfg.get("dataset")):
-        _warn("padding_free=True has no effect with dataset.packed=True: packed sequences have "
-              "no padding to remove")
+    # NOTE: padding_free=True with dataset.packed=True says nothing on purpose: the shipped
+    # single-device configs set padding_free and the documented way to pack is dataset.packed=True
+    # on top; packed batches have no padding to remove, so the pair simply packs.
     if (keys is None or {"padding_free", "compile_scope"} <= keys) and cfg.get("padding_free", False) is True \
             and cfg.get("compile", False) is True and cfg.get("compile_scope", None) == "model":
         # Measured on an H200 (Llama-3.2-1B, docs/benchmarks.md): the whole-model graph, compiled

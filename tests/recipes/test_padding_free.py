@@ -110,11 +110,12 @@ def test_padding_free_with_the_whole_model_compiled_warns(tmp_path):
     assert "compile_scope=model" not in quiet.stdout + quiet.stderr
 
 
-def test_packing_a_shipped_config_that_sets_padding_free_warns_and_packs(tmp_path):
-    """The shipped configs set padding_free: True; dataset.packed=True on top packs (one line
-    says padding_free has nothing to do) rather than failing."""
+def test_packing_a_shipped_config_that_sets_padding_free_packs_without_a_warning(tmp_path):
+    """The shipped configs set padding_free: True and their headers say to add
+    dataset.packed=True: the pair packs (every batch a packed one), with no warning."""
     proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
-                      ["padding_free=True", "dataset.packed=True", "max_steps_per_epoch=1"])
+                      ["padding_free=True", "dataset.packed=True", "max_steps_per_epoch=2"])
     said = proc.stdout + proc.stderr
-    assert "padding_free=True has no effect with dataset.packed=True" in said
-    assert len(losses(tmp_path)) == 1
+    warnings = [line for line in said.splitlines() if line.startswith("warning:")]
+    assert not [w for w in warnings if "padding_free" in w or "packed" in w], warnings
+    assert len(losses(tmp_path)) == 2

@@ -153,7 +153,7 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     from torchtune.datasets import PackedDataset
 
     if isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False):
-        return packed_collate  # padding_free has nothing to remove (validation warns)
+        return packed_collate  # padding_free: nothing to remove, packed rows hold no padding
     if padding_free:
         return partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
                        max_seq_len=max_seq_len)
