@@ -149,10 +149,14 @@ def install(clock: Clock) -> None:
     atexit.register(clock.write)
 
 
-def install_from_env() -> Clock:
-    path = os.environ["BENCH_CLOCK"]
+def rank_path(path: str) -> str:
+    """This process's file for ``path``: rank r > 0 of a distributed run writes ``<path>.rank<r>``."""
     rank = int(os.environ.get("RANK", "0"))
-    clock = Clock(path if rank == 0 else f"{path}.rank{rank}",
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def install_from_env() -> Clock:
+    clock = Clock(rank_path(os.environ["BENCH_CLOCK"]),
                   int(os.environ.get("BENCH_CLOCK_WARMUP", "5")),
                   int(os.environ.get("BENCH_CLOCK_WINDOW", "20")))
     install(clock)

@@ -109,6 +109,6 @@ def install(path: str) -> None:
 
 
 def install_from_env() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    path = os.environ["BENCH_CLOCK"] + (f".rank{rank}" if rank else "")
-    install(f"{path}.memory.txt")
+    from bench_clock import rank_path
+
+    install(f"{rank_path(os.environ['BENCH_CLOCK'])}.memory.txt")

@@ -124,3 +124,14 @@ def test_bitsandbytes_paged_states_are_read_apart(monkeypatch, tmp_path):
     clock = bench_clock.Clock(str(tmp_path / "clock.json"))
     clock.count(_batches(1)[0])
     assert clock.result()["paged_gib"] == 2 * 2**20 / 2**30
+
+
+def test_each_rank_of_a_distributed_run_writes_its_own_file(monkeypatch):
+    """Rank 0 (or a single process) writes the path the bench named; rank r > 0 beside it, so
+    two ranks' clocks (and memory reports) never overwrite each other."""
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench_clock.rank_path("/w/run.clock.json") == "/w/run.clock.json"
+    monkeypatch.setenv("RANK", "0")
+    assert bench_clock.rank_path("/w/run.clock.json") == "/w/run.clock.json"
+    monkeypatch.setenv("RANK", "3")
+    assert bench_clock.rank_path("/w/run.clock.json") == "/w/run.clock.json.rank3"
