@@ -210,8 +210,8 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
                          optimizer={"_component_": "torch.optim.AdamW", "lr": ours["optimizer"]["lr"], "fused": True},
                          optimizer_in_bwd=False, clip_grad_norm="inf"))
     elif recipe.startswith("full") and ga == 1:
-        levers.append(_v("ours_8bit_in_bwd", "ours", "our config, torchao's AdamW8bit stepped in backward",
-                         optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": ours["optimizer"]["lr"]},
+        levers.append(_v("ours_8bit_in_bwd", "ours", "our config, AdamW8bit (torchao's states, sliced step) stepped in backward",
+                         optimizer={"_component_": "tune_recipes.optim.AdamW8bit", "lr": ours["optimizer"]["lr"]},
                          optimizer_in_bwd=True, clip_grad_norm=None))
     if ga % 2 == 0:
         levers.append(_v("ours_double_batch", "ours", "our config, twice the micro-batch, half the accumulation",

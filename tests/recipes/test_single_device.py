@@ -136,7 +136,7 @@ def test_default_lora_run_leaves_checkpoint_adapter_and_metrics(lora_reference):
     # bitsandbytes): its quantized states are saved and restored exactly too. Slow: torchao
     # compiles its step per parameter shape in each process (~1 minute on 2 CPU cores).
     pytest.param("full_finetune_single_device", "tiny/full_single_device",
-                 ["optimizer._component_=torchao.optim.AdamW8bit", "optimizer_in_bwd=True", "clip_grad_norm=null"],
+                 ["optimizer._component_=tune_recipes.optim.AdamW8bit", "optimizer_in_bwd=True", "clip_grad_norm=null"],
                  marks=pytest.mark.slow),
 ], ids=["full", "lora", "full-adamw8bit-in-backward"])
 def test_resume_equals_uninterrupted(tmp_path, recipe, config, extra):

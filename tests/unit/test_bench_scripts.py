@@ -95,7 +95,7 @@ def test_the_shipped_levers_change_only_what_they_name(tmp_path):
     assert diff["dataset"][1] == {**diff["dataset"][0], "packed": True}  # the bench's rows, packed
     for shipped_name in ("llama3_2/3B_full_single_device", "llama3_1/8B_full_single_device"):  # AdamW8bit
         shipped = yaml.safe_load((SCRIPTS.parent / "configs" / f"{shipped_name}.yaml").read_text())
-        assert shipped["optimizer"]["_component_"] == "torchao.optim.AdamW8bit", shipped_name
+        assert shipped["optimizer"]["_component_"] == "tune_recipes.optim.AdamW8bit", shipped_name
         _, diff = differs(f"shipped:{shipped_name}", "ours_bf16_adamw")
         assert set(diff) == {"optimizer", "optimizer_in_bwd", "clip_grad_norm"}, shipped_name
         assert diff["clip_grad_norm"] == (None, "inf")

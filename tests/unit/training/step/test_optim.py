@@ -267,7 +267,8 @@ def test_compiled_step_is_refused_with_in_backward_or_other_optimizers():
 
 
 def test_adamw8bit_in_backward_resumes_exactly_from_a_saved_recipe_state(tmp_path):
-    """The 3B and 8B full configs step torchao's AdamW8bit inside backward. Its states are
+    """The 3B and 8B full configs step AdamW8bit (torchao's states, large parameters stepped in
+    row slices: here the 64 x 256 weight in four) inside backward. Its states are
     tensor subclasses (8-bit codes and block scales): they must survive the recipe state's
     ``weights_only`` load still quantized (loaded as fp32 they would double the optimizer's
     memory), and the resumed steps must equal the uninterrupted ones bit for bit."""
@@ -275,7 +276,8 @@ def test_adamw8bit_in_backward_resumes_exactly_from_a_saved_recipe_state(tmp_pat
 
     from tune_recipes.training.checkpointing.io import load_recipe_state
 
-    adamw8bit = OmegaConf.create({"_component_": "torchao.optim.AdamW8bit", "lr": 1e-2})
+    adamw8bit = OmegaConf.create({"_component_": "tune_recipes.optim.AdamW8bit", "lr": 1e-2,
+                                  "chunk_numel": 4096})
 
     def model_():
         torch.manual_seed(0)  # 256 x 64 = 16,384 elements: quantized (torchao keeps < 4,096 in fp32)

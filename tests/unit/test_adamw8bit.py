@@ -1,0 +1,125 @@
+"""tune_recipes.optim.AdamW8bit: torchao's AdamW8bit stepping large parameters in row slices.
+Reference: torchao's own AdamW8bit on the same parameters and gradients, bit for bit."""
+
+import pytest
+import torch
+from torchao.optim import AdamW8bit as TorchaoAdamW8bit
+from torchao.optim.subclass_8bit import OptimState8bit
+
+from tune_recipes.optim import AdamW8bit
+
+
+def _shapes_and_grads(steps):
+    # 1000 x 64 bf16: 64,000 elements, quantized, sliced at chunk_numel=5000 into 16-row slices
+    # with a ragged last one; 4096 x 3: rows of 3 (not a divisor of the block); 64: a bias,
+    # kept in fp32 by torchao and never sliced.
+    g = torch.Generator().manual_seed(1)
+    shapes = [((1000, 64), torch.bfloat16), ((4096, 3), torch.float32), ((64,), torch.float32)]
+    params = [torch.randn(s, generator=g).to(d) for s, d in shapes]
+    grads = [[torch.randn(s, generator=g).to(d) for s, d in shapes] for _ in range(steps)]
+    return params, grads
+
+
+def _train(cls, params, grads, state_dict=None, **kwargs):
+    """``len(grads)`` steps of ``cls`` from copies of ``params``; the trained parameters and the
+    optimizer."""
+    params = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = cls(params, lr=1e-2, **kwargs)
+    if state_dict is not None:
+        opt.load_state_dict(state_dict)
+    for step_grads in grads:
+        for p, grad in zip(params, step_grads):
+            p.grad = grad
+        opt.step()
+    return params, opt
+
+
+def test_row_slices_cover_every_row_once_on_block_boundaries():
+    opt = AdamW8bit([torch.nn.Parameter(torch.zeros(1))], chunk_numel=5000)
+    for rows, row_numel in [(1000, 64), (4096, 3), (7, 1024), (128256, 16)]:
+        p = torch.empty(rows, row_numel)
+        slices = list(opt.row_slices(p))
+        assert len(slices) > 1, (rows, row_numel)
+        covered = [r for s in slices for r in range(s.start, s.stop)]
+        assert covered == list(range(rows)), (rows, row_numel)
+        for s in slices:
+            # every slice starts four quantization blocks in (aligned codes and scales)
+            assert s.start * row_numel % (4 * opt.block_size) == 0, (rows, row_numel, s)
+            # at most chunk_numel elements unless one aligned group of rows is already more
+            assert (s.stop - s.start) * row_numel <= max(5000, 4 * opt.block_size), (rows, s)
+    # small parameters step whole
+    assert list(opt.row_slices(torch.empty(70, 70))) == [None]
+
+
+def test_sliced_steps_equal_torchaos_bit_for_bit():
+    """Eager (torchao's update itself, uncompiled): the sliced steps give the same parameters and
+    the same 8-bit codes and block scales as torchao's unsliced step."""
+    init, grads = _shapes_and_grads(3)
+    with torch.compiler.set_stance("force_eager"):
+        theirs, their_opt = _train(TorchaoAdamW8bit, init, grads)
+        ours, our_opt = _train(AdamW8bit, init, grads, chunk_numel=5000)
+    assert len(list(our_opt.row_slices(ours[0]))) == 16  # it did slice
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+    assert not torch.equal(ours[0], init[0])  # it trained
+    for a, b in zip(theirs, ours):
+        sa, sb = their_opt.state[a], our_opt.state[b]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if isinstance(sa[key], OptimState8bit):
+                assert torch.equal(sa[key].codes, sb[key].codes), key
+                assert torch.equal(sa[key].scale, sb[key].scale), key
+            else:
+                assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.mark.parametrize("first,then", [(TorchaoAdamW8bit, AdamW8bit), (AdamW8bit, TorchaoAdamW8bit)],
+                         ids=["torchao_to_ours", "ours_to_torchao"])
+def test_each_resumes_the_others_state_dict(first, then):
+    """States are torchao's: one step of either class, saved, resumes in the other to the same
+    parameters as three uninterrupted steps, bit for bit."""
+    init, grads = _shapes_and_grads(3)
+    sliced = {"chunk_numel": 5000}
+    with torch.compiler.set_stance("force_eager"):
+        straight, _ = _train(AdamW8bit, init, grads, **sliced)
+        after_one, opt = _train(first, init, grads[:1], **(sliced if first is AdamW8bit else {}))
+        saved = opt.state_dict()
+        resumed, _ = _train(then, [p.detach() for p in after_one], grads[1:], state_dict=saved,
+                            **(sliced if then is AdamW8bit else {}))
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_chunk_numel_must_be_positive(bad):
+    with pytest.raises(ValueError, match="chunk_numel must be positive"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(1))], chunk_numel=bad)
+
+
+@pytest.mark.gpu
+def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
+    """The point of the slices, on CUDA with torchao's compiled update: torchao's step of a
+    2^27-element bf16 parameter allocates two fp32 copies of it (1 GiB) above the parameter,
+    gradient and states; ours, at chunk_numel=2^24, under a quarter of that. Peak memory is
+    read around the second step (the first compiles and creates the states)."""
+    numel, chunk = 2**27, 2**24
+
+    def step_peak_above_start(cls, **kwargs):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(numel // 4096, 4096, device="cuda", dtype=torch.bfloat16))
+        opt = cls([p], lr=1e-3, **kwargs)
+        for _ in range(2):
+            p.grad = torch.randn_like(p)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            opt.step()
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        del p, opt
+        torch.cuda.empty_cache()
+        return peak
+
+    theirs = step_peak_above_start(TorchaoAdamW8bit)
+    ours = step_peak_above_start(AdamW8bit, chunk_numel=chunk)
+    assert theirs >= 0.9 * 2 * 4 * numel, theirs  # the cause: two fp32 moments materialized
+    assert ours <= 0.25 * theirs, (ours, theirs)
