@@ -155,6 +155,20 @@ def read_run(clock_file: Path, out_dir: Path) -> dict:
     return row
 
 
+# What a run saves that the benchmark never reads: its model and recipe-state checkpoints.
+SAVED_WEIGHTS = ("*.safetensors", "*.pt", "*.bin")
+
+
+def drop_saved_weights(out_dir: Path) -> None:
+    """Delete the checkpoints a finished run saved under ``out_dir``, keeping its metrics and logs.
+    NOTE: keep this. Each run saves the whole model at its end (15 GiB for an 8B); a few of those
+    fill the GPU machine's 64 GiB disk, and the next run then fails at its own save (seen: a
+    Qwen2.5-7B run lost its row after measuring it)."""
+    for pattern in SAVED_WEIGHTS:
+        for path in out_dir.rglob(pattern):
+            path.unlink()
+
+
 def schedule(case: dict, reps: int, names: Optional[list] = None) -> list:
     """(rep, variant) in run order: heads every repetition, alternating direction; the others
     once, after the heads of the first. ``names`` (a preset's list): those, every repetition."""
@@ -211,6 +225,7 @@ def run_variant(name: str, case: dict, rep: int, variant: dict, shape: tuple, ck
         row.update(read_run(clock_file, out_dir))
     except RuntimeError as e:
         row["error"] = str(e)[-1500:]
+    drop_saved_weights(out_dir)
     return row
 
 

@@ -185,6 +185,20 @@ def test_a_failed_run_keeps_its_reason_last(tmp_path):
     assert str(err.value).rstrip().endswith("[failed: out of memory (exit 1)]")
 
 
+def test_a_finished_runs_saved_checkpoints_are_dropped_and_its_metrics_kept(tmp_path):
+    """A run's end-of-epoch model and recipe state go (a few 8B ones fill the GPU machine's
+    disk); what the benchmark reads stays."""
+    bench = _bench()
+    kept = [tmp_path / "metrics.jsonl", tmp_path / "epoch_0" / "config.json", tmp_path / "log.txt"]
+    dropped = [tmp_path / "epoch_0" / "model-00001-of-00004.safetensors", tmp_path / "recipe_state" / "recipe_state.pt",
+               tmp_path / "epoch_0" / "adapter_model.bin"]
+    for path in kept + dropped:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    bench.drop_saved_weights(tmp_path)
+    assert [p.exists() for p in kept] == [True] * 3 and [p.exists() for p in dropped] == [False] * 3
+
+
 def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order():
     bench = _bench()
     for preset, selection in bench.PRESETS.items():
@@ -452,3 +466,12 @@ def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
     assert stock["label_tokens"] == ours["label_tokens"] > 0
     assert stock["losses"] == pytest.approx(ours["losses"], rel=1e-4)
     assert "| tiny_cpu | ours: fused CE |" in out.with_suffix(".md").read_text()
+    # Each run's saved checkpoints are deleted once read (a few 8B ones fill the GPU machine's
+    # disk); its metrics stay, and so does the input checkpoint every run loads.
+    work = tmp_path / "w"
+    run_dirs = [d for d in work.iterdir() if d.is_dir() and d.name.startswith("tiny_cpu_")]
+    assert len(run_dirs) == 2, sorted(p.name for p in work.iterdir())
+    for d in run_dirs:
+        assert not [p for p in d.rglob("*") if p.suffix in (".safetensors", ".pt", ".bin")], d
+    assert (work / "tiny_cpu_ours_best_rep0" / "metrics.jsonl").exists()
+    assert list(work.glob("ckpt_*/model.safetensors"))
