@@ -51,13 +51,17 @@ def test_row_slices_cover_every_row_once_on_block_boundaries():
     assert list(opt.row_slices(torch.empty(70, 70))) == [None]
 
 
-def test_sliced_steps_equal_torchaos_bit_for_bit():
-    """Eager (torchao's update itself, uncompiled): the sliced steps give the same parameters and
-    the same 8-bit codes and block scales as torchao's unsliced step."""
+@pytest.mark.parametrize("stochastic", [False, True], ids=["round_nearest", "bf16_stochastic_round"])
+def test_sliced_steps_equal_torchaos_bit_for_bit(stochastic):
+    """Eager (torchao's update itself, uncompiled): the sliced steps on the states' plain tensors
+    give the same parameters and the same 8-bit codes and block scales as torchao's unsliced step
+    on its tensor subclass; with stochastic rounding too, from the same random state."""
     init, grads = _shapes_and_grads(3)
     with torch.compiler.set_stance("force_eager"):
-        theirs, their_opt = _train(TorchaoAdamW8bit, init, grads)
-        ours, our_opt = _train(AdamW8bit, init, grads, chunk_numel=5000)
+        torch.manual_seed(5)
+        theirs, their_opt = _train(TorchaoAdamW8bit, init, grads, bf16_stochastic_round=stochastic)
+        torch.manual_seed(5)
+        ours, our_opt = _train(AdamW8bit, init, grads, chunk_numel=5000, bf16_stochastic_round=stochastic)
     assert len(list(our_opt.row_slices(ours[0]))) == 16  # it did slice
     for a, b in zip(theirs, ours):
         assert torch.equal(a, b)
@@ -70,6 +74,22 @@ def test_sliced_steps_equal_torchaos_bit_for_bit():
                 assert torch.equal(sa[key].scale, sb[key].scale), key
             else:
                 assert torch.equal(sa[key], sb[key]), key
+
+
+def test_quantized_states_step_through_the_plain_tensor_update(monkeypatch):
+    """Quantized states go through ``adamw_8bit_update`` (plain tensors: less host time a call);
+    states torchao keeps unquantized (the 64-element bias) through torchao's own update."""
+    import tune_recipes.optim as optim
+
+    calls = []
+    theirs, plain = optim.compiled_updates()
+    monkeypatch.setattr(optim, "compiled_updates", lambda: (
+        lambda *a: calls.append(("torchao", tuple(a[0].shape))) or theirs(*a),
+        lambda *a: calls.append(("plain", tuple(a[0].shape))) or plain(*a)))
+    init, grads = _shapes_and_grads(1)
+    with torch.compiler.set_stance("force_eager"):
+        _train(AdamW8bit, init, grads)
+    assert calls == [("plain", (1000, 64)), ("plain", (4096, 3)), ("torchao", (64,))]
 
 
 @pytest.mark.parametrize("first,then", [(TorchaoAdamW8bit, AdamW8bit), (AdamW8bit, TorchaoAdamW8bit)],
@@ -123,3 +143,16 @@ def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
     ours = step_peak_above_start(AdamW8bit, chunk_numel=chunk)
     assert theirs >= 0.9 * 2 * 4 * numel, theirs  # the cause: two fp32 moments materialized
     assert ours <= 0.25 * theirs, (ours, theirs)
+
+
+def test_compiled_as_shipped_equals_torchaos_compiled_step_bit_for_bit():
+    """As the recipes run it (compiled, inductor): the same parameters and 8-bit states as
+    torchao's compiled step, sliced parameter included."""
+    init, grads = _shapes_and_grads(2)
+    theirs, their_opt = _train(TorchaoAdamW8bit, init, grads)
+    ours, our_opt = _train(AdamW8bit, init, grads, chunk_numel=5000)
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+        sa, sb = their_opt.state[a]["exp_avg_sq"], our_opt.state[b]["exp_avg_sq"]
+        if isinstance(sa, OptimState8bit):
+            assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale)
