@@ -160,10 +160,10 @@ SAVED_WEIGHTS = ("*.safetensors", "*.pt", "*.bin")
 
 
 def drop_saved_weights(out_dir: Path) -> None:
-    """Delete the checkpoints a finished run saved under ``out_dir``, keeping its metrics and logs.
-    NOTE: keep this. Each run saves the whole model at its end (15 GiB for an 8B); a few of those
-    fill the GPU machine's 64 GiB disk, and the next run then fails at its own save (seen: a
-    Qwen2.5-7B run lost its row after measuring it)."""
+    """Delete the checkpoints a run saved under ``out_dir`` (finished or failed), keeping its
+    metrics and logs. NOTE: keep this. Each run saves the whole model at its end (15 GiB for an
+    8B); a few of those fill the GPU machine's 64 GiB disk, and the next run then fails at its
+    own save, after its clock, losing its row."""
     for pattern in SAVED_WEIGHTS:
         for path in out_dir.rglob(pattern):
             path.unlink()

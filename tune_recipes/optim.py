@@ -62,40 +62,48 @@ class AdamW8bit(TorchaoAdamW8bit):
     second moments in fp32 before quantizing them (each block's scale is a reduction over them):
     two fp32 copies of the parameter alive at once. For Llama-3.1-8B's 525M-element embedding
     and output projection that is 3.9 GiB, measured as the top of the 8B full config's peak on
-    an H200 (``BENCH_MEMORY_AT_PEAK``, docs/benchmarks.md). Here such a parameter steps through
-    the same compiled torchao update on views of whole rows of the parameter, its gradient and
-    its states, cut on quantization-block boundaries: every block's scale and every element come
-    out as in one update, and the temporaries stay under ~8 bytes x ``chunk_numel``.
+    an H200 (``BENCH_MEMORY_AT_PEAK``, docs/benchmarks.md). Here such a parameter steps a slice
+    of whole rows at a time, on views of the parameter, its gradient and its states cut on
+    quantization-block boundaries: every block's scale and every element come out as in one
+    update (``bf16_stochastic_round`` aside: each slice draws its own random bits), and the
+    temporaries stay under ~8 bytes x ``chunk_numel``.
 
     The compiled update takes the states' plain tensors (codes, scales, quantization map), not
     torchao's tensor subclass: the same arithmetic with less host time a call
-    (``adamw_8bit_update``). Parameters whose states torchao keeps unquantized (under 4,096
-    elements), ``amsgrad`` and DTensor parameters go through torchao's own update.
+    (``adamw_8bit_update``). States torchao keeps unquantized (parameters under 4,096 elements
+    or not a whole number of blocks) and DTensor parameters go through torchao's own update.
 
     States, ``state_dict`` and checkpoints are torchao's: either class resumes the other's.
-    DTensor (FSDP2) parameters are shards already and step whole, as in torchao.
+    DTensor (FSDP2) parameters step whole, as in torchao: a large one's shard still makes
+    temporaries of its own size (an 8B embedding over two GPUs: ~2 GiB).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, block_size=256, bf16_stochastic_round=False,
                  chunk_numel: int = 2**26) -> None:
+        if amsgrad:
+            # torchao 0.15's own AdamW8bit fails at its first step with amsgrad (its 8-bit
+            # state has no elementwise maximum): refuse it here, by name, before training.
+            raise ValueError("AdamW8bit: amsgrad=True is not supported by torchao's 8-bit "
+                             "states; use optimizer.amsgrad=False or torch.optim.AdamW")
+        if chunk_numel < 1:
+            raise ValueError(f"AdamW8bit: chunk_numel must be positive, got {chunk_numel}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, block_size=block_size,
                          bf16_stochastic_round=bf16_stochastic_round)
-        if chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
         self.chunk_numel = chunk_numel
 
-    def row_slices(self, p: Tensor) -> Iterator[Optional[slice]]:
-        """``None`` (step ``p`` whole), or slices of ``p``'s first dimension, each at most ``chunk_numel`` elements where whole
-        rows allow it, each starting on a multiple of four quantization blocks (so every slice
-        of a state starts a block, and its codes and scales stay 16-byte aligned: inductor
-        copies a misaligned input, which would defeat the point)."""
+    def row_slices(self, p: Tensor, block_size: Optional[int] = None) -> Iterator[Optional[slice]]:
+        """``None`` (step ``p`` whole), or slices of ``p``'s first dimension, each at most
+        ``chunk_numel`` elements where whole rows allow it, each starting on a multiple of four
+        quantization blocks of ``block_size`` (the state's own: a resumed state may have been
+        made with another): so every slice of a state starts a block, and its codes and scales
+        stay 16-byte aligned (inductor copies a misaligned input, which would defeat the point)."""
         rows = p.shape[0] if p.dim() else 1
         if isinstance(p, DTensor) or p.numel() <= self.chunk_numel or rows < 2:
             yield None
             return
         row_numel = p.numel() // rows
-        align = 4 * self.block_size
+        align = 4 * (block_size or self.block_size)
         rows_multiple = align // math.gcd(row_numel, align)
         step = max(rows_multiple, (self.chunk_numel // row_numel) // rows_multiple * rows_multiple)
         for start in range(0, rows, step):
@@ -125,27 +133,40 @@ class AdamW8bit(TorchaoAdamW8bit):
                         state["step"] = torch.tensor(0.0)
                         state["exp_avg"] = self._new_buffer(p, True)
                         state["exp_avg_sq"] = self._new_buffer(p, False)
-                        if group["amsgrad"]:
-                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
-                    m, v, max_sq = state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
+                    m, v = state["exp_avg"], state["exp_avg_sq"]
                     stochastic = self.bf16_stochastic_round and p.dtype is torch.bfloat16
                     # NOTE: p.detach(): compiled with FSDP2's DTensors, p itself misbehaves
                     # (torchao does the same); the gradient is passed on its own.
-                    param = p.detach()
-                    plain = isinstance(m, OptimState8bit) and isinstance(v, OptimState8bit) and max_sq is None
-                    for rows in self.row_slices(p):
-                        def cut(t):
-                            return t if rows is None or t is None else t[rows]
-                        if plain:
-                            m_rows, v_rows = cut(m), cut(v)  # views: codes and scales of the rows
-                            plain_update(cut(param), cut(p.grad), state["step"], m_rows.codes,
-                                         m_rows.scale, m.qmap, v_rows.codes, v_rows.scale, v.qmap,
+                    param, grad = p.detach(), p.grad
+                    if isinstance(m, OptimState8bit) and isinstance(v, OptimState8bit):
+                        row_numel = p.numel() // max(1, p.shape[0] if p.dim() else 1)
+                        for rows in self.row_slices(p, m.block_size):
+                            (m_codes, m_scale), (v_codes, v_scale) = (
+                                rows_of(m, rows, row_numel), rows_of(v, rows, row_numel))
+                            plain_update(cut(param, rows), cut(grad, rows), state["step"],
+                                         m_codes, m_scale, m.qmap, v_codes, v_scale, v.qmap,
                                          group["lr"], beta1, beta2, group["weight_decay"],
                                          group["eps"], stochastic)
-                        else:
-                            torchao_update(cut(param), cut(p.grad), state["step"], cut(m), cut(v),
-                                           cut(max_sq), group["lr"], beta1, beta2,
-                                           group["weight_decay"], group["eps"], self.is_adamw,
-                                           stochastic)
+                    else:
+                        for rows in self.row_slices(p):
+                            torchao_update(cut(param, rows), cut(grad, rows), state["step"],
+                                           cut(m, rows), cut(v, rows), None, group["lr"], beta1,
+                                           beta2, group["weight_decay"], group["eps"],
+                                           self.is_adamw, stochastic)
         return loss
+
+
+def cut(t: Tensor, rows: Optional[slice]) -> Tensor:
+    """``t``'s rows (a view), or all of it for ``None``."""
+    return t if rows is None else t[rows]
+
+
+def rows_of(state: OptimState8bit, rows: Optional[slice], row_numel: int):
+    """The codes and block scales of an 8-bit state's ``rows`` (views; rows start and end on
+    block boundaries, ``row_slices``), without torchao's slice op, which copies the
+    quantization map on every call."""
+    if rows is None:
+        return state.codes, state.scale
+    return (state.codes[rows], state.scale[rows.start * row_numel // state.block_size:
+                                           rows.stop * row_numel // state.block_size])

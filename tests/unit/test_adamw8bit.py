@@ -1,6 +1,8 @@
 """tune_recipes.optim.AdamW8bit: torchao's AdamW8bit stepping large parameters in row slices.
 Reference: torchao's own AdamW8bit on the same parameters and gradients, bit for bit."""
 
+import io
+
 import pytest
 import torch
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
@@ -10,8 +12,8 @@ from tune_recipes.optim import AdamW8bit
 
 
 def _shapes_and_grads(steps):
-    # 1000 x 64 bf16: 64,000 elements, quantized, sliced at chunk_numel=5000 into 16-row slices
-    # with a ragged last one; 4096 x 3: rows of 3 (not a divisor of the block); 64: a bias,
+    # 1000 x 64 bf16: 64,000 elements, quantized, sliced at chunk_numel=5000 into 16 slices of
+    # 64 rows (the last 40); 4096 x 3: rows of 3 (not a divisor of the block); 64: a bias,
     # kept in fp32 by torchao and never sliced.
     g = torch.Generator().manual_seed(1)
     shapes = [((1000, 64), torch.bfloat16), ((4096, 3), torch.float32), ((64,), torch.float32)]
@@ -32,6 +34,15 @@ def _train(cls, params, grads, state_dict=None, **kwargs):
             p.grad = grad
         opt.step()
     return params, opt
+
+
+def _saved_copy(state_dict):
+    """``state_dict`` through torch.save and a weights_only load, as a checkpoint: loading the
+    same dict twice would share its ``step`` tensors, which each optimizer increments in place."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def test_row_slices_cover_every_row_once_on_block_boundaries():
@@ -115,9 +126,38 @@ def test_chunk_numel_must_be_positive(bad):
         AdamW8bit([torch.nn.Parameter(torch.zeros(1))], chunk_numel=bad)
 
 
+def test_amsgrad_is_refused_by_name_before_training():
+    """torchao's own class accepts amsgrad=True and fails at its first step on its 8-bit state;
+    ours refuses it when built, naming the key."""
+    params = [torch.nn.Parameter(torch.randn(64, 64))]
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        AdamW8bit(params, amsgrad=True)
+    theirs = TorchaoAdamW8bit(params, amsgrad=True)
+    params[0].grad = torch.randn(64, 64)
+    with torch.compiler.set_stance("force_eager"), pytest.raises(NotImplementedError):
+        theirs.step()
+
+
+def test_a_state_made_with_a_larger_block_resumes_sliced_on_its_own_blocks():
+    """Slices align to the state's block size, not the optimizer's: a state saved with 4,096-element
+    blocks (16 times the default) resumes in an optimizer built with the default 256 and steps,
+    sliced, as torchao's would (aligned to 256, a slice would start inside a block)."""
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(2048, 64, generator=g)]
+    grads = [[torch.randn(2048, 64, generator=g)] for _ in range(2)]
+    with torch.compiler.set_stance("force_eager"):
+        _, first = _train(TorchaoAdamW8bit, init, grads[:1], block_size=4096)
+        saved = first.state_dict()
+        theirs, _ = _train(TorchaoAdamW8bit, init, grads[1:], state_dict=_saved_copy(saved), block_size=4096)
+        ours, opt = _train(AdamW8bit, init, grads[1:], state_dict=_saved_copy(saved), chunk_numel=2000)
+    state = opt.state[ours[0]]["exp_avg"]
+    assert state.block_size == 4096 and len(list(opt.row_slices(ours[0], state.block_size))) == 8
+    assert torch.equal(theirs[0], ours[0])
+
+
 @pytest.mark.gpu
 def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
-    """The point of the slices, on CUDA with torchao's compiled update: torchao's step of a
+    """The point of the slices, on CUDA, compiled: torchao's step of a
     2^27-element bf16 parameter allocates two fp32 copies of it (1 GiB) above the parameter,
     gradient and states; ours, at chunk_numel=2^24, under a quarter of that. Peak memory is
     read around the second step (the first compiles and creates the states)."""
@@ -145,10 +185,14 @@ def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
     assert ours <= 0.25 * theirs, (ours, theirs)
 
 
-def test_compiled_as_shipped_equals_torchaos_compiled_step_bit_for_bit():
-    """As the recipes run it (compiled, inductor): the same parameters and 8-bit states as
-    torchao's compiled step, sliced parameter included."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_as_shipped_equals_torchaos_compiled_step_bit_for_bit(device):
+    """As the recipes run it (compiled, inductor; CPU and CUDA inductor fuse differently, so both
+    are checked): the same parameters and 8-bit states as torchao's compiled step, sliced
+    parameter included. ~10 s of CPU compile, kept in the default run: this is the shipped path."""
     init, grads = _shapes_and_grads(2)
+    init = [p.to(device) for p in init]
+    grads = [[g.to(device) for g in step] for step in grads]
     theirs, their_opt = _train(TorchaoAdamW8bit, init, grads)
     ours, our_opt = _train(AdamW8bit, init, grads, chunk_numel=5000)
     for a, b in zip(theirs, ours):
