@@ -1,7 +1,7 @@
 """The library's shape: layers import only downwards, and every module has its unit tests.
 
 Layers, bottom to top: constants, validation (the config schema), config, plotting, modules,
-data.collate (batches with document masks), training.reporting, training.step,
+optim (the optimizers configs name), data.collate (batches with document masks), training.reporting, training.step,
 training.losses, training.checkpointing, training.setup. A module may import its own package
 and anything below it; recipes sit on top and nothing imports them.
 """
@@ -20,6 +20,7 @@ LAYERS = [
     "tune_recipes.config",
     "tune_recipes.plotting",
     "tune_recipes.modules",
+    "tune_recipes.optim",
     "tune_recipes.data.collate",
     "tune_recipes.training.reporting",
     "tune_recipes.training.step",
@@ -38,6 +39,7 @@ TESTS = {
     "resolvers.py": "test_resolvers.py",
     "loggers.py": "test_loggers.py",
     "plotting.py": "test_plotting.py",
+    "optim.py": "test_adamw8bit.py",
     "_cli/__init__.py": "test_cli.py",
     "_cli/launch.py": "test_cli.py",
     "_cli/quiet.py": "test_quiet.py",
