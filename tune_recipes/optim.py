@@ -9,49 +9,19 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.adam import single_param_adam
-from torchao.optim.quant_utils import (
-    _fp32_to_bf16_sr,
-    dequant_with_qmap,
-    quantize_8bit_with_qmap,
-    scale_tensor,
-)
 from torchao.optim.subclass_8bit import OptimState8bit
 
 
-def adamw_8bit_update(p: Tensor, grad: Tensor, step: Tensor, m_codes: Tensor, m_scale: Tensor,
-                      m_qmap: Tensor, v_codes: Tensor, v_scale: Tensor, v_qmap: Tensor,
-                      lr: Tensor, beta1: float, beta2: float, weight_decay: float, eps: float,
-                      bf16_stochastic_round: bool) -> None:
-    """One AdamW step of ``p`` in place, its moments 8-bit codes + block scales updated in place:
-    torchao's ``single_param_adam`` for AdamW, op for op, on the states' plain tensors.
-
-    NOTE: keep the plain tensors. Called through ``torch.compile``, torchao's own function takes
-    the states as tensor subclasses, and unwrapping and rewrapping them costs ~0.25 ms of host
-    time a call (0.40 against 0.15 ms at a 64 x 64 parameter, CPU); stepped inside backward that
-    is paid once per parameter per step, with the GPU waiting on it."""
-    p_f32 = p.float()
-    grad_f32 = grad.float()
-    p_f32 = p_f32 - lr * weight_decay * p_f32
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    m = dequant_with_qmap(m_codes, m_qmap, m_scale).lerp(grad_f32, 1 - beta1)
-    v = dequant_with_qmap(v_codes, v_qmap, v_scale).lerp(grad_f32.square(), 1 - beta2)
-    block_size = m_codes.numel() // m_scale.numel()
-    for codes, scale, qmap, moment in ((m_codes, m_scale, m_qmap, m), (v_codes, v_scale, v_qmap, v)):
-        scaled, new_scale = scale_tensor(moment, block_size)
-        codes.copy_(quantize_8bit_with_qmap(scaled, qmap))
-        scale.copy_(new_scale)
-    denom = (v.sqrt() / bias_correction2.sqrt()) + eps
-    p_f32 = p_f32 - lr * (m / bias_correction1) / denom
-    p.copy_(_fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32)
-
-
 @functools.lru_cache(maxsize=1)
-def compiled_updates():
-    """torchao's update and ours, each compiled once per process (building the wrapper on every
-    step is host time too)."""
-    return (torch.compile(single_param_adam, fullgraph=True, dynamic=False),
-            torch.compile(adamw_8bit_update, fullgraph=True, dynamic=False))
+def compiled_update():
+    """torchao's one-parameter Adam update, compiled once per process.
+
+    NOTE: keep it built once. torchao's own step calls ``torch.compile`` on it for every
+    parameter at every step, and building that wrapper costs about as much host time as the
+    compiled call itself (0.14 ms each at a 64 x 64 parameter on a CPU: a step of 0.38 ms against
+    0.18 here). Stepped inside backward, that host time is paid once per parameter per step
+    while the GPU waits."""
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
 class AdamW8bit(TorchaoAdamW8bit):
@@ -68,10 +38,8 @@ class AdamW8bit(TorchaoAdamW8bit):
     update (``bf16_stochastic_round`` aside: each slice draws its own random bits), and the
     temporaries stay under ~8 bytes x ``chunk_numel``.
 
-    The compiled update takes the states' plain tensors (codes, scales, quantization map), not
-    torchao's tensor subclass: the same arithmetic with less host time a call
-    (``adamw_8bit_update``). States torchao keeps unquantized (parameters under 4,096 elements
-    or not a whole number of blocks) and DTensor parameters go through torchao's own update.
+    The update is torchao's own (``single_param_adam``), compiled once a process instead of once
+    a call (``compiled_update``).
 
     States, ``state_dict`` and checkpoints are torchao's: either class resumes the other's.
     DTensor (FSDP2) parameters step whole, as in torchao: a large one's shard still makes
@@ -115,7 +83,7 @@ class AdamW8bit(TorchaoAdamW8bit):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        torchao_update, plain_update = compiled_updates()
+        update = compiled_update()
         # One compiled update per distinct (shape, flags): a fixed set for a model, as in torchao.
         with torch._dynamo.utils.disable_cache_limit():
             for group in self.param_groups:
@@ -135,38 +103,26 @@ class AdamW8bit(TorchaoAdamW8bit):
                         state["exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
                     m, v = state["exp_avg"], state["exp_avg_sq"]
-                    stochastic = self.bf16_stochastic_round and p.dtype is torch.bfloat16
                     # NOTE: p.detach(): compiled with FSDP2's DTensors, p itself misbehaves
                     # (torchao does the same); the gradient is passed on its own.
                     param, grad = p.detach(), p.grad
-                    if isinstance(m, OptimState8bit) and isinstance(v, OptimState8bit):
-                        row_numel = p.numel() // max(1, p.shape[0] if p.dim() else 1)
-                        for rows in self.row_slices(p, m.block_size):
-                            (m_codes, m_scale), (v_codes, v_scale) = (
-                                rows_of(m, rows, row_numel), rows_of(v, rows, row_numel))
-                            plain_update(cut(param, rows), cut(grad, rows), state["step"],
-                                         m_codes, m_scale, m.qmap, v_codes, v_scale, v.qmap,
-                                         group["lr"], beta1, beta2, group["weight_decay"],
-                                         group["eps"], stochastic)
-                    else:
-                        for rows in self.row_slices(p):
-                            torchao_update(cut(param, rows), cut(grad, rows), state["step"],
-                                           cut(m, rows), cut(v, rows), None, group["lr"], beta1,
-                                           beta2, group["weight_decay"], group["eps"],
-                                           self.is_adamw, stochastic)
+                    block_size = m.block_size if isinstance(m, OptimState8bit) else None
+                    for rows in self.row_slices(p, block_size):
+                        update(cut(param, rows), cut(grad, rows), state["step"], cut(m, rows),
+                               cut(v, rows), None, group["lr"], beta1, beta2,
+                               group["weight_decay"], group["eps"], self.is_adamw,
+                               self.bf16_stochastic_round and p.dtype is torch.bfloat16)
         return loss
 
 
 def cut(t: Tensor, rows: Optional[slice]) -> Tensor:
-    """``t``'s rows (a view), or all of it for ``None``."""
-    return t if rows is None else t[rows]
-
-
-def rows_of(state: OptimState8bit, rows: Optional[slice], row_numel: int):
-    """The codes and block scales of an 8-bit state's ``rows`` (views; rows start and end on
-    block boundaries, ``row_slices``), without torchao's slice op, which copies the
-    quantization map on every call."""
+    """``t``'s ``rows`` (a view), or all of it for ``None``. An 8-bit state's rows are views of
+    its codes and block scales (rows start and end on block boundaries, ``row_slices``), made
+    here rather than by torchao's slice op, which also copies the quantization map each call."""
     if rows is None:
-        return state.codes, state.scale
-    return (state.codes[rows], state.scale[rows.start * row_numel // state.block_size:
-                                           rows.stop * row_numel // state.block_size])
+        return t
+    if not isinstance(t, OptimState8bit):
+        return t[rows]
+    row_numel = t.numel() // t.shape[0]
+    first, last = rows.start * row_numel // t.block_size, rows.stop * row_numel // t.block_size
+    return OptimState8bit(t.codes[rows], t.scale[first:last], t.qmap, t.signed)

@@ -64,9 +64,9 @@ def test_row_slices_cover_every_row_once_on_block_boundaries():
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["round_nearest", "bf16_stochastic_round"])
 def test_sliced_steps_equal_torchaos_bit_for_bit(stochastic):
-    """Eager (torchao's update itself, uncompiled): the sliced steps on the states' plain tensors
-    give the same parameters and the same 8-bit codes and block scales as torchao's unsliced step
-    on its tensor subclass; with stochastic rounding too, from the same random state."""
+    """Eager (torchao's update itself, uncompiled): the sliced steps give the same parameters and
+    the same 8-bit codes and block scales as torchao's unsliced step; with stochastic rounding
+    too, from the same random state (on the CPU's generator the slices draw the same bits)."""
     init, grads = _shapes_and_grads(3)
     with torch.compiler.set_stance("force_eager"):
         torch.manual_seed(5)
@@ -87,20 +87,23 @@ def test_sliced_steps_equal_torchaos_bit_for_bit(stochastic):
                 assert torch.equal(sa[key], sb[key]), key
 
 
-def test_quantized_states_step_through_the_plain_tensor_update(monkeypatch):
-    """Quantized states go through ``adamw_8bit_update`` (plain tensors: less host time a call);
-    states torchao keeps unquantized (the 64-element bias) through torchao's own update."""
+def test_the_update_is_compiled_once_a_process_not_once_a_call(monkeypatch):
+    """torchao's step builds a torch.compile wrapper for every parameter at every step (host
+    time as large as the call's); ours builds it once, however many parameters and steps."""
     import tune_recipes.optim as optim
 
-    calls = []
-    theirs, plain = optim.compiled_updates()
-    monkeypatch.setattr(optim, "compiled_updates", lambda: (
-        lambda *a: calls.append(("torchao", tuple(a[0].shape))) or theirs(*a),
-        lambda *a: calls.append(("plain", tuple(a[0].shape))) or plain(*a)))
-    init, grads = _shapes_and_grads(1)
+    built = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: built.append(a[0].__name__) or real_compile(*a, **k))
+    optim.compiled_update.cache_clear()
+    init, grads = _shapes_and_grads(3)
     with torch.compiler.set_stance("force_eager"):
+        _train(AdamW8bit, init, grads, chunk_numel=5000)
         _train(AdamW8bit, init, grads)
-    assert calls == [("plain", (1000, 64)), ("plain", (4096, 3)), ("torchao", (64,))]
+        assert built == ["single_param_adam"]
+        _train(TorchaoAdamW8bit, init, grads)  # the reference: one wrapper a parameter a step
+    assert built.count("single_param_adam") == 1 + 3 * len(init)
+    optim.compiled_update.cache_clear()
 
 
 @pytest.mark.parametrize("first,then", [(TorchaoAdamW8bit, AdamW8bit), (AdamW8bit, TorchaoAdamW8bit)],
