@@ -1,4 +1,4 @@
-"""Optimizers the shipped configs name: torchao's, with the memory of their step bounded."""
+"""Optimizers the shipped configs name: torchao's, with less memory and host time a step."""
 
 import functools
 import math
