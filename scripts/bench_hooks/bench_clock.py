@@ -18,6 +18,13 @@ outside torch's allocator that the run keeps on the GPU is read apart: bitsandby
 optimizer states (``PagedAdamW8bit``, torchtune's full configs; CUDA managed memory, which the
 optimizer's kernels use on the GPU) as ``paged_gib``, allocated at the first step and held.
 
+Where the window's time went, step by step: ``host_step_seconds``, the host's time from each
+batch request of the window to the next (``time.monotonic``, never synchronized, so the GPU
+may still be working on earlier steps; the first interval starts and the last ends at the
+clock's synchronized reads, so they sum to the window's seconds). One long interval among
+short ones is a stall (a recompile, a host sync, a collection); a spread of two runs of the
+same config shows whether one step or every step got slower.
+
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
 """
@@ -50,6 +57,7 @@ class Clock:
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
         self.at_window_end = {}
+        self.host_step_seconds, self._last_request = [], None
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
@@ -57,6 +65,12 @@ class Clock:
             self.start = _sync_and_read_clock()
         elif self.fetched == self.warmup + self.window:
             self.seconds = _sync_and_read_clock() - self.start
+        # After the synchronized reads: the intervals span the clock's window exactly.
+        now = time.monotonic()
+        if self.warmup < self.fetched <= self.warmup + self.window:
+            self.host_step_seconds.append(now - self._last_request)
+        self._last_request = now
+        if self.fetched == self.warmup + self.window:
             self.at_window_end = self._peaks("window_")  # training only: before the final save
             self.write()
 
@@ -73,7 +87,8 @@ class Clock:
         if self.seconds is not None:
             out.update(tokens=self.tokens, label_tokens=self.label_tokens, seconds=self.seconds,
                        tokens_per_s=self.tokens / self.seconds,
-                       label_tokens_per_s=self.label_tokens / self.seconds)
+                       label_tokens_per_s=self.label_tokens / self.seconds,
+                       host_step_seconds=[round(t, 4) for t in self.host_step_seconds])
         paged = paged_gib()
         return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 

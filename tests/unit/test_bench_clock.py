@@ -61,6 +61,19 @@ def test_the_clock_synchronizes_before_each_read_and_times_batches_w_to_w_plus_n
     assert timer.fetched == 10
 
 
+def test_the_host_time_of_each_window_step_is_kept_in_order(monkeypatch, tmp_path):
+    """``host_step_seconds``: one interval per batch of the window, from each request to the
+    next, in order; a stalled step stands out, and they span the window (here 3 + 0.5 x 4)."""
+    requests = iter([0.0, 1.0, 2.0, 2.5, 3.0, 6.0, 6.5, 7.0, 8.0, 9.0])  # batch 4's step stalls
+    monkeypatch.setattr(bench_clock.time, "monotonic", lambda: next(requests))
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
+    for _ in bench_clock.ClockedIterator(iter(_batches(10)), timer):
+        pass
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert result["host_step_seconds"] == [0.5, 0.5, 3.0, 0.5, 0.5]  # batches 2..6
+    assert len(result["host_step_seconds"]) == result["window_batches"]
+
+
 def test_a_run_too_short_for_the_window_reports_no_rate(tmp_path):
     timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
     batches = bench_clock.ClockedIterator(iter(_batches(10)), timer)
