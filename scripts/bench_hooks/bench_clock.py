@@ -57,10 +57,16 @@ class Clock:
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
         self.at_window_end = {}
-        self.host_step_seconds, self._last_request = [], None
+        self.host_step_seconds, self._last_request, self._requested = [], None, -1
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
+        # NOTE: once per batch. At the end of an epoch the request that finds the loader empty
+        # fetches nothing, and the next epoch asks again for the same batch number: a second
+        # read there would restart the window, or stretch it over the epoch's end.
+        if self.fetched == self._requested:
+            return
+        self._requested = self.fetched
         if self.fetched == self.warmup:
             self.start = _sync_and_read_clock()
         elif self.fetched == self.warmup + self.window:

@@ -63,15 +63,34 @@ def test_the_clock_synchronizes_before_each_read_and_times_batches_w_to_w_plus_n
 
 def test_the_host_time_of_each_window_step_is_kept_in_order(monkeypatch, tmp_path):
     """``host_step_seconds``: one interval per batch of the window, from each request to the
-    next, in order; a stalled step stands out, and they span the window (here 3 + 0.5 x 4)."""
+    next, in order, read after the clock's synchronized reads (so they span its window); a
+    stalled step stands out. An epoch ending inside the window (3-batch epochs here: the loader
+    found empty, then asked again for the same batch) adds no interval and moves no read."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
+    clock_reads = iter([10.0, 17.0])
+    monkeypatch.setattr(bench_clock.time, "perf_counter", lambda: events.append("clock") or next(clock_reads))
     requests = iter([0.0, 1.0, 2.0, 2.5, 3.0, 6.0, 6.5, 7.0, 8.0, 9.0])  # batch 4's step stalls
-    monkeypatch.setattr(bench_clock.time, "monotonic", lambda: next(requests))
+
+    def monotonic():
+        events.append("host")
+        return next(requests)
+
+    monkeypatch.setattr(bench_clock.time, "monotonic", monotonic)
     timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
-    for _ in bench_clock.ClockedIterator(iter(_batches(10)), timer):
-        pass
+    batches = _batches(9)
+    for epoch in range(3):
+        for _ in bench_clock.ClockedIterator(iter(batches[3 * epoch:3 * epoch + 3]), timer):
+            pass
     result = json.loads((tmp_path / "c.json").read_text())
     assert result["host_step_seconds"] == [0.5, 0.5, 3.0, 0.5, 0.5]  # batches 2..6
-    assert len(result["host_step_seconds"]) == result["window_batches"]
+    assert events[2:5] == ["sync", "clock", "host"] and events.count("clock") == 2
+    # one host read per batch number asked for (0..9: the last finds the loader empty)
+    assert result["seconds"] == 7.0 and events.count("host") == 10 and timer.fetched == 9
 
 
 def test_a_run_too_short_for_the_window_reports_no_rate(tmp_path):
