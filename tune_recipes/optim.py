@@ -90,6 +90,9 @@ class AdamW8bit(TorchaoAdamW8bit):
                 if not isinstance(group["lr"], Tensor):
                     raise RuntimeError("AdamW8bit keeps lr as a tensor: change it with "
                                        "optimizer.param_groups[i]['lr'].fill_(new_lr)")
+                if group["amsgrad"]:  # a group added or loaded after __init__'s check
+                    raise RuntimeError("AdamW8bit: a param group has amsgrad=True, which "
+                                       "torchao's 8-bit states do not support")
                 beta1, beta2 = group["betas"]
                 for p in group["params"]:
                     if p.grad is None:

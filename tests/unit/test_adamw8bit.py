@@ -107,6 +107,20 @@ def test_the_update_is_compiled_once_a_process_not_once_a_call(monkeypatch):
     optim.compiled_update.cache_clear()
 
 
+def test_a_large_parameter_steps_through_one_update_call_per_slice(monkeypatch):
+    """The step itself uses the slices (the CPU results are equal either way; only the calls
+    show it): 16 row slices of the 1000 x 64 parameter, 4 of the 4096 x 3, the bias whole."""
+    import tune_recipes.optim as optim
+
+    shapes = []
+    real = optim.compiled_update()
+    monkeypatch.setattr(optim, "compiled_update", lambda: lambda *a: shapes.append(tuple(a[0].shape)) or real(*a))
+    init, grads = _shapes_and_grads(1)
+    with torch.compiler.set_stance("force_eager"):
+        _train(AdamW8bit, init, grads, chunk_numel=5000)
+    assert shapes == [(64, 64)] * 15 + [(40, 64)] + [(1024, 3)] * 4 + [(64,)]
+
+
 @pytest.mark.parametrize("first,then", [(TorchaoAdamW8bit, AdamW8bit), (AdamW8bit, TorchaoAdamW8bit)],
                          ids=["torchao_to_ours", "ours_to_torchao"])
 def test_each_resumes_the_others_state_dict(first, then):
@@ -140,6 +154,11 @@ def test_amsgrad_is_refused_by_name_before_training():
     params[0].grad = torch.randn(64, 64)
     with torch.compiler.set_stance("force_eager"), pytest.raises(NotImplementedError):
         theirs.step()
+    # a group that comes with amsgrad later (added, or from a loaded state) is refused at step
+    ours = AdamW8bit(params)
+    ours.param_groups[0]["amsgrad"] = True
+    with pytest.raises(RuntimeError, match="amsgrad=True"):
+        ours.step()
 
 
 def test_a_state_made_with_a_larger_block_resumes_sliced_on_its_own_blocks():
