@@ -1,8 +1,6 @@
 """tune_recipes.optim.AdamW8bit: torchao's AdamW8bit stepping large parameters in row slices.
 Reference: torchao's own AdamW8bit on the same parameters and gradients, bit for bit."""
 
-import io
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -10,6 +8,7 @@ from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
 from tune_recipes.optim import AdamW8bit
+from tune_recipes.training.checkpointing.io import load_recipe_state
 
 
 def _shapes_and_grads(steps):
@@ -37,13 +36,12 @@ def _train(cls, params, grads, state_dict=None, **kwargs):
     return params, opt
 
 
-def _saved_copy(state_dict):
-    """``state_dict`` through torch.save and a weights_only load, as a checkpoint: loading the
-    same dict twice would share its ``step`` tensors, which each optimizer increments in place."""
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
+def _saved_copy(state_dict, path):
+    """``state_dict`` saved to ``path`` and read back as a resume reads the recipe state
+    (``load_recipe_state``: weights_only): loading the same dict twice would share its ``step``
+    tensors, which each optimizer increments in place."""
+    torch.save(state_dict, path)
+    return load_recipe_state(path)
 
 
 def test_row_slices_cover_every_row_once_on_block_boundaries():
@@ -161,7 +159,7 @@ def test_amsgrad_is_refused_by_name_before_training():
         ours.step()
 
 
-def test_a_state_made_with_a_larger_block_resumes_sliced_on_its_own_blocks():
+def test_a_state_made_with_a_larger_block_resumes_sliced_on_its_own_blocks(tmp_path):
     """Slices align to the state's block size, not the optimizer's: a state saved with 4,096-element
     blocks (16 times the default) resumes in an optimizer built with the default 256 and steps,
     sliced, as torchao's would (aligned to 256, a slice would start inside a block)."""
@@ -171,8 +169,8 @@ def test_a_state_made_with_a_larger_block_resumes_sliced_on_its_own_blocks():
     with torch.compiler.set_stance("force_eager"):
         _, first = _train(TorchaoAdamW8bit, init, grads[:1], block_size=4096)
         saved = first.state_dict()
-        theirs, _ = _train(TorchaoAdamW8bit, init, grads[1:], state_dict=_saved_copy(saved), block_size=4096)
-        ours, opt = _train(AdamW8bit, init, grads[1:], state_dict=_saved_copy(saved), chunk_numel=2000)
+        theirs, _ = _train(TorchaoAdamW8bit, init, grads[1:], state_dict=_saved_copy(saved, tmp_path / "a.pt"), block_size=4096)
+        ours, opt = _train(AdamW8bit, init, grads[1:], state_dict=_saved_copy(saved, tmp_path / "b.pt"), chunk_numel=2000)
     state = opt.state[ours[0]]["exp_avg"]
     assert state.block_size == 4096 and len(list(opt.row_slices(ours[0], state.block_size))) == 8
     assert torch.equal(theirs[0], ours[0])
