@@ -475,3 +475,22 @@ def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
         assert not [p for p in d.rglob("*") if p.suffix in (".safetensors", ".pt", ".bin")], d
     assert (work / "tiny_cpu_ours_best_rep0" / "metrics.jsonl").exists()
     assert list(work.glob("ckpt_*/model.safetensors"))
+
+
+def test_the_optimizer_host_bench_steps_every_parameter_of_the_model_once_an_optimizer(tmp_path):
+    bench = load_script("bench_optimizer_host")
+    from tune_recipes.models import tiny_llama3
+
+    model = tiny_llama3()
+    expected = [tuple(p.shape) for p in model.parameters()]
+    assert bench.parameter_shapes("tune_recipes.models.tiny_llama3") == expected
+    out = tmp_path / "host.json"
+    rows = bench.main(["--model", "tune_recipes.models.tiny_llama3", "--device", "cpu",
+                       "--optimizers", "torch.optim.AdamW,torch.optim.SGD", "--passes", "2",
+                       "--warmup", "1", "--steps", "2", "--out", str(out)])
+    assert [(r["optimizer"], r["pass"]) for r in rows] == [
+        ("torch.optim.AdamW", 0), ("torch.optim.SGD", 0), ("torch.optim.AdamW", 1),
+        ("torch.optim.SGD", 1)]
+    assert all(r["params"] == len(expected) and r["synchronized_ms"] >= r["host_ms"] > 0
+               for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows

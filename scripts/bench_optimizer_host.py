@@ -1,0 +1,105 @@
+"""Host time of an optimizer step taken one parameter at a time, as ``optimizer_in_bwd`` takes it.
+
+Stepped inside backward, each parameter's ``optimizer.step()`` is host work the GPU waits for
+between gradient kernels: an optimizer whose per-call host cost is high slows the whole step even
+when its kernels are fast. This builds the parameters of a torchtune model's real shapes (random
+bf16 values, random gradients), one optimizer per parameter, and times a pass over them: the host
+time of the pass (no synchronize inside it) and the pass synchronized at its end. Each optimizer
+runs ``--passes`` times, alternated, after ``--warmup`` untimed steps (torch.compile's first calls);
+the median of ``--steps`` timed steps is reported.
+
+    python3 scripts/bench_optimizer_host.py --model torchtune.models.llama3_2.llama3_2_3b \
+        --optimizers torchao.optim.AdamW8bit,tune_recipes.optim.AdamW8bit --device cuda
+
+Prints one line per optimizer and pass; ``--out FILE`` also writes them as JSON.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torchtune.config._utils import _get_component_from_path
+
+
+def parameter_shapes(model_path: str) -> list:
+    """The shapes of a torchtune model builder's parameters (tied ones once), built on meta."""
+    with torch.device("meta"):
+        model = _get_component_from_path(model_path)()
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def time_optimizer(optimizer_path: str, shapes: list, device: str, warmup: int, steps: int,
+                   lr: float = 1e-5) -> dict:
+    cls = _get_component_from_path(optimizer_path)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02)
+                               .to(device=device, dtype=torch.bfloat16))
+        p.grad = (torch.randn(shape, generator=generator) * 1e-3).to(device=device,
+                                                                     dtype=torch.bfloat16)
+        params.append(p)
+    optimizers = [cls([p], lr=lr) for p in params]  # one a parameter, as optimizer_in_bwd
+
+    def synchronize():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def one_pass():
+        for optimizer in optimizers:
+            optimizer.step()
+
+    for _ in range(warmup):
+        one_pass()
+    synchronize()
+    host, synchronized = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        one_pass()
+        launched = time.perf_counter()
+        synchronize()
+        done = time.perf_counter()
+        host.append(launched - start)
+        synchronized.append(done - start)
+    return {"optimizer": optimizer_path, "params": len(params),
+            "host_ms": round(statistics.median(host) * 1e3, 2),
+            "synchronized_ms": round(statistics.median(synchronized) * 1e3, 2),
+            "host_ms_per_param": round(statistics.median(host) * 1e3 / len(params), 4)}
+
+
+def main(argv=None) -> list:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="torchtune.models.llama3_2.llama3_2_3b",
+                        help="a torchtune model builder; its parameters' shapes are stepped")
+    parser.add_argument("--optimizers",
+                        default="torchao.optim.AdamW8bit,tune_recipes.optim.AdamW8bit",
+                        help="comma-separated optimizer classes, each built as cls([param], lr=...)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    shapes = parameter_shapes(args.model)
+    rows = []
+    for pass_index in range(args.passes):
+        for optimizer_path in args.optimizers.split(","):
+            row = time_optimizer(optimizer_path, shapes, args.device, args.warmup, args.steps)
+            row["pass"] = pass_index
+            rows.append(row)
+            print(f"{optimizer_path}: {row['params']} parameters, host {row['host_ms']} ms a step "
+                  f"(median), synchronized {row['synchronized_ms']} ms, "
+                  f"{row['host_ms_per_param']} ms a parameter", flush=True)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "device": args.device, "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
