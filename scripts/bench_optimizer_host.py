@@ -6,7 +6,8 @@ when its kernels are fast. This builds the parameters of a torchtune model's rea
 bf16 values, random gradients), one optimizer per parameter, and times a pass over them: the host
 time of the pass (no synchronize inside it) and the pass synchronized at its end. Each optimizer
 runs ``--passes`` times, alternated, after ``--warmup`` untimed steps (torch.compile's first calls);
-the median of ``--steps`` timed steps is reported.
+the median of ``--steps`` timed steps is reported. The optimizers share one process, so one
+may find graphs another compiled in torch.compile's caches: the warm-up steps take that cost.
 
     python3 scripts/bench_optimizer_host.py --model torchtune.models.llama3_2.llama3_2_3b \
         --optimizers torchao.optim.AdamW8bit,tune_recipes.optim.AdamW8bit --device cuda
@@ -23,16 +24,23 @@ import torch
 from torchtune.config._utils import _get_component_from_path
 
 
+def component(flag: str, path: str):
+    """The class or function at a dotted path, or exit naming the flag and the path."""
+    try:
+        return _get_component_from_path(path)
+    except Exception as e:  # torchtune's InstantiationError, or what importing the module raised
+        raise SystemExit(f"{flag} {path}: cannot import it ({type(e).__name__}: {e})") from None
+
+
 def parameter_shapes(model_path: str) -> list:
     """The shapes of a torchtune model builder's parameters (tied ones once), built on meta."""
     with torch.device("meta"):
-        model = _get_component_from_path(model_path)()
+        model = component("--model", model_path)()
     return [tuple(p.shape) for p in model.parameters()]
 
 
-def time_optimizer(optimizer_path: str, shapes: list, device: str, warmup: int, steps: int,
-                   lr: float = 1e-5) -> dict:
-    cls = _get_component_from_path(optimizer_path)
+def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: float) -> dict:
+    """Time ``cls`` (an optimizer class, built as ``cls([param], lr=lr)``) over ``shapes``."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     params = []
     for shape in shapes:
@@ -63,7 +71,7 @@ def time_optimizer(optimizer_path: str, shapes: list, device: str, warmup: int, 
         done = time.perf_counter()
         host.append(launched - start)
         synchronized.append(done - start)
-    return {"optimizer": optimizer_path, "params": len(params),
+    return {"optimizer": f"{cls.__module__}.{cls.__qualname__}", "params": len(params),
             "host_ms": round(statistics.median(host) * 1e3, 2),
             "synchronized_ms": round(statistics.median(synchronized) * 1e3, 2),
             "host_ms_per_param": round(statistics.median(host) * 1e3 / len(params), 4)}
@@ -76,18 +84,29 @@ def main(argv=None) -> list:
     parser.add_argument("--optimizers",
                         default="torchao.optim.AdamW8bit,tune_recipes.optim.AdamW8bit",
                         help="comma-separated optimizer classes, each built as cls([param], lr=...)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda",
+                        help="where the parameters live (cpu: host time with the compute in it)")
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
+    for name in ("passes", "warmup", "steps"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            parser.error(f"--{name} {getattr(args, name)}: expected at least "
+                         f"{0 if name == 'warmup' else 1}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here (--device cpu, with a "
+                     "small --model such as tune_recipes.models.tiny_llama3)")
+    optimizers = {name.strip(): component("--optimizers", name.strip())
+                  for name in args.optimizers.split(",") if name.strip()}
     shapes = parameter_shapes(args.model)
     rows = []
     for pass_index in range(args.passes):
-        for optimizer_path in args.optimizers.split(","):
-            row = time_optimizer(optimizer_path, shapes, args.device, args.warmup, args.steps)
-            row["pass"] = pass_index
+        for optimizer_path, cls in optimizers.items():
+            row = time_optimizer(cls, shapes, args.device, args.warmup, args.steps, args.lr)
+            row["optimizer"], row["pass"] = optimizer_path, pass_index
             rows.append(row)
             print(f"{optimizer_path}: {row['params']} parameters, host {row['host_ms']} ms a step "
                   f"(median), synchronized {row['synchronized_ms']} ms, "

@@ -477,20 +477,50 @@ def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
     assert list(work.glob("ckpt_*/model.safetensors"))
 
 
-def test_the_optimizer_host_bench_steps_every_parameter_of_the_model_once_an_optimizer(tmp_path):
+def test_the_optimizer_host_bench_steps_every_parameter_with_an_optimizer_of_its_own(tmp_path):
+    import torch
+
     bench = load_script("bench_optimizer_host")
     from tune_recipes.models import tiny_llama3
 
-    model = tiny_llama3()
-    expected = [tuple(p.shape) for p in model.parameters()]
-    assert bench.parameter_shapes("tune_recipes.models.tiny_llama3") == expected
+    shapes = bench.parameter_shapes("tune_recipes.models.tiny_llama3")
+    assert sorted(shapes) == sorted(tuple(p.shape) for p in tiny_llama3().parameters())
+    built, stepped = [], []
+
+    class Spy(torch.optim.SGD):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+            built.append(self)
+            self.first = self.param_groups[0]["params"][0].detach().clone()
+
+        def step(self, closure=None):
+            stepped.append(self)
+            return super().step(closure)
+
+    row = bench.time_optimizer(Spy, shapes, "cpu", warmup=2, steps=3, lr=0.5)
+    assert row["params"] == len(shapes) == len(built)
+    # one parameter an optimizer, each stepped at every warm-up and timed step
+    assert [len(o.param_groups[0]["params"]) for o in built] == [1] * len(shapes)
+    assert sorted(map(id, stepped)) == sorted(map(id, built * 5))
+    assert not any(torch.equal(o.param_groups[0]["params"][0].detach(), o.first) for o in built)
+    assert row["host_ms"] > 0 and row["optimizer"].endswith("Spy")
+
     out = tmp_path / "host.json"
     rows = bench.main(["--model", "tune_recipes.models.tiny_llama3", "--device", "cpu",
-                       "--optimizers", "torch.optim.AdamW,torch.optim.SGD", "--passes", "2",
-                       "--warmup", "1", "--steps", "2", "--out", str(out)])
+                       "--optimizers", "torch.optim.AdamW, torch.optim.SGD", "--passes", "2",
+                       "--warmup", "1", "--steps", "1", "--out", str(out)])
     assert [(r["optimizer"], r["pass"]) for r in rows] == [
         ("torch.optim.AdamW", 0), ("torch.optim.SGD", 0), ("torch.optim.AdamW", 1),
         ("torch.optim.SGD", 1)]
-    assert all(r["params"] == len(expected) and r["synchronized_ms"] >= r["host_ms"] > 0
-               for r in rows)
     assert json.loads(out.read_text())["rows"] == rows
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--optimizers", "torch.optim.NoSuchAdam"], "--optimizers torch.optim.NoSuchAdam"),
+    (["--model", "no_such_module.builder"], "--model no_such_module.builder"),
+])
+def test_the_optimizer_host_bench_names_a_path_it_cannot_import(argv, named):
+    bench = load_script("bench_optimizer_host")
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--device", "cpu", "--model", "tune_recipes.models.tiny_llama3", *argv])
+    assert str(exit_.value).startswith(named)
