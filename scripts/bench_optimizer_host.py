@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torchtune.config._utils import _get_component_from_path
@@ -34,9 +35,14 @@ def component(flag: str, path: str):
 
 def parameter_shapes(model_path: str) -> list:
     """The shapes of a torchtune model builder's parameters (tied ones once), built on meta."""
-    with torch.device("meta"):
-        model = component("--model", model_path)()
-    return [tuple(p.shape) for p in model.parameters()]
+    builder = component("--model", model_path)
+    try:
+        with torch.device("meta"):
+            model = builder()
+        return [tuple(p.shape) for p in model.parameters()]
+    except Exception as e:  # not a builder taking no arguments, or it built no module
+        raise SystemExit(f"--model {model_path}: not a model builder that takes no arguments "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: float) -> dict:
@@ -96,11 +102,24 @@ def main(argv=None) -> list:
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} {getattr(args, name)}: expected at least "
                          f"{0 if name == 'warmup' else 1}")
+    if not args.lr > 0:
+        parser.error(f"--lr {args.lr}: expected a positive learning rate")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: its folder does not exist (checked before measuring)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here (--device cpu, with a "
                      "small --model such as tune_recipes.models.tiny_llama3)")
+    try:
+        torch.empty(0, device=args.device)
+    except Exception as e:  # an unknown device type, or a device index that is not there
+        parser.error(f"--device {args.device}: {(str(e).splitlines() or [''])[0]}")
     optimizers = {name.strip(): component("--optimizers", name.strip())
                   for name in args.optimizers.split(",") if name.strip()}
+    if not optimizers:
+        parser.error(f"--optimizers {args.optimizers!r}: name at least one optimizer class")
+    for name, cls in optimizers.items():
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            parser.error(f"--optimizers {name}: not a torch.optim.Optimizer class")
     shapes = parameter_shapes(args.model)
     rows = []
     for pass_index in range(args.passes):

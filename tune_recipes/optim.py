@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -56,6 +57,9 @@ class AdamW8bit(TorchaoAdamW8bit):
                              "states; use optimizer.amsgrad=False or torch.optim.AdamW")
         if chunk_numel < 1:
             raise ValueError(f"AdamW8bit: chunk_numel must be positive, got {chunk_numel}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"AdamW8bit: block_size must be a positive integer (elements per "
+                             f"quantization block; 256 by default), got {block_size!r}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, block_size=block_size,
                          bf16_stochastic_round=bf16_stochastic_round)
         self.chunk_numel = chunk_numel
@@ -116,6 +120,18 @@ class AdamW8bit(TorchaoAdamW8bit):
                                group["weight_decay"], group["eps"], self.is_adamw,
                                self.bf16_stochastic_round and p.dtype is torch.bfloat16)
         return loss
+
+
+    def _new_buffer(self, p: Tensor, signed: bool):
+        out = super()._new_buffer(p, signed)
+        local = out.to_local() if isinstance(out, DTensor) else out
+        if p.numel() >= 4096 and not isinstance(local, OptimState8bit):
+            # torchao keeps a parameter's states in full precision, 4x the memory, when
+            # block_size does not divide its (local) size: say so rather than run out of memory.
+            warnings.warn(f"AdamW8bit: block_size={self.block_size} does not divide the size of "
+                          "some parameters; their states stay in full precision (4x the memory). "
+                          "A power of two such as 256 divides every usual model dimension")
+        return out
 
 
 def cut(t: Tensor, rows: Optional[slice]) -> Tensor:

@@ -253,3 +253,27 @@ def test_mid_epoch_resume_with_accumulation_dropout_and_an_adapter(tmp_path):
     assert losses(killed) == losses(out)
     for name in ("adapter_model.safetensors", "model-00001-of-00001.safetensors"):
         assert_same_weights(weights(killed, 0, name), weights(out, 0, name), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("saved_with,resumed_with,named", [
+    (["optimizer._component_=tune_recipes.optim.AdamW8bit"], [],
+     "made by optimizer._component_=tune_recipes.optim.AdamW8bit, this run's is torch.optim.AdamW"),
+    ([], ["optimizer_in_bwd=True", "clip_grad_norm=null"],
+     "was not saved with optimizer_in_bwd=True"),
+    (["optimizer_in_bwd=True", "clip_grad_norm=null"], [],
+     "was saved with optimizer_in_bwd=True"),
+])
+def test_a_resume_with_another_optimizer_is_refused_by_name_and_keeps_the_runs_record(
+        tmp_path, saved_with, resumed_with, named):
+    out = tmp_path / "run"
+    run_recipe(*FULL, out, [*TWO_EPOCHS, *saved_with])
+    shutil.rmtree(out / "epoch_1")
+    recorded = (out / "config.yaml").read_text()
+    proc = run_recipe(*FULL, out, [*TWO_EPOCHS, *resumed_with, "resume_from_checkpoint=True"],
+                      check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert named in last and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # nothing the first run wrote is replaced: its config (what the checkpoint needs) and weights
+    assert (out / "config.yaml").read_text() == recorded
+    assert (out / "epoch_0" / "model-00001-of-00001.safetensors").is_file()

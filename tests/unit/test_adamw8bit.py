@@ -1,6 +1,8 @@
 """tune_recipes.optim.AdamW8bit: torchao's AdamW8bit stepping large parameters in row slices.
 Reference: torchao's own AdamW8bit on the same parameters and gradients, bit for bit."""
 
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -225,3 +227,26 @@ def test_compiled_as_shipped_equals_torchaos_compiled_step_bit_for_bit(device):
         sa, sb = their_opt.state[a]["exp_avg_sq"], our_opt.state[b]["exp_avg_sq"]
         if isinstance(sa, OptimState8bit):
             assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale)
+
+
+@pytest.mark.parametrize("block_size", [0, -4, "abc", 2.5])
+def test_a_block_size_that_is_not_a_positive_integer_is_refused_by_name(block_size):
+    with pytest.raises(ValueError, match=f"block_size must be a positive integer.*{block_size!r}"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(64, 64))], block_size=block_size)
+
+
+def test_a_block_size_that_leaves_states_in_full_precision_says_so():
+    def states(block_size):
+        p = torch.nn.Parameter(torch.randn(64, 128))
+        p.grad = torch.randn_like(p)
+        opt = AdamW8bit([p], block_size=block_size)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        said = [str(w.message) for w in caught if "block_size" in str(w.message)]
+        return opt.state[p]["exp_avg"], said
+
+    full, said = states(7)  # 8192 elements: 7 does not divide them
+    assert not isinstance(full, OptimState8bit) and said and "block_size=7" in said[0]
+    eight_bit, said = states(256)
+    assert isinstance(eight_bit, OptimState8bit) and not said

@@ -516,11 +516,20 @@ def test_the_optimizer_host_bench_steps_every_parameter_with_an_optimizer_of_its
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["--optimizers", "torch.optim.NoSuchAdam"], "--optimizers torch.optim.NoSuchAdam"),
-    (["--model", "no_such_module.builder"], "--model no_such_module.builder"),
+    (["--optimizers", "torch.optim.NoSuchAdam"], "--optimizers torch.optim.NoSuchAdam: cannot import"),
+    (["--optimizers", ","], "--optimizers ',': name at least one"),
+    (["--optimizers", "torch.nn.Linear"], "--optimizers torch.nn.Linear: not a torch.optim.Optimizer"),
+    (["--model", "no_such_module.builder"], "--model no_such_module.builder: cannot import"),
+    (["--model", "torch.nn.Linear"], "--model torch.nn.Linear: not a model builder"),
+    (["--lr", "-1"], "--lr -1.0: expected a positive"),
+    (["--steps", "0"], "--steps 0: expected at least 1"),
+    (["--device", "foo"], "--device foo:"),
+    (["--out", "{tmp}/no_folder/x.json"], "its folder does not exist"),
 ])
-def test_the_optimizer_host_bench_names_a_path_it_cannot_import(argv, named):
+def test_the_optimizer_host_bench_names_a_bad_flag_before_measuring(argv, named, tmp_path, capsys):
     bench = load_script("bench_optimizer_host")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--device", "cpu", "--model", "tune_recipes.models.tiny_llama3", *argv])
-    assert str(exit_.value).startswith(named)
+    said = f"{exit_.value.code} {capsys.readouterr().err}"
+    assert named in said, said

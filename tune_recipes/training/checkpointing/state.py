@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import training
 
 from tune_recipes.config import ConfigError
@@ -15,6 +15,9 @@ from tune_recipes.training.step.driver import CUDA_RNG_STATE, RNG_STATE
 RNG_KEY = "rng_state"
 CUDA_RNG_KEY = "cuda_rng_state"
 SKIPPED_STEPS_KEY = "skipped_steps"  # on_nonfinite=skip's running total of dropped updates
+# The optimizer._component_ that made the checkpoint's optimizer state: a resume with another
+# optimizer is refused by name (its states would fail deep inside the first step).
+OPTIMIZER_COMPONENT_KEY = "optimizer_component"
 # Mid-epoch checkpoints (step_<n>/) only: GLOBAL_STEP_KEY, the optimizer steps run so far, and
 # RANK_STATES_KEY, per rank (in rank order) its RNG state(s) and its dataloader's position.
 
@@ -34,6 +37,7 @@ class SavedState:
     global_step: Optional[int] = None
     rank_states: Optional[List[Dict[str, Any]]] = None
     skipped_steps: int = 0
+    optimizer_component: Optional[str] = None  # None: not recorded (an older checkpoint)
 
     @property
     def mid_epoch(self) -> bool:
@@ -60,7 +64,35 @@ class SavedState:
             global_step=ckpt.get(GLOBAL_STEP_KEY),
             rank_states=ckpt.get(RANK_STATES_KEY),
             skipped_steps=ckpt.get(SKIPPED_STEPS_KEY, 0),
+            optimizer_component=ckpt.get(OPTIMIZER_COMPONENT_KEY),
         )
+
+    def check_optimizer(self, component: Optional[str]) -> None:
+        """Refuse to resume this state with ``optimizer._component_=component`` when the
+        checkpoint's optimizer state was made by an optimizer whose states differ. One class and
+        its subclasses share states (torchao's ``AdamW8bit`` and ``tune_recipes.optim``'s, or
+        torch's ``Adam`` and ``AdamW``); anything else fails inside the first step (an 8-bit
+        state handed to torch's AdamW, a missing ``momentum`` for SGD)."""
+        saved = self.optimizer_component
+        if self.optimizer is None or saved is None or component is None or saved == component:
+            return
+        if _same_state_family(saved, component):
+            return
+        raise ConfigError(
+            f"resume_from_checkpoint: the checkpoint's optimizer state was made by "
+            f"optimizer._component_={saved}, this run's is {component}: resume with "
+            f"optimizer._component_={saved}, or start afresh in another output_dir")
+
+
+def _same_state_family(a: str, b: str) -> bool:
+    from tune_recipes.config import resolve_component
+
+    try:
+        cls_a, cls_b = (resolve_component(c, "optimizer") for c in (a, b))
+    except Exception:  # the saved one no longer imports: nothing to compare but the names
+        return False
+    return isinstance(cls_a, type) and isinstance(cls_b, type) and (
+        issubclass(cls_a, cls_b) or issubclass(cls_b, cls_a))
 
 
 @dataclass
@@ -77,12 +109,16 @@ class RecipeState:
     max_steps_per_epoch: Optional[int]
     epochs_run: int = 0
     skipped_steps: int = 0  # on_nonfinite=skip; kept in sync by the step driver
+    optimizer_component: Optional[str] = None  # recorded with the optimizer state
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
-        """Seeds every RNG (``seed``) and reads ``epochs`` and ``max_steps_per_epoch``."""
+        """Seeds every RNG (``seed``) and reads ``epochs``, ``max_steps_per_epoch`` and
+        ``optimizer._component_``."""
         return cls(seed=training.set_seed(seed=cfg.seed), total_epochs=cfg.epochs,
-                   max_steps_per_epoch=cfg.get("max_steps_per_epoch", None))
+                   max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
+                   optimizer_component=OmegaConf.select(cfg, "optimizer._component_",
+                                                        default=None))
 
     def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]],
                            position=None) -> Dict[str, Any]:
@@ -98,6 +134,8 @@ class RecipeState:
         }
         if optimizer_state is not None:
             out[training.OPT_KEY] = optimizer_state
+            if self.optimizer_component is not None:
+                out[OPTIMIZER_COMPONENT_KEY] = self.optimizer_component
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out[CUDA_RNG_KEY] = torch.cuda.get_rng_state()
         if position is not None:

@@ -153,6 +153,13 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     from torchtune.datasets import PackedDataset
 
     if isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False):
+        pack = getattr(dataset, "max_seq_len", None)
+        if max_seq_len is not None and isinstance(pack, int) and pack > max_seq_len:
+            # Else the model's forward refuses the first pack with a traceback.
+            raise ConfigError(
+                f"dataset.packed=True packs rows of {pack} tokens (tokenizer.max_seq_len), "
+                f"more than the model takes in a row ({max_seq_len}): set "
+                f"tokenizer.max_seq_len={max_seq_len} or less")
         return packed_collate  # padding_free: nothing to remove, packed rows hold no padding
     if padding_free:
         return partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,

@@ -93,7 +93,11 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
             f"resume_from_checkpoint={setting} but no adapter checkpoint was found under "
             f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
         )
-    return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
+    saved = SavedState.from_checkpoint(ckpt)
+    # Before anything is written to output_dir (config.yaml, metrics): the saved optimizer
+    # state must fit this run's optimizer.
+    saved.check_optimizer(OmegaConf.select(cfg, "optimizer._component_", default=None))
+    return checkpointer, ckpt, saved
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig) -> Dict[str, Any]:

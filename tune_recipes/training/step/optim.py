@@ -116,10 +116,10 @@ class OptimizerInBackward:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         missing = set(self.optim_map) - set(state)
         if missing:
-            raise RuntimeError(
-                "optimizer state in the checkpoint was not saved with optimizer_in_bwd=True "
-                f"(missing {sorted(missing)[:3]}...); resume with the same optimizer_in_bwd"
-            )
+            raise ConfigError(
+                "resume_from_checkpoint: the checkpoint's optimizer state was not saved with "
+                f"optimizer_in_bwd=True (missing {sorted(missing)[:3]}...); resume with "
+                "optimizer_in_bwd=False, as it was saved")
         for n, o in self.optim_map.items():
             o.load_state_dict(state[n])
 
@@ -168,6 +168,10 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
         elif isinstance(opt, OptimizerInBackward):
             opt.load_state_dict(state_dict)  # per-parameter optimizers, one config: same flags
         else:
+            if "param_groups" not in state_dict:  # per-parameter states, keyed by name
+                raise ConfigError(
+                    "resume_from_checkpoint: the checkpoint's optimizer state was saved with "
+                    "optimizer_in_bwd=True; resume with optimizer_in_bwd=True, as it was saved")
             load_keeping_implementation(opt, state_dict)
     return opt
 

@@ -47,3 +47,25 @@ def test_state_not_written_by_a_recipe_is_a_config_error():
     with pytest.raises(ConfigError, match="lacks"):
         SavedState.from_checkpoint({training.SEED_KEY: 0})
     assert "optimizer" not in str(RecipeState(0, 1, None).checkpoint_entries(None))
+
+
+@pytest.mark.parametrize("saved,resumed,refused", [
+    ("torch.optim.AdamW", "torch.optim.AdamW", False),
+    ("torchao.optim.AdamW8bit", "tune_recipes.optim.AdamW8bit", False),  # a subclass: same states
+    ("tune_recipes.optim.AdamW8bit", "torchao.optim.AdamW8bit", False),
+    ("tune_recipes.optim.AdamW8bit", "torch.optim.AdamW", True),
+    ("torch.optim.AdamW", "torch.optim.SGD", True),
+    ("no_longer.importable.Adam", "torch.optim.AdamW", True),
+    (None, "torch.optim.SGD", False),  # an older checkpoint: nothing recorded to compare
+])
+def test_the_recorded_optimizer_must_fit_the_resumed_runs(saved, resumed, refused):
+    cfg = OmegaConf.create({"seed": 1, "epochs": 2, "optimizer": {"_component_": saved}})
+    state = RecipeState.from_config(cfg)
+    entries = state.checkpoint_entries(optimizer_state={"state": {}, "param_groups": []})
+    assert entries.get("optimizer_component") == saved
+    restored = SavedState.from_checkpoint(entries)
+    if refused:
+        with pytest.raises(ConfigError, match=f"optimizer._component_={saved}, this run's is {resumed}"):
+            restored.check_optimizer(resumed)
+    else:
+        restored.check_optimizer(resumed)

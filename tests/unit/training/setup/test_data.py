@@ -109,6 +109,21 @@ def test_a_single_packed_dataset_gets_the_packed_collate():
     assert {"mask", "input_pos"} <= set(batch)
 
 
+def test_packs_longer_than_the_model_takes_are_refused_naming_the_tokenizers_length():
+    from torchtune.datasets import PackedDataset
+
+    from tune_recipes.data.collate import packed_collate
+    from tune_recipes.training.setup.data import make_collate
+
+    rows = [{"tokens": [1] * n, "labels": [1] * n} for n in (2, 3, 4)]
+    packed = PackedDataset(rows, max_seq_len=8, padding_idx=0)
+    options = dict(pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100)
+    assert make_collate(packed, max_seq_len=8, **options) is packed_collate
+    with pytest.raises(ConfigError, match=r"packs rows of 8 tokens \(tokenizer.max_seq_len\), "
+                                          r"more than the model takes in a row \(6\)"):
+        make_collate(packed, max_seq_len=6, **options)
+
+
 def test_padded_batches_go_on_to_128_token_multiples_on_a_gpu_only():
     """On a CUDA device padded batches go on to a multiple of 128 tokens (a run's batches take a
     bounded set of lengths: each new one cost host time on an H200), never past the tokenizer's

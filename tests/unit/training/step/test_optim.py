@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
 
-from tune_recipes.models.tiny import lora_tiny_llama3
 from tune_recipes.config import ConfigError
+from tune_recipes.models.tiny import lora_tiny_llama3
 from tune_recipes.training.step.optim import (
     LRSchedule,
     OptimizerInBackward,
@@ -72,11 +72,16 @@ def test_build_optimizer_resumes_state_and_skips_frozen_parameters():
     assert again.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"] == 1
 
 
-def test_in_backward_state_must_come_from_an_in_backward_run():
+def test_in_backward_state_must_come_from_an_in_backward_run_and_the_other_way_round():
     model = _mlp()
-    with pytest.raises(RuntimeError, match="resume with the same optimizer_in_bwd"):
+    with pytest.raises(ConfigError, match="not saved with optimizer_in_bwd=True.*resume with "
+                                          "optimizer_in_bwd=False"):
         build_optimizer(ADAMW, model, optimizer_in_bwd=True,
                         state_dict=build_optimizer(ADAMW, model).state_dict())
+    with pytest.raises(ConfigError, match="saved with optimizer_in_bwd=True; resume with "
+                                          "optimizer_in_bwd=True"):
+        build_optimizer(ADAMW, model, optimizer_in_bwd=False,
+                        state_dict=build_optimizer(ADAMW, model, optimizer_in_bwd=True).state_dict())
 
 
 def test_lr_schedule_drives_every_in_backward_optimizer_and_resumes_mid_run():
