@@ -31,7 +31,8 @@
 #   shippedq8b the Llama-3.1-8B QLoRA config as shipped                                  ~5 min
 #   shipped    CASES=shipped:<config>,... as shipped, ours vs torchtune's (default: the 3B full
 #              config; a run of a small model ~1 min, an 8B/7B one ~2, plus its checkpoint once);
-#              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config
+#              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config;
+#              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one)
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
 #   accept     shipped-config acceptance, single device: Llama-3.2 1B/3B, Qwen2.5 0.5B/1.5B ~8 min
 #   accept8b   the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~7 min
