@@ -16,7 +16,9 @@
 # Results: $OUT/<step>.json, .md, .png and <step>_logs.tgz; at most 8 files come back a call,
 # so run one step a call.
 #
-#   tests      the GPU tests (pytest -m gpu)                                            ~4 min
+#   tests      the library's GPU tests (pytest -m gpu, tests/unit; fused-loss kernels, FP8,
+#              collate, flex, the 8-bit optimizer)     (both together ran past 5.5 min: a call each)
+#   rtests     the recipes' GPU tests (tests/recipes: FP8 recipes, padding-free on CUDA)
 #   packed1b   Llama-3.2-1B full fine-tune on packed instruction rows: stock's best vs
 #              ours' README fastest settings, 2 alternating repetitions                 ~7 min
 #   padded1b   the same on unpacked rows, padded per batch as shipped, 1 repetition (a
@@ -98,9 +100,11 @@ for step in "$@"; do
     wait; cat "$W/gpu0.out" "$W/gpu1.out"; continue
   fi
   case $step in
-    tests)     timeout 540 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -q -rfE \
-                 $(grep -rlE "pytest.mark.gpu|mark\.gpu" tests --include="*.py") 2>&1 \
-                 | grep -v "Warning\|warn" | tail -30 | tee "$OUT/tests.txt" ;;
+    tests|rtests)  # the report grows in $OUT as tests finish: a call cut short keeps it
+               dir=tests/unit; [ "$step" = rtests ] && dir=tests/recipes
+               timeout 540 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -v -rfE --durations=10 \
+                 $(grep -rlE "pytest.mark.gpu|mark\.gpu" $dir --include="*.py") > "$OUT/$step.txt" 2>&1
+               grep -E "PASSED|FAILED|ERROR|passed|failed|s call" "$OUT/$step.txt" | cut -c1-200 | tail -40 ;;
     packed1b)  bench packed1b --preset instruct --cases full_1b_packed --reps "${REPS:-2}" ;;
     padded1b)  bench padded1b --preset instruct --cases full_1b_padded --reps "${REPS:-1}" ;;
     packed8b)  bench packed8b --preset instruct --cases lora_8b_packed --reps "${REPS:-1}" ;;
