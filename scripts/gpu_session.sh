@@ -102,8 +102,11 @@ for step in "$@"; do
   case $step in
     tests|rtests)  # the report grows in $OUT as tests finish: a call cut short keeps it
                dir=tests/unit; [ "$step" = rtests ] && dir=tests/recipes
+               files=$(grep -rlE "pytest.mark.gpu|mark\.gpu" $dir --include="*.py")
+               [ -n "$files" ] || { echo "no GPU tests under $dir"; exit 2; }
                timeout 540 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -v -rfE --durations=10 \
-                 $(grep -rlE "pytest.mark.gpu|mark\.gpu" $dir --include="*.py") > "$OUT/$step.txt" 2>&1
+                 $files > "$OUT/$step.txt" 2>&1
+               echo "pytest exit $?" | tee -a "$OUT/$step.txt"
                grep -E "PASSED|FAILED|ERROR|passed|failed|s call" "$OUT/$step.txt" | cut -c1-200 | tail -40 ;;
     packed1b)  bench packed1b --preset instruct --cases full_1b_packed --reps "${REPS:-2}" ;;
     padded1b)  bench padded1b --preset instruct --cases full_1b_padded --reps "${REPS:-1}" ;;

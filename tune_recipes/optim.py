@@ -124,13 +124,16 @@ class AdamW8bit(TorchaoAdamW8bit):
 
     def _new_buffer(self, p: Tensor, signed: bool):
         out = super()._new_buffer(p, signed)
+        local_p = p.to_local() if isinstance(p, DTensor) else p
         local = out.to_local() if isinstance(out, DTensor) else out
-        if p.numel() >= 4096 and not isinstance(local, OptimState8bit):
+        if local_p.numel() >= 4096 and not isinstance(local, OptimState8bit):
             # torchao keeps a parameter's states in full precision, 4x the memory, when
-            # block_size does not divide its (local) size: say so rather than run out of memory.
+            # block_size does not divide its (local: FSDP2's shard) size; smaller ones are kept
+            # so on purpose. Say so rather than run out of memory.
             warnings.warn(f"AdamW8bit: block_size={self.block_size} does not divide the size of "
-                          "some parameters; their states stay in full precision (4x the memory). "
-                          "A power of two such as 256 divides every usual model dimension")
+                          "some parameters (or of their shards); their states stay in full "
+                          "precision (4x the memory). A power of two such as 256 divides the "
+                          "usual model dimensions")
         return out
 
 

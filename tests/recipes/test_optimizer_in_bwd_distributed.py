@@ -53,6 +53,14 @@ def test_full_in_bwd_distributed_resume_equals_uninterrupted(tmp_path):
              [*steps, "resume_from_checkpoint=True"])
     assert_same_weights(weights(tmp_path / "resumed", 1), weights(tmp_path / "straight", 1),
                         rtol=0, atol=0)
+    # Without optimizer_in_bwd the gathered per-parameter state would load into one optimizer
+    # without complaint and train on the wrong moments: refused, naming the key, before any
+    # rank trains.
+    shutil.rmtree(tmp_path / "resumed" / "epoch_1")
+    proc = run_dist(2, "full_finetune_distributed", "tiny/full_distributed", tmp_path / "resumed",
+                    [*steps[1:], "resume_from_checkpoint=True"], check=False)
+    assert proc.returncode != 0 and not (tmp_path / "resumed" / "epoch_1").exists()
+    assert "saved with optimizer_in_bwd=True, this run has optimizer_in_bwd=False" in proc.stderr
 
 
 @pytest.mark.parametrize("override, message", [

@@ -18,6 +18,9 @@ SKIPPED_STEPS_KEY = "skipped_steps"  # on_nonfinite=skip's running total of drop
 # The optimizer._component_ that made the checkpoint's optimizer state: a resume with another
 # optimizer is refused by name (its states would fail deep inside the first step).
 OPTIMIZER_COMPONENT_KEY = "optimizer_component"
+# Whether that state was stepped inside backward (one state per parameter): a distributed run
+# would load either form into the other without complaint and train on the wrong state.
+OPTIMIZER_IN_BWD_KEY = "optimizer_in_bwd"
 # Mid-epoch checkpoints (step_<n>/) only: GLOBAL_STEP_KEY, the optimizer steps run so far, and
 # RANK_STATES_KEY, per rank (in rank order) its RNG state(s) and its dataloader's position.
 
@@ -38,6 +41,7 @@ class SavedState:
     rank_states: Optional[List[Dict[str, Any]]] = None
     skipped_steps: int = 0
     optimizer_component: Optional[str] = None  # None: not recorded (an older checkpoint)
+    optimizer_in_bwd: Optional[bool] = None  # likewise
 
     @property
     def mid_epoch(self) -> bool:
@@ -65,23 +69,35 @@ class SavedState:
             rank_states=ckpt.get(RANK_STATES_KEY),
             skipped_steps=ckpt.get(SKIPPED_STEPS_KEY, 0),
             optimizer_component=ckpt.get(OPTIMIZER_COMPONENT_KEY),
+            optimizer_in_bwd=ckpt.get(OPTIMIZER_IN_BWD_KEY),
         )
 
-    def check_optimizer(self, component: Optional[str]) -> None:
-        """Refuse to resume this state with ``optimizer._component_=component`` when the
-        checkpoint's optimizer state was made by an optimizer whose states differ. One class and
-        its subclasses share states (torchao's ``AdamW8bit`` and ``tune_recipes.optim``'s, or
-        torch's ``Adam`` and ``AdamW``); anything else fails inside the first step (an 8-bit
-        state handed to torch's AdamW, a missing ``momentum`` for SGD)."""
+    def check_optimizer(self, component: Optional[str], in_bwd: bool = False) -> None:
+        """Refuse to resume this state with ``optimizer._component_=component`` and
+        ``optimizer_in_bwd=in_bwd`` when the checkpoint's optimizer state was made otherwise
+        (what the checkpoint recorded; older checkpoints and torchtune's record nothing and are
+        not checked here). One class and its subclasses share states (torchao's ``AdamW8bit``
+        and ``tune_recipes.optim``'s, torch's ``Adam`` and ``AdamW``); any other optimizer fails
+        inside the first step (an 8-bit state handed to torch's AdamW, no ``momentum`` for SGD),
+        and a distributed run would load a state of the other ``optimizer_in_bwd`` form and
+        train on it wrongly."""
+        if self.optimizer is None:
+            return
+        fresh = ("start a new run from its weights instead: another output_dir, with "
+                 "checkpointer.checkpoint_dir pointing at the checkpoint folder")
         saved = self.optimizer_component
-        if self.optimizer is None or saved is None or component is None or saved == component:
-            return
-        if _same_state_family(saved, component):
-            return
-        raise ConfigError(
-            f"resume_from_checkpoint: the checkpoint's optimizer state was made by "
-            f"optimizer._component_={saved}, this run's is {component}: resume with "
-            f"optimizer._component_={saved}, or start afresh in another output_dir")
+        if saved is not None and component is not None and saved != component \
+                and not _same_state_family(saved, component):
+            raise ConfigError(
+                f"resume_from_checkpoint: the checkpoint's optimizer state was made by "
+                f"optimizer._component_={saved}, this run's is {component}: resume with "
+                f"optimizer._component_={saved}, or {fresh}")
+        if self.optimizer_in_bwd is not None and bool(self.optimizer_in_bwd) != bool(in_bwd):
+            raise ConfigError(
+                f"resume_from_checkpoint: the checkpoint's optimizer state was saved with "
+                f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, this run has "
+                f"optimizer_in_bwd={bool(in_bwd)}: resume with "
+                f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, or {fresh}")
 
 
 def _same_state_family(a: str, b: str) -> bool:
@@ -91,7 +107,7 @@ def _same_state_family(a: str, b: str) -> bool:
         cls_a, cls_b = (resolve_component(c, "optimizer") for c in (a, b))
     except Exception:  # the saved one no longer imports: nothing to compare but the names
         return False
-    return isinstance(cls_a, type) and isinstance(cls_b, type) and (
+    return cls_a is cls_b or isinstance(cls_a, type) and isinstance(cls_b, type) and (
         issubclass(cls_a, cls_b) or issubclass(cls_b, cls_a))
 
 
@@ -110,6 +126,7 @@ class RecipeState:
     epochs_run: int = 0
     skipped_steps: int = 0  # on_nonfinite=skip; kept in sync by the step driver
     optimizer_component: Optional[str] = None  # recorded with the optimizer state
+    optimizer_in_bwd: bool = False  # likewise
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
@@ -118,7 +135,8 @@ class RecipeState:
         return cls(seed=training.set_seed(seed=cfg.seed), total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
                    optimizer_component=OmegaConf.select(cfg, "optimizer._component_",
-                                                        default=None))
+                                                        default=None),
+                   optimizer_in_bwd=bool(cfg.get("optimizer_in_bwd", False)))
 
     def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]],
                            position=None) -> Dict[str, Any]:
@@ -136,6 +154,7 @@ class RecipeState:
             out[training.OPT_KEY] = optimizer_state
             if self.optimizer_component is not None:
                 out[OPTIMIZER_COMPONENT_KEY] = self.optimizer_component
+            out[OPTIMIZER_IN_BWD_KEY] = self.optimizer_in_bwd
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out[CUDA_RNG_KEY] = torch.cuda.get_rng_state()
         if position is not None:

@@ -157,9 +157,10 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
         if max_seq_len is not None and isinstance(pack, int) and pack > max_seq_len:
             # Else the model's forward refuses the first pack with a traceback.
             raise ConfigError(
-                f"dataset.packed=True packs rows of {pack} tokens (tokenizer.max_seq_len), "
-                f"more than the model takes in a row ({max_seq_len}): set "
-                f"tokenizer.max_seq_len={max_seq_len} or less")
+                f"a packed dataset (dataset.packed=True) packs rows of {pack} tokens "
+                f"(tokenizer.max_seq_len), more than the model takes in a row ({max_seq_len}; "
+                f"with a teacher, the shorter of the two): set tokenizer.max_seq_len="
+                f"{max_seq_len} or less")
         return packed_collate  # padding_free: nothing to remove, packed rows hold no padding
     if padding_free:
         return partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,

@@ -96,7 +96,8 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     saved = SavedState.from_checkpoint(ckpt)
     # Before anything is written to output_dir (config.yaml, metrics): the saved optimizer
     # state must fit this run's optimizer.
-    saved.check_optimizer(OmegaConf.select(cfg, "optimizer._component_", default=None))
+    saved.check_optimizer(OmegaConf.select(cfg, "optimizer._component_", default=None),
+                          in_bwd=bool(cfg.get("optimizer_in_bwd", False)))
     return checkpointer, ckpt, saved
 
 

@@ -117,9 +117,9 @@ class OptimizerInBackward:
         missing = set(self.optim_map) - set(state)
         if missing:
             raise ConfigError(
-                "resume_from_checkpoint: the checkpoint's optimizer state was not saved with "
-                f"optimizer_in_bwd=True (missing {sorted(missing)[:3]}...); resume with "
-                "optimizer_in_bwd=False, as it was saved")
+                "resume_from_checkpoint: the checkpoint's optimizer state holds no state per "
+                f"parameter (missing {sorted(missing)[:3]}...): it was saved with "
+                "optimizer_in_bwd=False, or by a distributed run; resume as it was saved")
         for n, o in self.optim_map.items():
             o.load_state_dict(state[n])
 

@@ -51,6 +51,7 @@ def test_state_not_written_by_a_recipe_is_a_config_error():
 
 @pytest.mark.parametrize("saved,resumed,refused", [
     ("torch.optim.AdamW", "torch.optim.AdamW", False),
+    ("torch.optim.AdamW", "torch.optim.adamw.AdamW", False),  # another path to the class
     ("torchao.optim.AdamW8bit", "tune_recipes.optim.AdamW8bit", False),  # a subclass: same states
     ("tune_recipes.optim.AdamW8bit", "torchao.optim.AdamW8bit", False),
     ("tune_recipes.optim.AdamW8bit", "torch.optim.AdamW", True),
@@ -69,3 +70,17 @@ def test_the_recorded_optimizer_must_fit_the_resumed_runs(saved, resumed, refuse
             restored.check_optimizer(resumed)
     else:
         restored.check_optimizer(resumed)
+
+
+@pytest.mark.parametrize("saved_in_bwd,resumed_in_bwd", [(True, False), (False, True)])
+def test_a_state_of_the_other_optimizer_in_bwd_form_is_refused(saved_in_bwd, resumed_in_bwd):
+    cfg = OmegaConf.create({"seed": 1, "epochs": 2, "optimizer_in_bwd": saved_in_bwd,
+                            "optimizer": {"_component_": "torch.optim.AdamW"}})
+    entries = RecipeState.from_config(cfg).checkpoint_entries(optimizer_state={"state": {}})
+    restored = SavedState.from_checkpoint(entries)
+    restored.check_optimizer("torch.optim.AdamW", in_bwd=saved_in_bwd)  # as saved: fine
+    with pytest.raises(ConfigError, match=f"saved with optimizer_in_bwd={saved_in_bwd}, this run "
+                                          f"has optimizer_in_bwd={resumed_in_bwd}"):
+        restored.check_optimizer("torch.optim.AdamW", in_bwd=resumed_in_bwd)
+    del entries["optimizer_in_bwd"]  # an older checkpoint: nothing recorded, nothing refused here
+    SavedState.from_checkpoint(entries).check_optimizer("torch.optim.AdamW", in_bwd=resumed_in_bwd)

@@ -120,7 +120,7 @@ def test_packs_longer_than_the_model_takes_are_refused_naming_the_tokenizers_len
     options = dict(pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100)
     assert make_collate(packed, max_seq_len=8, **options) is packed_collate
     with pytest.raises(ConfigError, match=r"packs rows of 8 tokens \(tokenizer.max_seq_len\), "
-                                          r"more than the model takes in a row \(6\)"):
+                                          r"more than the model takes in a row \(6;"):
         make_collate(packed, max_seq_len=6, **options)
 
 

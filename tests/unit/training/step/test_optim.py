@@ -74,8 +74,8 @@ def test_build_optimizer_resumes_state_and_skips_frozen_parameters():
 
 def test_in_backward_state_must_come_from_an_in_backward_run_and_the_other_way_round():
     model = _mlp()
-    with pytest.raises(ConfigError, match="not saved with optimizer_in_bwd=True.*resume with "
-                                          "optimizer_in_bwd=False"):
+    with pytest.raises(ConfigError, match="holds no state per parameter.*saved with "
+                                          "optimizer_in_bwd=False, or by a distributed run"):
         build_optimizer(ADAMW, model, optimizer_in_bwd=True,
                         state_dict=build_optimizer(ADAMW, model).state_dict())
     with pytest.raises(ConfigError, match="saved with optimizer_in_bwd=True; resume with "
