@@ -135,7 +135,11 @@ CASES = {
         # the whole model: ~2.3 GiB less), the optimizer step not compiled (not with in-bwd).
         _v("ours_in_bwd", "ours", "ours: packed settings, fused AdamW stepped in backward",
            **{k: v for k, v in OURS_1B_PACKED.items() if k != "compile_optimizer_step"},
-           optimizer_in_bwd=True, clip_grad_norm=None)], warmup=20, window=40),
+           optimizer_in_bwd=True, clip_grad_norm=None),
+        _v("ours_in_bwd_budget", "ours", "ours: the same, compiled graphs saving 90% of activations",
+           **{k: v for k, v in OURS_1B_PACKED.items() if k != "compile_optimizer_step"},
+           optimizer_in_bwd=True, clip_grad_norm=None, activation_memory_budget=0.9)],
+        warmup=20, window=40),
     "full_1b_padded": _case("1b", "padded", [
         _STOCK, _v("ours_best", "ours", "ours: padding-free, compiled per layer, fused CE (bf16)", **OURS_1B_PADDED),
         _v("ours_padded", "ours", "ours: the same on padded rows (128-token multiples)",
