@@ -184,18 +184,20 @@ def schedule(case: dict, reps: int, names: Optional[list] = None) -> list:
     return order
 
 
-def run_shape(case: dict, variant: dict, min_steps: Optional[int]) -> tuple:
+def run_shape(case: dict, variant: dict, min_steps: Optional[int],
+              window: Optional[int] = None) -> tuple:
     """(sequences a micro-batch, micro-batches a step, warmup batches, window batches, steps) of
-    a run: the case's warmup and window (default 5 and 20 batches) rounded up to whole optimizer
-    steps, and one step more than they need, so that the recipe fetches batch warmup + window
-    (where the clock stops) whichever way it stops."""
+    a run: the case's warmup and window (default 5 and 20 batches; ``window``, --window, instead
+    of the case's) rounded up to whole optimizer steps, and one step more than they need, so
+    that the recipe fetches batch warmup + window (where the clock stops) whichever way it
+    stops."""
     if case.get("shipped"):
         shipped = yaml.safe_load(case["shipped"][variant["side"]].read_text())
         batch, ga = shipped["batch_size"], shipped.get("gradient_accumulation_steps", 1)
     else:
         ga = variant["cfg"].get("gradient_accumulation_steps", 1)
         batch = case["batch_size"] // ga
-    w, n = (ga * -(-case.get(key, default) // ga) for key, default in (("warmup", 5), ("window", 20)))
+    w, n = (ga * -(-count // ga) for count in (case.get("warmup", 5), window or case.get("window", 20)))
     return batch, ga, w, n, max(min_steps or 0, case.get("steps", 0), (w + n) // ga + 1)
 
 
@@ -396,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=None, help="repetitions of the head variants (default 2, "
                     "or the preset's PRESET_REPS)")
     ap.add_argument("--only", default=None, help="comma-separated variant names to run")
+    ap.add_argument("--window", type=int, default=None, help="batches the clock times (default the "
+                    "case's, 20 or 40): longer windows, less run-to-run spread, more device time")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps a run, at least what the "
                     "clock needs (e.g. 220 for a loss curve)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -435,6 +439,9 @@ def plan_runs(args, ap) -> dict:
         ap.error(f"--only: {never} not run by this selection (cases {', '.join(selection)})")
     if not plan:
         ap.error("nothing to run")
+    for flag, value in (("--window", args.window), ("--steps", args.steps), ("--reps", args.reps)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} {value}: expected at least 1")
     return plan
 
 
@@ -471,7 +478,7 @@ def main():
             except OSError:  # the other bench's copy came first
                 subprocess.run(["rm", "-rf", str(tmp)])
             print(f"checkpoint {ckpt.name}: {time.time() - t0:.0f} s", flush=True)
-        shapes = {v["name"]: run_shape(case, v, args.steps) for _, v in runs}
+        shapes = {v["name"]: run_shape(case, v, args.steps, args.window) for _, v in runs}
         data_file = None
         if case["data"]["kind"] == "instruct":  # one file for the case: the same rows on both sides
             # enough for every run, with a margin: a pack holds ~seq_len / (6 x median_words + 200)

@@ -47,7 +47,8 @@
 #              include the profiler: not a speed row; CASE=full_1b_padded: unpacked rows)  ~6 min
 # REPS=N changes the benchmark steps' repetitions; ONLY=a,b runs only those variants, each every
 # repetition (an A/B of a lever: ONLY=ours,ours_default_allocator REPS=2);
-# BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py.
+# BENCH_ARGS="--env TORCH_LOGS=recompiles" adds arguments to scripts/bench_recipes.py;
+# BENCH_ARGS="--window 60": a longer timed window (less run-to-run spread, more device time).
 # BENCH_ARGS="--env BENCH_MEMORY_AT_PEAK=1": each run's memory at its peak, by where it was
 # allocated, in its .clock.json.memory.txt (in the logs; not a speed row: it records stacks).
 # A+B runs step A on GPU 0 and step B on GPU 1

@@ -120,6 +120,10 @@ def test_a_run_shape_counts_whole_optimizer_steps_and_fetches_past_the_window():
     case = bench.CASES["full_1b_packed"]  # the published packed table's window
     assert bench.run_shape(case, case["variants"][0], None) == (4, 1, 20, 40, 61)
     assert bench.run_shape(case, case["variants"][0], 220)[-1] == 220  # --steps: a loss curve
+    # --window: the clock's window instead of the case's, whole optimizer steps, one step more
+    assert bench.run_shape(case, case["variants"][0], None, 60) == (4, 1, 20, 60, 81)
+    _, ga, _, window, steps = bench.run_shape(shipped, shipped["variants"][0], None, 30)
+    assert window % ga == 0 and window >= 30 and steps == (warmup + window) // ga + 1
 
 
 def _row(variant, side, tps, alloc, reserved, rep=0, losses=None, **kw):
@@ -220,6 +224,7 @@ def test_a_preset_runs_each_listed_variant_every_repetition_in_alternating_order
     (["--cases", "full_1b,ful_8b"], "no case(s) ['ful_8b']"),
     (["--cases", "full_1b", "--only", "stock_best,ours_fp8_ain_embcpu"], "['ours_fp8_ain_embcpu'] not run"),
     (["--cases", "tiny_cpu", "--set", "compile"], "--set 'compile': expected NAME=VALUE"),
+    (["--cases", "tiny_cpu", "--window", "0"], "--window 0: expected at least 1"),
 ])
 def test_a_bad_selection_is_refused_before_anything_is_built(argv, message, monkeypatch, capsys, tmp_path):
     bench = _bench()
