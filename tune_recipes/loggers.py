@@ -39,14 +39,26 @@ def _scalar(value: Any) -> Any:
 
 
 def write_config(config: DictConfig, log_dir: Optional[PathLike]) -> Optional[Path]:
-    """Write ``config.yaml`` (interpolations resolved) to ``output_dir`` (else ``log_dir``)."""
+    """Write ``config.yaml`` (interpolations resolved) to ``output_dir`` (else ``log_dir``).
+
+    An earlier run's different ``config.yaml`` there (a resume with other settings, which may
+    still fail) is kept as ``config.<k>.yaml``, the first free k: the settings that made the
+    folder's checkpoints stay on record."""
     where = config.get("output_dir", None) if isinstance(config, DictConfig) else None
     where = where or log_dir
     if where is None:
         return None
     out = Path(where) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(OmegaConf.to_yaml(config, resolve=True))
+    text = OmegaConf.to_yaml(config, resolve=True)
+    if out.is_file():
+        earlier = out.read_text()
+        if earlier != text:
+            k = 1
+            while (out.parent / f"config.{k}.yaml").exists():
+                k += 1
+            (out.parent / f"config.{k}.yaml").write_text(earlier)
+    out.write_text(text)
     return out
 
 

@@ -275,5 +275,5 @@ def test_a_resume_with_another_optimizer_is_refused_by_name_and_keeps_the_runs_r
     last = proc.stderr.strip().splitlines()[-1]
     assert named in last and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     # nothing the first run wrote is replaced: its config (what the checkpoint needs) and weights
-    assert (out / "config.yaml").read_text() == recorded
+    assert (out / "config.yaml").read_text() == recorded and not (out / "config.1.yaml").exists()
     assert (out / "epoch_0" / "model-00001-of-00001.safetensors").is_file()

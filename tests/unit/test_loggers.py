@@ -121,3 +121,17 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_at_once(tmp_path):
                                               r"cannot connect to the MLflow server"):
             loggers.MLFlowLogger(log_dir=tmp_path, tracking_uri=f"http://127.0.0.1:{port}")
     assert time.monotonic() - start < 10
+
+
+def test_an_earlier_different_config_in_the_folder_is_kept_not_overwritten(tmp_path):
+    first = OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 1.0}})
+    out = loggers.write_config(first, None)
+    loggers.write_config(first, None)  # the same settings again: nothing to keep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    second = OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 2.0}})
+    loggers.write_config(second, None)
+    third = OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 3.0}})
+    loggers.write_config(third, None)
+    assert OmegaConf.load(out).optimizer.lr == 3.0
+    assert OmegaConf.load(tmp_path / "config.1.yaml").optimizer.lr == 1.0
+    assert OmegaConf.load(tmp_path / "config.2.yaml").optimizer.lr == 2.0
