@@ -22,15 +22,17 @@ import time
 from pathlib import Path
 
 import torch
-from torchtune.config._utils import _get_component_from_path
+
+from tune_recipes.config import ConfigError, resolve_component
 
 
 def component(flag: str, path: str):
     """The class or function at a dotted path, or exit naming the flag and the path."""
     try:
-        return _get_component_from_path(path)
-    except Exception as e:  # torchtune's InstantiationError, or what importing the module raised
-        raise SystemExit(f"{flag} {path}: cannot import it ({type(e).__name__}: {e})") from None
+        return resolve_component(path, flag.lstrip("-"))
+    except ConfigError as e:
+        reason = str(e).split(": ", 1)[-1]  # without the config key resolve_component names
+        raise SystemExit(f"{flag} {path}: cannot import it ({reason})") from None
 
 
 def parameter_shapes(model_path: str) -> list:

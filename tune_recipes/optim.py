@@ -121,7 +121,6 @@ class AdamW8bit(TorchaoAdamW8bit):
                                self.bf16_stochastic_round and p.dtype is torch.bfloat16)
         return loss
 
-
     def _new_buffer(self, p: Tensor, signed: bool):
         out = super()._new_buffer(p, signed)
         local_p = p.to_local() if isinstance(p, DTensor) else p

@@ -2,7 +2,7 @@
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +23,13 @@ OPTIMIZER_COMPONENT_KEY = "optimizer_component"
 OPTIMIZER_IN_BWD_KEY = "optimizer_in_bwd"
 # Mid-epoch checkpoints (step_<n>/) only: GLOBAL_STEP_KEY, the optimizer steps run so far, and
 # RANK_STATES_KEY, per rank (in rank order) its RNG state(s) and its dataloader's position.
+
+
+def optimizer_identity(cfg: DictConfig) -> Tuple[Optional[str], bool]:
+    """What a checkpoint's optimizer state depends on, from the run's config:
+    (``optimizer._component_``, ``optimizer_in_bwd``). Recorded at save, compared at resume."""
+    return (OmegaConf.select(cfg, "optimizer._component_", default=None),
+            bool(cfg.get("optimizer_in_bwd", False)))
 
 
 @dataclass
@@ -72,9 +79,9 @@ class SavedState:
             optimizer_in_bwd=ckpt.get(OPTIMIZER_IN_BWD_KEY),
         )
 
-    def check_optimizer(self, component: Optional[str], in_bwd: bool = False) -> None:
-        """Refuse to resume this state with ``optimizer._component_=component`` and
-        ``optimizer_in_bwd=in_bwd`` when the checkpoint's optimizer state was made otherwise
+    def check_optimizer(self, cfg: DictConfig) -> None:
+        """Refuse to resume this state with the ``optimizer._component_`` and
+        ``optimizer_in_bwd`` of ``cfg`` when the checkpoint's optimizer state was made otherwise
         (what the checkpoint recorded; older checkpoints and torchtune's record nothing and are
         not checked here). One class and its subclasses share states (torchao's ``AdamW8bit``
         and ``tune_recipes.optim``'s, torch's ``Adam`` and ``AdamW``); any other optimizer fails
@@ -83,6 +90,7 @@ class SavedState:
         train on it wrongly."""
         if self.optimizer is None:
             return
+        component, in_bwd = optimizer_identity(cfg)
         fresh = ("start a new run from its weights instead: another output_dir, with "
                  "checkpointer.checkpoint_dir pointing at the checkpoint folder")
         saved = self.optimizer_component
@@ -132,11 +140,10 @@ class RecipeState:
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
         """Seeds every RNG (``seed``) and reads ``epochs``, ``max_steps_per_epoch`` and
         ``optimizer._component_``."""
+        component, in_bwd = optimizer_identity(cfg)
         return cls(seed=training.set_seed(seed=cfg.seed), total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
-                   optimizer_component=OmegaConf.select(cfg, "optimizer._component_",
-                                                        default=None),
-                   optimizer_in_bwd=bool(cfg.get("optimizer_in_bwd", False)))
+                   optimizer_component=component, optimizer_in_bwd=in_bwd)
 
     def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]],
                            position=None) -> Dict[str, Any]:

@@ -96,8 +96,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     saved = SavedState.from_checkpoint(ckpt)
     # Before anything is written to output_dir (config.yaml, metrics): the saved optimizer
     # state must fit this run's optimizer.
-    saved.check_optimizer(OmegaConf.select(cfg, "optimizer._component_", default=None),
-                          in_bwd=bool(cfg.get("optimizer_in_bwd", False)))
+    saved.check_optimizer(cfg)
     return checkpointer, ckpt, saved
 
 

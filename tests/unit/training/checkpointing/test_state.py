@@ -65,11 +65,12 @@ def test_the_recorded_optimizer_must_fit_the_resumed_runs(saved, resumed, refuse
     entries = state.checkpoint_entries(optimizer_state={"state": {}, "param_groups": []})
     assert entries.get("optimizer_component") == saved
     restored = SavedState.from_checkpoint(entries)
+    run = OmegaConf.create({"optimizer": {"_component_": resumed}})
     if refused:
         with pytest.raises(ConfigError, match=f"optimizer._component_={saved}, this run's is {resumed}"):
-            restored.check_optimizer(resumed)
+            restored.check_optimizer(run)
     else:
-        restored.check_optimizer(resumed)
+        restored.check_optimizer(run)
 
 
 @pytest.mark.parametrize("saved_in_bwd,resumed_in_bwd", [(True, False), (False, True)])
@@ -78,9 +79,13 @@ def test_a_state_of_the_other_optimizer_in_bwd_form_is_refused(saved_in_bwd, res
                             "optimizer": {"_component_": "torch.optim.AdamW"}})
     entries = RecipeState.from_config(cfg).checkpoint_entries(optimizer_state={"state": {}})
     restored = SavedState.from_checkpoint(entries)
-    restored.check_optimizer("torch.optim.AdamW", in_bwd=saved_in_bwd)  # as saved: fine
+    def run(in_bwd):
+        return OmegaConf.create({"optimizer_in_bwd": in_bwd,
+                                 "optimizer": {"_component_": "torch.optim.AdamW"}})
+
+    restored.check_optimizer(run(saved_in_bwd))  # as saved: fine
     with pytest.raises(ConfigError, match=f"saved with optimizer_in_bwd={saved_in_bwd}, this run "
                                           f"has optimizer_in_bwd={resumed_in_bwd}"):
-        restored.check_optimizer("torch.optim.AdamW", in_bwd=resumed_in_bwd)
+        restored.check_optimizer(run(resumed_in_bwd))
     del entries["optimizer_in_bwd"]  # an older checkpoint: nothing recorded, nothing refused here
-    SavedState.from_checkpoint(entries).check_optimizer("torch.optim.AdamW", in_bwd=resumed_in_bwd)
+    SavedState.from_checkpoint(entries).check_optimizer(run(resumed_in_bwd))
