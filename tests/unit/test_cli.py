@@ -476,3 +476,50 @@ def test_plot_mistakes_are_one_line(case, fragment, tmp_path, capsys):
         out = str(tmp_path / "x.png")
     rc, _, err = _run(capsys, "plot", str(run), "--out", out)
     assert rc == 2 and fragment in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+_SWALLOWED = r"""
+import os, signal, sys, time
+from tune_recipes._cli.launch import handle_sigterm, restore_sigterm
+
+class SignalledInAFinalizer:
+    # The signal arrives while a finalizer runs (as an import's module-lock callback can):
+    # the handler's exception is raised there, and Python prints it and carries on.
+    def __del__(self):
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        for _ in range(1000):
+            pass
+
+previous = handle_sigterm() if sys.argv[2] == "tune" else None
+try:
+    SignalledInAFinalizer()
+    for _ in range(300):
+        time.sleep(0.01)
+    print("ran to the end")
+    sys.exit(0)
+except KeyboardInterrupt as e:
+    print(type(e).__name__)
+    sys.exit(3)
+finally:
+    restore_sigterm(previous)
+"""
+
+
+@pytest.mark.parametrize("sig, raised", [("SIGTERM", "Terminated"),
+                                         ("SIGINT", "KeyboardInterrupt")])
+def test_a_signal_a_finalizer_swallowed_still_stops_the_run(sig, raised):
+    proc = subprocess.run([sys.executable, "-c", _SWALLOWED, sig, "tune"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == raised
+    assert "Exception ignored" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_without_tunes_handlers_the_finalizer_swallows_the_interrupt():
+    """The case the handlers exist for: Python's own SIGINT handling loses this Ctrl-C."""
+    proc = subprocess.run([sys.executable, "-c", _SWALLOWED, "SIGINT", "bare"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ran to the end" in proc.stdout
+    assert "Exception ignored" in proc.stderr

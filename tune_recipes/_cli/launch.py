@@ -20,7 +20,8 @@ line (a ConfigError) before anything starts.
 
 SIGTERM (``kill``, a scheduler stopping a job) is handled as Ctrl-C: ``tune``'s ``main``
 installs ``raise_terminated`` before anything slow is imported (this module imports no torch at
-import time), so a signal during start-up ends in one line too.
+import time), so a signal during start-up ends in one line too. A signal whose exception a
+finalizer or callback swallowed is sent again (``redeliver_swallowed_interrupt``).
 """
 
 import argparse
@@ -29,6 +30,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -48,18 +50,50 @@ def raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
+# NOTE: a signal's handler runs at whatever Python code the main thread is in. When that is a
+# finalizer or a weakref callback (an import's module-lock callback, a ``__del__``), the
+# interpreter prints "Exception ignored in ..." and carries on, so a Ctrl-C or SIGTERM would be
+# lost and the run would train to its end. This hook sends a swallowed interrupt's signal again
+# from a helper thread, so the handler runs once more, after the callback has returned.
+REDELIVER_AFTER_S = 0.01
+
+
+def redeliver_swallowed_interrupt(unraisable) -> None:
+    """``sys.unraisablehook`` while ``tune`` runs: a KeyboardInterrupt (or Terminated) that a
+    callback swallowed is raised again as its signal; anything else goes to the hook before."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sig = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+        resend = threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), sig))
+        resend.daemon = True
+        resend.start()
+        return
+    _hook_before(unraisable)
+
+
+_hook_before = sys.__unraisablehook__
+
+
 def handle_sigterm():
-    """Install ``raise_terminated`` for SIGTERM; returns the previous handler (None where
-    handlers cannot be set: not the main thread, e.g. an app that embeds ``main``)."""
+    """Install ``raise_terminated`` for SIGTERM, and ``redeliver_swallowed_interrupt`` as
+    ``sys.unraisablehook``; returns what to restore (None where handlers cannot be set: not the
+    main thread, e.g. an app that embeds ``main``)."""
+    global _hook_before
     try:
-        return signal.signal(signal.SIGTERM, raise_terminated)
+        previous_handler = signal.signal(signal.SIGTERM, raise_terminated)
     except ValueError:
         return None
+    previous_hook = sys.unraisablehook
+    if previous_hook is not redeliver_swallowed_interrupt:
+        _hook_before = previous_hook
+    sys.unraisablehook = redeliver_swallowed_interrupt
+    return previous_handler, previous_hook
 
 
 def restore_sigterm(previous: Optional[object]) -> None:
     if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+        previous_handler, previous_hook = previous
+        signal.signal(signal.SIGTERM, previous_handler)
+        sys.unraisablehook = previous_hook
 
 
 def how_stopped(e: KeyboardInterrupt) -> str:
@@ -331,6 +365,9 @@ def separate_restart_rounds() -> None:
 
 
 if __name__ == "__main__":
+    # A torchrun rank: SIGTERM from the agent ends it by default; a Ctrl-C swallowed by a
+    # callback is sent again, as in `tune`.
+    sys.unraisablehook = redeliver_swallowed_interrupt
     separate_restart_rounds()
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tune_recipes._cli.launch <recipe.py> [args ...]")
