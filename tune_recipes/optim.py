@@ -43,8 +43,11 @@ class AdamW8bit(TorchaoAdamW8bit):
     a call (``compiled_update``).
 
     States, ``state_dict`` and checkpoints are torchao's: either class resumes the other's.
-    DTensor (FSDP2) parameters step whole, as in torchao: a large one's shard still makes
-    temporaries of its own size (an 8B embedding over two GPUs: ~2 GiB).
+    A DTensor (FSDP2) parameter steps its local shard, sliced the same way: the update is
+    elementwise within each quantization block, and a shard's states are built from the shard
+    (torchao's ``_new_buffer``), so the shard's update is the DTensor's (tested on a 2-rank
+    mesh). torchao steps the DTensor whole: an 8B embedding's shard over two GPUs makes ~2 GiB
+    of temporaries there.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -72,6 +75,7 @@ class AdamW8bit(TorchaoAdamW8bit):
         stay 16-byte aligned (inductor copies a misaligned input, which would defeat the point)."""
         rows = p.shape[0] if p.dim() else 1
         if isinstance(p, DTensor) or p.numel() <= self.chunk_numel or rows < 2:
+            # A DTensor's rows are not local: ``step`` passes a shard's local tensor.
             yield None
             return
         row_numel = p.numel() // rows
@@ -113,8 +117,11 @@ class AdamW8bit(TorchaoAdamW8bit):
                     # NOTE: p.detach(): compiled with FSDP2's DTensors, p itself misbehaves
                     # (torchao does the same); the gradient is passed on its own.
                     param, grad = p.detach(), p.grad
+                    if local_shards_line_up(param, grad, m, v):
+                        # no_grad: to_local() is the DTensor's own local tensor, updated in place
+                        param, grad, m, v = (t.to_local() for t in (param, grad, m, v))
                     block_size = m.block_size if isinstance(m, OptimState8bit) else None
-                    for rows in self.row_slices(p, block_size):
+                    for rows in self.row_slices(param, block_size):
                         update(cut(param, rows), cut(grad, rows), state["step"], cut(m, rows),
                                cut(v, rows), None, group["lr"], beta1, beta2,
                                group["weight_decay"], group["eps"], self.is_adamw,
@@ -134,6 +141,17 @@ class AdamW8bit(TorchaoAdamW8bit):
                           "precision (4x the memory). A power of two such as 256 divides the "
                           "usual model dimensions")
         return out
+
+
+def local_shards_line_up(param: Tensor, *others: Tensor) -> bool:
+    """Whether ``param`` is a DTensor and each of ``others`` (its gradient and states) a DTensor
+    of the same mesh, placements and local shape, so that element i of one local tensor is
+    element i of each other (FSDP2's parameters, gradients and torchao's states are)."""
+    if not isinstance(param, DTensor):
+        return False
+    return all(isinstance(t, DTensor) and t.device_mesh == param.device_mesh
+               and t.placements == param.placements
+               and t.to_local().shape == param.to_local().shape for t in others)
 
 
 def cut(t: Tensor, rows: Optional[slice]) -> Tensor:

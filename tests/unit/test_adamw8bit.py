@@ -250,3 +250,60 @@ def test_a_block_size_that_leaves_states_in_full_precision_says_so():
     assert not isinstance(full, OptimState8bit) and said and "block_size=7" in said[0]
     eight_bit, said = states(256)
     assert isinstance(eight_bit, OptimState8bit) and not said
+
+
+@pytest.fixture
+def two_rank_mesh():
+    """Rank 0 of a 2-rank CPU mesh, in this process (torch's fake process group: collectives do
+    nothing, which the optimizer step never calls)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(t, mesh):
+    """Rank 0's shard of ``t`` as FSDP2 lays it out: a DTensor sharded on rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = t.chunk(2)[0].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_fsdp2_shard_steps_in_slices_as_torchao_steps_the_dtensor(two_rank_mesh, compiled, monkeypatch):
+    """FSDP2's parameters (DTensors sharded on rows): ours steps each local shard, in row slices
+    where it is large, to the same parameters and 8-bit states as torchao's step of the whole
+    DTensor, bit for bit."""
+    import tune_recipes.optim as optim
+
+    init, grads = _shapes_and_grads(2)
+    init = [_sharded(p, two_rank_mesh) for p in init]
+    grads = [[_sharded(g, two_rank_mesh) for g in step] for step in grads]
+    stance = "default" if compiled else "force_eager"
+    with torch.compiler.set_stance(stance):
+        theirs, their_opt = _train(TorchaoAdamW8bit, init, grads)
+        shapes = []
+        real = optim.compiled_update()
+        monkeypatch.setattr(optim, "compiled_update",
+                            lambda: lambda *a: shapes.append((type(a[0]), tuple(a[0].shape))) or real(*a))
+        ours, our_opt = _train(AdamW8bit, init, grads, chunk_numel=5000)
+    # rank 0's 500 x 64 shard in 8 slices of 64 rows (the last 52), the 2048 x 3 shard in 2, the
+    # 32-element bias shard whole: local tensors, not DTensors
+    assert shapes[:11] == ([(torch.Tensor, (64, 64))] * 7 + [(torch.Tensor, (52, 64))]
+                           + [(torch.Tensor, (1024, 3))] * 2 + [(torch.Tensor, (32,))]), shapes
+    for a, b, start in zip(theirs, ours, init):
+        assert isinstance(b, torch.distributed.tensor.DTensor)
+        assert torch.equal(a.to_local(), b.to_local())
+        assert not torch.equal(b.to_local(), start.to_local())  # it trained
+        for key in ("exp_avg", "exp_avg_sq"):
+            sa, sb = their_opt.state[a][key].to_local(), our_opt.state[b][key].to_local()
+            if isinstance(sa, OptimState8bit):
+                assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale), key
+            else:
+                assert torch.equal(sa, sb), key
