@@ -10,8 +10,11 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training
+from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+
+log = get_logger("INFO")
 
 _EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
 # Mid-epoch checkpoints (save_every_n_steps), named by the global optimizer step.
@@ -156,8 +159,7 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
             state_path = out / RECIPE_STATE_FILE  # an older layout: one shared state file
     cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
     # The state checked here is the one torchtune loads (relative to output_dir).
-    if not cfg.get("recipe_checkpoint"):
-        cfg.recipe_checkpoint = str(state_path.relative_to(out))
+    _take_from_the_resume_checkpoint(cfg, "recipe_checkpoint", state_path, out, ckpt_dir)
     if full_weights:
         files = _model_files(ckpt_dir)
         missing = [f for f in files if not (ckpt_dir / f).is_file()]
@@ -168,9 +170,31 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
                                   "that folder to resume from the checkpoint before it")
         # Relative to output_dir, where torchtune looks when it loads recipe state.
         cfg.checkpoint_files = [f"{ckpt_dir.name}/{f}" for f in files]
-    elif not cfg.get("adapter_checkpoint") and (ckpt_dir / ADAPTER_FILE).is_file():
-        cfg.adapter_checkpoint = f"{ckpt_dir.name}/{ADAPTER_FILE}"
+    elif (ckpt_dir / ADAPTER_FILE).is_file():
+        _take_from_the_resume_checkpoint(cfg, "adapter_checkpoint", ckpt_dir / ADAPTER_FILE, out,
+                                         ckpt_dir)
     return cfg
+
+
+def _take_from_the_resume_checkpoint(cfg: DictConfig, key: str, path: Path, out: Path,
+                                     ckpt_dir: Path) -> None:
+    """``cfg[key]`` = ``path`` (relative to ``out``, as torchtune reads it). NOTE: a value the
+    user set is overridden, not honoured: an exact resume needs the weights, the adapter and the
+    recipe state (optimizer, data position) of one checkpoint, and torchtune's way of resuming
+    (``recipe_checkpoint: recipe_state/recipe_state.pt``) names the newest epoch's state even
+    beside a newer ``step_<n>/``, whose weights the resume takes."""
+    wanted = str(path.relative_to(out))
+    given = cfg.get(key)
+    if given and (out / str(given)).resolve() != path.resolve():
+        line = (f"checkpointer.{key}={given} is not used: the resume takes the weights and the "
+                f"state of one checkpoint, {ckpt_dir.name}/ ({key}: {wanted})")
+        if line not in _SAID:  # once: tune run's check before the recipe, then the recipe
+            _SAID.add(line)
+            log.warning(line)
+    cfg[key] = wanted
+
+
+_SAID = set()
 
 
 @dataclass

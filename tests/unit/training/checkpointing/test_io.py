@@ -1,6 +1,7 @@
 """tune_recipes.training.checkpointing.io: resume lookup, PEFT adapter config, LoRA entries."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -275,3 +276,52 @@ def test_a_finished_runs_final_epoch_is_a_point_to_continue_from(tmp_path):
     with pytest.raises(ConfigError, match=r"epoch_1 is the final checkpoint of a finished run "
                                           r"and holds no adapter \(adapter_model.pt\)"):
         checkpointer_config_for_output_dir(cfg, str(tmp_path), True, full_weights=False)
+
+
+@pytest.mark.parametrize("full_weights", [True, False], ids=["full", "lora"])
+def test_a_resume_takes_weights_adapter_and_state_from_one_checkpoint(tmp_path, full_weights, caplog,
+                                                                     monkeypatch):
+    """torchtune's way of resuming names the recipe state (and a LoRA run's adapter) by hand:
+    ``recipe_state/recipe_state.pt`` is the newest epoch's state, while the weights come from a
+    newer ``step_<n>/``. Mixed, the run would continue from step n's weights with the epoch's
+    optimizer state and data position. The step's own files are used, with a warning naming the
+    key; a value naming those files says nothing."""
+    from tune_recipes.training.checkpointing import io
+    from tune_recipes.training.checkpointing.io import (
+        ADAPTER_FILE, EPOCH_STATE_FILE, GLOBAL_STEP_KEY, RANK_STATES_KEY)
+
+    (tmp_path / "epoch_0").mkdir()
+    (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").write_bytes(b"")
+    (tmp_path / "epoch_0" / ADAPTER_FILE).write_bytes(b"")
+    _state(tmp_path, epochs_run=1)
+    step = tmp_path / "step_6"
+    step.mkdir()
+    (step / "model-00001-of-00001.safetensors").write_bytes(b"")
+    (step / ADAPTER_FILE).write_bytes(b"")
+    torch.save({"epochs_run": 1, GLOBAL_STEP_KEY: 6, RANK_STATES_KEY: [{}]}, step / EPOCH_STATE_FILE)
+    torchtunes_way = OmegaConf.create({
+        "checkpoint_dir": str(tmp_path / "epoch_0"), "checkpoint_files": ["model.safetensors"],
+        "recipe_checkpoint": "recipe_state/recipe_state.pt",
+        "adapter_checkpoint": f"epoch_0/{ADAPTER_FILE}"})
+    monkeypatch.setattr(io, "_SAID", set())
+    with caplog.at_level(logging.WARNING):
+        out = checkpointer_config_for_resume(torchtunes_way, str(tmp_path), full_weights=full_weights)
+        checkpointer_config_for_resume(torchtunes_way, str(tmp_path), full_weights=full_weights)
+    assert out.recipe_checkpoint == f"step_6/{EPOCH_STATE_FILE}"
+    lines = [r.getMessage() for r in caplog.records]
+    said = [m for m in lines if "checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt is not used" in m]
+    assert len(said) == 1 and "step_6/" in said[0], lines  # once, though asked twice
+    if full_weights:
+        assert list(out.checkpoint_files) == ["step_6/model-00001-of-00001.safetensors"]
+    else:
+        assert out.adapter_checkpoint == f"step_6/{ADAPTER_FILE}"
+        assert any("checkpointer.adapter_checkpoint" in m for m in lines), lines
+    # naming the step's own files (here, absolute paths) is no mistake
+    own = OmegaConf.create({**OmegaConf.to_container(torchtunes_way),
+                            "recipe_checkpoint": str(step / EPOCH_STATE_FILE),
+                            "adapter_checkpoint": str(step / ADAPTER_FILE)})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = checkpointer_config_for_resume(own, str(tmp_path), full_weights=full_weights)
+    assert again.recipe_checkpoint == f"step_6/{EPOCH_STATE_FILE}"
+    assert not caplog.records
