@@ -26,11 +26,17 @@ Every parameter trains. Features, each a config key:
 - ``fp8_mlp_activations``: each MLP keeps its gate and up products in float8 e4m3 for backward
   (half its saved bytes; tune_recipes/modules/fp8_mlp.py), FP8 training or not;
   ``fp8_mlp_layers`` N: only the first N layers' MLPs.
-- ``resume_from_checkpoint``: continue from the last epoch checkpoint in ``output_dir`` with the
-  same optimizer state, data order and schedule (the result equals an uninterrupted run).
+- ``save_every_n_steps`` (+ ``keep_last_n_checkpoints``): also a mid-epoch checkpoint
+  ``step_<n>/`` every N optimizer steps.
+- ``resume_from_checkpoint`` (True, False or ``auto``): continue from the newest checkpoint in
+  ``output_dir``, ``epoch_<n>/`` or mid-epoch ``step_<n>/``, with the same optimizer state,
+  data position and schedule (the result equals an uninterrupted run).
 
-Outputs in ``output_dir``: ``epoch_<n>/`` (HF-format weights), ``recipe_state/`` (for
-resuming), ``metrics.jsonl`` (loss, lr, grad_norm, tokens/s, memory per step), ``config.yaml``.
+Outputs in ``output_dir``: ``epoch_<n>/`` (HF-format weights, and the recipe state for resuming
+after every epoch but the last), ``step_<n>/`` (with ``save_every_n_steps``),
+``recipe_state/`` (a copy of the newest epoch's recipe state), ``metrics.jsonl`` (loss, lr,
+grad_norm, tokens/s, memory per step), ``metrics.png`` (drawn when the run ends),
+``config.yaml``.
 """
 
 import sys
