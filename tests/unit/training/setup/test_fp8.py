@@ -169,9 +169,10 @@ def test_fp8_compile_on_unpacked_data_warns_of_dynamic_shape_recompiles(monkeypa
         assert not warnings or "dataset.packed=True" in warnings[0]
 
 
-def test_fp8_on_packed_data_warns_that_bf16_is_faster(monkeypatch):
-    """FP8 ran below bf16 on packed data on an H200 with either compile scope; only recipes
-    with a compile_scope key (the full fine-tune, where it was measured) are told."""
+def test_fp8_on_packed_data_warns_of_its_loss(monkeypatch):
+    """FP8's loss strayed from bf16's on packed data on an H200 (faster, up to 1.3% a step off):
+    said with either compile scope; only recipes with a compile_scope key (the full fine-tune,
+    where it was measured) are told."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     warnings = []
     monkeypatch.setattr(fp8_setup.log, "warning", lambda msg, *a: warnings.append(msg % a))
@@ -185,7 +186,8 @@ def test_fp8_on_packed_data_warns_that_bf16_is_faster(monkeypatch):
         cfg = _cfg(compile=True, **{"dataset": packed, **extra})
         assert fp8_recipe_wanted(cfg, cuda, has_compile_scope=has_scope) == "tensorwise"
         assert bool(warnings) == warns, (extra, has_scope)
-        assert not warnings or "set enable_fp8_training=False" in warnings[0]
+        assert not warnings or ("set enable_fp8_training=False" in warnings[0]
+                                and "1.3% a step above" in warnings[0])
     warnings.clear()  # without compile: only the no-compile warning
     fp8_recipe_wanted(_cfg(compile=False, dataset=packed), cuda, has_compile_scope=True)
     assert len(warnings) == 1 and "set compile=True" in warnings[0]
