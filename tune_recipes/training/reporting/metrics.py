@@ -34,6 +34,11 @@ class JsonlMetricLogger:
     run's rows keeps them: ``metrics.jsonl``, ``metrics.png`` and ``config.yaml`` are renamed to
     ``metrics.<time>.jsonl``, ``metrics.<time>.png`` and ``config.<time>.yaml`` (the earlier
     file's last write) and one line says so.
+
+    ``log_config`` writes ``config.yaml`` when the run begins (its first row, or the resume's
+    ``begin_run``), so a run that fails during setup leaves the earlier run's config beside the
+    earlier run's rows; a resume with other settings keeps the earlier, different config as
+    ``config.<k>.yaml``.
     """
 
     def __init__(self, log_dir: Optional[Union[str, Path]], filename: str = "metrics.jsonl") -> None:
@@ -46,6 +51,8 @@ class JsonlMetricLogger:
         # config.yaml as it was before log_config replaced it, kept aside with the earlier
         # run's rows if this run turns out fresh (log_config comes before begin_run).
         self._earlier_config: Optional[str] = None
+        # log_config's text, written when the run begins (see the class docstring).
+        self._pending_config: Optional[str] = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Append mode writes nothing yet: whether the rows are kept aside or continued is
@@ -68,6 +75,9 @@ class JsonlMetricLogger:
             self._keep_earlier_run()
         else:
             self._drop_rows_after(resume_step)
+        if self._pending_config is not None:
+            self._write_config(self._pending_config)
+            self._pending_config = None
 
     def drop_rows_after(self, step: int) -> None:
         """A resumed run: ``begin_run(step)``. (The name the recipes' setup calls.)"""
@@ -143,10 +153,19 @@ class JsonlMetricLogger:
     def log_config(self, config) -> None:
         from omegaconf import OmegaConf
 
+        text = OmegaConf.to_yaml(config, resolve=True)
+        if self._begun:
+            self._write_config(text)
+        else:
+            self._pending_config = text
+
+    def _write_config(self, text: str) -> None:
+        from tune_recipes.loggers import keep_a_different_config
+
         out = self.path.parent / "config.yaml"
-        self.remember_config(out)
+        keep_a_different_config(out, text)  # a resume with other settings
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(OmegaConf.to_yaml(config, resolve=True))
+        tmp.write_text(text)
         os.replace(tmp, out)  # never a half-written config.yaml
 
     def close(self) -> None:

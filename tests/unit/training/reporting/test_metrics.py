@@ -113,3 +113,43 @@ def test_a_null_log_dir_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"metric_logger.log_dir is null.*"
                                           r"metric_logger.log_dir=\$\{output_dir\}"):
         JsonlMetricLogger(None)
+
+
+def test_a_run_that_fails_in_setup_leaves_the_earlier_runs_config_beside_its_rows(tmp_path):
+    """config.yaml describes the run whose rows sit beside it: a run whose setup fails after
+    log_config (before its first row) writes no config.yaml over the earlier run's."""
+    from omegaconf import OmegaConf
+
+    first = JsonlMetricLogger(tmp_path)
+    first.log_config(OmegaConf.create({"run": 1}))
+    first.log_dict({"loss": 1.0}, step=1)
+    first.close()
+    failed = JsonlMetricLogger(tmp_path)
+    failed.log_config(OmegaConf.create({"run": "failed"}))
+    failed.close()  # setup raised: no row, no begin_run
+    assert (tmp_path / "config.yaml").read_text().strip() == "run: 1"
+    assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [1.0]
+    assert not list(tmp_path.glob("config.*.yaml")) and not list(tmp_path.glob("metrics.*.jsonl"))
+
+
+def test_a_resume_with_other_settings_keeps_the_earlier_config(tmp_path):
+    """The settings that made the folder's checkpoints stay on record: config.<k>.yaml."""
+    from omegaconf import OmegaConf
+
+    first = JsonlMetricLogger(tmp_path)
+    first.log_config(OmegaConf.create({"weight_decay": 0.0}))
+    first.log_dict({"loss": 1.0}, step=1)
+    first.close()
+    same = JsonlMetricLogger(tmp_path)  # a resume with the same settings keeps nothing
+    same.log_config(OmegaConf.create({"weight_decay": 0.0}))
+    same.drop_rows_after(1)
+    same.close()
+    assert not list(tmp_path.glob("config.*.yaml"))
+    other = JsonlMetricLogger(tmp_path)
+    other.log_config(OmegaConf.create({"weight_decay": 0.5}))
+    other.drop_rows_after(1)
+    other.log_dict({"loss": 0.5}, step=2)
+    other.close()
+    assert (tmp_path / "config.yaml").read_text().strip() == "weight_decay: 0.5"
+    assert (tmp_path / "config.1.yaml").read_text().strip() == "weight_decay: 0.0"
+    assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [1.0, 0.5]
