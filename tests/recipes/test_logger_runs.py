@@ -122,13 +122,30 @@ def test_mlflow_logger_file_store(tmp_path):
 
 def test_a_fresh_run_into_an_earlier_runs_output_dir_starts_its_own_metrics(tmp_path):
     # The README command run twice: the second run's metrics.jsonl holds its own steps only,
-    # and the first run's rows are kept beside it (a resume would continue the file instead).
+    # and the first run's rows, config and checkpoints are kept beside it under one name (a
+    # resume would continue the run instead).
     out = tmp_path / "run"
     run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
-               ["max_steps_per_epoch=4"])
+               ["max_steps_per_epoch=4", "epochs=2"])
+    first_adapter = (out / "epoch_1" / "adapter_model.safetensors").read_bytes()
     proc = run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
-                      ["max_steps_per_epoch=2"])
+                      ["max_steps_per_epoch=2", "optimizer.lr=1e-3"])
     assert [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     (kept,) = out.glob("metrics.*.jsonl")
-    assert len(kept.read_text().splitlines()) == 4
+    assert len(kept.read_text().splitlines()) == 8
     assert f"kept as {kept.name}" in proc.stderr
+    suffix = kept.name[len("metrics."):-len(".jsonl")]
+    earlier = out / f"checkpoints.{suffix}"
+    assert sorted(p.name for p in earlier.iterdir()) == ["epoch_0", "epoch_1", "recipe_state"]
+    assert (earlier / "epoch_1" / "adapter_model.safetensors").read_bytes() == first_adapter
+    assert f"moved to {earlier.name}/" in proc.stderr
+    assert (out / f"config.{suffix}.yaml").is_file()
+    # Only the second run's checkpoint is left to resume: the earlier run's newest epoch is
+    # not continued on the second run's metrics (it had been).
+    assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0"]
+    resumed = run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+                         ["max_steps_per_epoch=2", "optimizer.lr=1e-3", "epochs=2",
+                          "resume_from_checkpoint=True"])
+    assert "from epoch_0/ (1 epoch(s) done)" in resumed.stderr, resumed.stderr[-2000:]
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]

@@ -1,8 +1,11 @@
 """Checkpoint I/O glue around torchtune's checkpointers."""
 
 import json
+import os
 import pickle
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -276,6 +279,47 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
     if point.finished:
         return checkpointer_config_for_finished_run(cfg_checkpointer, point, full_weights)
     return checkpointer_config_for_resume(cfg_checkpointer, output_dir, bool(full_weights))
+
+
+def keep_earlier_checkpoints_aside(output_dir: str) -> Optional[Path]:
+    """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
+    (and ``recipe_state/``): they move into ``checkpoints.<suffix>/`` (returned), named as the
+    earlier run's kept metrics and config are (``earlier_run_suffix``), and one line says so.
+
+    NOTE: moved, not left for the new run to overwrite: the new run's ``epoch_0/`` would
+    replace the earlier one's while the earlier ``epoch_1/`` ... stayed, and a later resume would
+    continue the earlier run's newest epoch on the new run's metrics. Moved at the start, not at
+    the first save, so that ``resume_from_checkpoint=auto`` after a crash before that save
+    starts afresh again instead of resuming the earlier run. ``step_<n>/`` folders never get
+    here: a fresh run beside them is refused (``refuse_stale_step_checkpoints``)."""
+    from tune_recipes.training.reporting.metrics import earlier_run_suffix
+
+    out = Path(output_dir)
+    if not out.is_dir():
+        return None
+    found = sorted((d for d in out.iterdir() if d.is_dir() and _EPOCH_DIR.match(d.name)),
+                   key=lambda d: int(_EPOCH_DIR.match(d.name).group(1)))
+    if not found:
+        return None
+    if (out / RECIPE_STATE_FILE.parent).is_dir():
+        found.append(out / RECIPE_STATE_FILE.parent)
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        suffix = earlier_run_suffix(metrics)
+    else:
+        newest = max(d.stat().st_mtime for d in found)
+        suffix = time.strftime("%Y%m%d-%H%M%S", time.localtime(newest))
+    kept, n = out / f"checkpoints.{suffix}", 1
+    while kept.exists():
+        n += 1
+        kept = out / f"checkpoints.{suffix}-{n}"
+    kept.mkdir()
+    for d in found:
+        os.replace(d, kept / d.name)
+    print(f"{out} held an earlier run's checkpoints: {', '.join(d.name + '/' for d in found)} "
+          f"moved to {kept.name}/ (this run starts afresh; resume_from_checkpoint=True continues "
+          "a run instead)", file=sys.stderr)
+    return kept
 
 
 def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfig,

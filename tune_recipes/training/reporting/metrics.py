@@ -90,12 +90,8 @@ class JsonlMetricLogger:
         if not self.path.is_file() or self.path.stat().st_size == 0:
             return
         self._fh.close()
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
+        suffix = earlier_run_suffix(self.path)
         stem = self.path.stem
-        suffix, n = stamp, 1
-        while self.path.with_name(f"{stem}.{suffix}{self.path.suffix}").exists():
-            n += 1
-            suffix = f"{stamp}-{n}"
         kept = [self.path.with_name(f"{stem}.{suffix}{self.path.suffix}")]
         os.replace(self.path, kept[0])
         png = self.path.with_suffix(".png")
@@ -174,6 +170,21 @@ class JsonlMetricLogger:
 
     def __del__(self) -> None:
         self.close()
+
+
+def earlier_run_suffix(metrics_file: Path) -> str:
+    """The name an earlier run's files are kept under when a fresh run starts beside them
+    (``metrics.<suffix>.jsonl``, ``config.<suffix>.yaml``, its checkpoints in
+    ``checkpoints.<suffix>/``): the time of ``metrics_file``'s last write, then ``-2``, ``-3``
+    ... until ``metrics.<suffix>.jsonl`` is free. The same answer before and after the
+    checkpoints move, so the earlier run's files share one name."""
+    metrics_file = Path(metrics_file)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(metrics_file.stat().st_mtime))
+    suffix, n = stamp, 1
+    while metrics_file.with_name(f"{metrics_file.stem}.{suffix}{metrics_file.suffix}").exists():
+        n += 1
+        suffix = f"{stamp}-{n}"
+    return suffix
 
 
 def read_metrics(path: Union[str, Path], key: Optional[str] = None):

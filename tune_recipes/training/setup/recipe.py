@@ -19,6 +19,7 @@ from tune_recipes.training.checkpointing.io import (
     ResumePoint,
     checkpointer_config_for_output_dir,
     instantiate_checkpointer_for_resume,
+    keep_earlier_checkpoints_aside,
     load_recipe_state,
     resume_point,
 )
@@ -79,6 +80,8 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         cfg.checkpointer, cfg.output_dir, setting, full_weights=not adapter
     )
     if point is None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            keep_earlier_checkpoints_aside(cfg.output_dir)
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
         return checkpointer, read_checkpoint(checkpointer, cfg_checkpointer), None
     if point.finished:

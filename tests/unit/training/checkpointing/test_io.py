@@ -325,3 +325,29 @@ def test_a_resume_takes_weights_adapter_and_state_from_one_checkpoint(tmp_path, 
         again = checkpointer_config_for_resume(own, str(tmp_path), full_weights=full_weights)
     assert again.recipe_checkpoint == f"step_6/{EPOCH_STATE_FILE}"
     assert not caplog.records
+
+
+def test_an_earlier_runs_checkpoints_move_aside_under_its_metrics_name(tmp_path, capsys):
+    from tune_recipes.training.checkpointing.io import keep_earlier_checkpoints_aside
+    from tune_recipes.training.reporting.metrics import earlier_run_suffix
+
+    assert keep_earlier_checkpoints_aside(str(tmp_path / "absent")) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert keep_earlier_checkpoints_aside(str(tmp_path)) is None  # metrics only: the logger's
+    for name in ("epoch_0", "epoch_10", "epoch_2", "recipe_state", "profiling_outputs"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text(name)
+    suffix = earlier_run_suffix(tmp_path / "metrics.jsonl")
+    kept = keep_earlier_checkpoints_aside(str(tmp_path))
+    assert kept == tmp_path / f"checkpoints.{suffix}"
+    assert sorted(p.name for p in kept.iterdir()) == ["epoch_0", "epoch_10", "epoch_2", "recipe_state"]
+    assert (kept / "epoch_10" / "f").read_text() == "epoch_10"
+    assert (tmp_path / "profiling_outputs").is_dir()  # not a checkpoint: left where it is
+    assert "epoch_0/, epoch_2/, epoch_10/, recipe_state/ moved to" in capsys.readouterr().err
+    # The metrics keep their name when the logger moves them afterwards.
+    assert earlier_run_suffix(tmp_path / "metrics.jsonl") == suffix
+    # Without metrics: named by the checkpoints' last write, never over an earlier kept folder.
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "epoch_0").mkdir()
+    again = keep_earlier_checkpoints_aside(str(tmp_path))
+    assert again is not None and again != kept and (again / "epoch_0").is_dir()
