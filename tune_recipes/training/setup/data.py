@@ -82,6 +82,8 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
                 f"{key}: {component} needs the network to fetch its data and cannot reach it "
                 f"({_first_line(e)}); fetch it once while online (it is cached), or point "
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
+        if isinstance(e, KeyError) and not _raised_in_datasets(e):
+            raise _no_column(key, e) from None  # a packed dataset tokenizes as it is built
         if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
         if isinstance(e, ValueError) and not _raised_in_datasets(e):
@@ -92,8 +94,53 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
             detail = f"{_first_line(e)}" + (f": {_first_line(cause)}" if cause else "")
             raise ConfigError(f"{key}: {component} cannot load its data ({detail})") from None
         raise
+    from torchtune.datasets import PackedDataset
+
+    if not (isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False)):
+        # (A packed dataset tokenized every example while it was built, above.)
+        dataset = ExampleErrorsNamed(dataset, key)
     check_first_examples(dataset, tokenizer, key)
     return dataset
+
+
+def _no_column(key: str, e: KeyError, index: Optional[int] = None) -> ConfigError:
+    which = f"example {index}" if index is not None else "an example"
+    return ConfigError(f"{key}: {which} has no column {e} (map the data's columns with "
+                       f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})")
+
+
+class ExampleErrorsNamed(Dataset):
+    """``dataset`` whose examples, made into tokens only when a batch asks for them, fail as one
+    line naming the config key, the example's index and what went wrong: a row further into
+    the data than ``check_first_examples`` looks (a null, a number or a list where the template
+    wants text; a missing column) would otherwise end a run mid-epoch in a tokenizer's
+    traceback. Other attributes are the dataset's own."""
+
+    def __init__(self, dataset: Dataset, key: str) -> None:
+        self.dataset = dataset
+        self.key = key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except ConfigError:
+            raise
+        except KeyError as e:
+            raise _no_column(self.key, e, index) from None
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"{self.key}: example {index} cannot be made into tokens ({type(e).__name__}: "
+                f"{_first_line(e)}); a value the template reads is not text (null, a number, "
+                "a list?): fix or filter that row") from None
+
+    def __getattr__(self, name):
+        # Only for what this class does not have (dataset, key, the methods above).
+        if name in ("dataset", "key"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> None:
@@ -110,11 +157,8 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
     for i in range(n):
         try:
             example = dataset[i]
-        except KeyError as e:
-            raise ConfigError(
-                f"{key}: example {i} has no column {e} (map the data's columns with "
-                f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})"
-            ) from None
+        except KeyError as e:  # a dataset not wrapped in ExampleErrorsNamed
+            raise _no_column(key, e, i) from None
         labels = example.get("labels") if isinstance(example, dict) else None
         if labels is None:
             return  # not a labelled example (a custom dataset): nothing to check here

@@ -95,3 +95,25 @@ def test_a_builders_own_refusal_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"^dataset: tune_recipes.data.tiny_alpaca_dataset: "
                                           r"dataset.packed=True needs tokenizer.max_seq_len"):
         build_dataset(cfg, tiny_tokenizer(max_seq_len=None))
+
+
+def test_a_row_that_is_not_text_past_the_first_examples_names_its_index(tmp_path):
+    """Row 19 (past the examples checked at setup) has a null answer, or none (the loader fills
+    a missing value with null): the batch that reaches it stops the run with one line naming
+    it, not a tokenizer's traceback mid-epoch."""
+    rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(24)]
+    for broken in ({"input": "question 19", "output": None}, {"input": "question 19"}):
+        rows[19] = broken
+        dataset = build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+        assert dataset[18]["tokens"] and dataset[20]["tokens"]  # the others are untouched
+        with pytest.raises(ConfigError, match=r"^dataset: example 19 cannot be made into tokens "
+                                              r"\(AttributeError: 'NoneType' object .*not text"):
+            dataset[19]
+
+
+@pytest.mark.parametrize("value, what", [(4, "int"), (["a", "b"], "list")])
+def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, what):
+    rows = [{"input": f"question {i}", "output": value} for i in range(4)]
+    with pytest.raises(ConfigError, match=rf"^dataset: example 0 cannot be made into tokens "
+                                          rf"\(AttributeError: '{what}' object"):
+        build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
