@@ -206,17 +206,44 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
                 f"with a teacher, the shorter of the two): set tokenizer.max_seq_len="
                 f"{max_seq_len} or less")
         return packed_collate  # padding_free: nothing to remove, packed rows hold no padding
+    if max_seq_len is not None and isinstance(longest_row, int) and longest_row > max_seq_len:
+        # Else the first example longer than the model takes ends the run mid-epoch in the
+        # model's traceback.
+        raise ConfigError(
+            f"tokenizer.max_seq_len={longest_row} lets an example hold more tokens than the "
+            f"model takes in a row ({max_seq_len}; with a teacher, the shorter of the two): set "
+            f"tokenizer.max_seq_len={max_seq_len} or less")
     if padding_free:
-        return partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
-                       max_seq_len=max_seq_len)
-    if "left_pad_sequence" in collate_fn:
-        raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
-    fn = resolve_component(collate_fn, "collate_fn")
-    if pad_to_multiple_of <= 1:
-        return partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
-    caps = [n for n in (max_seq_len, longest_row) if n is not None]
-    return partial(padded_to_a_multiple, collate=fn, padding_idx=pad_id, ignore_idx=ignore_index,
-                   pad_to_multiple_of=pad_to_multiple_of, max_seq_len=min(caps) if caps else None)
+        collate = partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
+                          max_seq_len=max_seq_len)
+    else:
+        if "left_pad_sequence" in collate_fn:
+            raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
+        fn = resolve_component(collate_fn, "collate_fn")
+        if pad_to_multiple_of <= 1:
+            collate = partial(fn, padding_idx=pad_id, ignore_idx=ignore_index)
+        else:
+            caps = [n for n in (max_seq_len, longest_row) if n is not None]
+            collate = partial(padded_to_a_multiple, collate=fn, padding_idx=pad_id,
+                              ignore_idx=ignore_index, pad_to_multiple_of=pad_to_multiple_of,
+                              max_seq_len=min(caps) if caps else None)
+    if longest_row is None and max_seq_len is not None:
+        # tokenizer.max_seq_len: null (torchtune's configs leave rows uncut): say which row,
+        # if any, is longer than the model takes, when its batch comes.
+        return partial(examples_within, collate=collate, max_seq_len=max_seq_len)
+    return collate
+
+
+def examples_within(batch, *, collate, max_seq_len: int):
+    """``collate(batch)``, after checking that no example is longer than ``max_seq_len`` tokens
+    (module level, with ``partial``: a dataloader worker pickles it)."""
+    longest = max((len(x["tokens"]) for x in batch), default=0)
+    if longest > max_seq_len:
+        raise ConfigError(
+            f"an example of {longest} tokens is longer than the model takes in a row "
+            f"({max_seq_len}); tokenizer.max_seq_len=null leaves examples uncut: set "
+            f"tokenizer.max_seq_len={max_seq_len} (or less) to cut them")
+    return collate(batch)
 
 
 def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size: int = 1,

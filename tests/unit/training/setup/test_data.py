@@ -137,9 +137,26 @@ def test_padded_batches_go_on_to_128_token_multiples_on_a_gpu_only():
     on_gpu = [b["tokens"].shape[1] for b in _loader(pad_to_multiple_of=128)]
     assert all(m == -(-n // 128) * 128 for n, m in zip(plain, on_gpu)), (plain, on_gpu)
     # capped: by the tokenizer's max_seq_len (longest_row) and the model's, the smaller
-    for caps in ({"longest_row": 100}, {"max_seq_len": 100}, {"longest_row": 300, "max_seq_len": 100},
+    for caps in ({"longest_row": 100}, {"max_seq_len": 110}, {"longest_row": 100, "max_seq_len": 100},
                  {"longest_row": 100, "max_seq_len": 300}):
         for capped, free in zip(_loader(pad_to_multiple_of=128, **caps), _loader()):
             n, m = capped["tokens"].shape[1], free["tokens"].shape[1]
-            assert n == max(min(-(-m // 128) * 128, 100), m), (caps, n, m)
+            cap = min(caps.values())
+            assert n == max(min(-(-m // 128) * 128, cap), m), (caps, n, m)
             assert torch.equal(capped["labels"][:, :m], free["labels"])
+
+
+def test_examples_longer_than_the_model_takes_are_one_line_naming_tokenizer_max_seq_len():
+    """A tokenizer.max_seq_len above the model's is refused when the dataloader is built; with
+    none (null: rows uncut, as torchtune's configs leave them) the batch holding an example
+    longer than the model takes (the tiny rows: 52-102 tokens) stops with one line, not the
+    model's traceback mid-epoch. Padded and padding-free alike."""
+    for padding_free in (False, True):
+        with pytest.raises(ConfigError, match=r"^tokenizer.max_seq_len=300 lets an example hold "
+                                              r"more tokens than the model takes in a row \(100;"):
+            _loader(longest_row=300, max_seq_len=100, padding_free=padding_free)
+        with pytest.raises(ConfigError, match=r"^an example of 10[0-9] tokens is longer than the "
+                                              r"model takes in a row \(100\); tokenizer.max_seq_len=null"):
+            for _ in _loader(max_seq_len=100, padding_free=padding_free):
+                pass
+        assert len(list(_loader(max_seq_len=102, padding_free=padding_free))) > 1
