@@ -261,8 +261,28 @@ def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> Lis
                 )
             if k in params and params[k].kind is params[k].POSITIONAL_ONLY:
                 raise ConfigError(f"{key_path}.{k}: {target} takes '{k}' only positionally")
+            if k in params and _takes_a_bool(params[k]):
+                value = node.get(k)
+                if not (value is None or isinstance(value, bool) or value in (0, 1)):
+                    # NOTE: a string is truthy: 'Flase' would silently turn the option on.
+                    raise ConfigError(f"{key_path}.{k}={value}: expected True or False "
+                                      f"({target}'s '{k}' is a flag)")
         checked.append(key_path or "<root>")
     return checked
+
+
+_BOOL_ANNOTATIONS = {bool, Optional[bool], "bool", "Optional[bool]", "bool | None"}
+
+
+def _takes_a_bool(param: inspect.Parameter) -> bool:
+    """Whether a component's argument is a flag: a bool default, or annotated bool (or
+    Optional[bool])."""
+    if isinstance(param.default, bool):
+        return True
+    try:
+        return param.annotation in _BOOL_ANNOTATIONS
+    except TypeError:  # an unhashable annotation
+        return False
 
 
 def check_known_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:

@@ -43,6 +43,24 @@ def test_validation_binds_keys_to_the_component_signature():
         validate_config(OmegaConf.create({"loss": {"_component_": "torch.nn.NoSuchLoss"}}))
 
 
+@pytest.mark.parametrize("section, key", [
+    ({"_component_": "torch.optim.AdamW", "lr": 1e-3}, "amsgrad"),  # a bool default
+    ({"_component_": "torch.optim.AdamW", "lr": 1e-3}, "foreach"),  # Optional[bool], default None
+    ({"_component_": "torchtune.datasets.alpaca_dataset"}, "train_on_input"),
+])
+def test_a_flag_given_a_word_is_one_line_not_silently_true(section, key):
+    """A string is truthy: 'Flase' (or 'maybe') would turn the option on without a word."""
+    for word in ("Flase", "maybe"):
+        cfg = OmegaConf.create({"optimizer": {**section, key: word}})
+        with pytest.raises(ConfigError, match=rf"^optimizer.{key}={word}: expected True or False"):
+            validate_config(cfg)
+    for value in (True, False, None, 0, 1):
+        assert validate_config(OmegaConf.create({"optimizer": {**section, key: value}})) == ["optimizer"]
+    # an argument that is no flag takes a word
+    assert validate_config(OmegaConf.create({"dataset": {"_component_": "torchtune.datasets.alpaca_dataset",
+                                                         "source": "json"}})) == ["dataset"]
+
+
 def test_resolve_component_and_known_keys():
     import torch
 
