@@ -5,7 +5,7 @@ from typing import Optional
 from pathlib import Path
 
 import torch
-from omegaconf import ListConfig
+from omegaconf import DictConfig, ListConfig
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -71,6 +71,11 @@ def _raised_in_datasets(e: BaseException) -> bool:
 
 def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
     component = cfg_dataset.get("_component_", "?") if hasattr(cfg_dataset, "get") else "?"
+    column_map = cfg_dataset.get("column_map", None) if hasattr(cfg_dataset, "get") else None
+    if column_map is not None and not isinstance(column_map, DictConfig):
+        raise ConfigError(f"{key}.column_map={column_map}: expected a mapping from the "
+                          "template's names to the data's columns, e.g. "
+                          f"{key}.column_map={{input: prompt, output: response}}")
     try:
         dataset = tt_config.instantiate(cfg_dataset, tokenizer)
     except ConfigError:

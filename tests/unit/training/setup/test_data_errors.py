@@ -44,6 +44,8 @@ def test_a_missing_data_file_and_a_missing_column_name_the_key(tmp_path):
     ok = build_dataset(_instruct(tmp_path, rows, column_map={"input": "prompt", "output": "answer"}),
                        tiny_tokenizer())
     assert len(ok) == 4
+    with pytest.raises(ConfigError, match=r"^dataset.column_map=prompt: expected a mapping"):
+        build_dataset(_instruct(tmp_path, rows, column_map="prompt"), tiny_tokenizer())
 
 
 def test_an_unreadable_data_file_and_an_empty_one_name_the_key(tmp_path):
