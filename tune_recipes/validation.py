@@ -829,6 +829,25 @@ def lr_scheduler_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def data_files_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
+    """A local ``data_files`` path (a file or folder, not a URL or a glob) that does not exist,
+    in ``key`` or any part of a list of datasets: named here, as ``tune run`` names it when it
+    loads the data. None when every local path exists."""
+    section = _value(cfg, key)
+    parts = [(key, section)] if isinstance(section, dict) else \
+        [(f"{key}[{i}]", s) for i, s in enumerate(section)] if isinstance(section, list) else []
+    for where, part in parts:
+        files = part.get("data_files") if isinstance(part, dict) else None
+        if isinstance(files, dict):  # split -> file(s)
+            files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
+        for path in files if isinstance(files, list) else [files]:
+            if not isinstance(path, str) or "://" in path or any(c in path for c in "*?["):
+                continue
+            if not Path(path).expanduser().exists():
+                return f"{where}.data_files={path}: no such file"
+    return None
+
+
 def tokenizer_problem(cfg: DictConfig) -> Optional[str]:
     """Build the tokenizer as the recipe will (a machine check: it reads ``tokenizer.path``):
     a file that is not a tokenizer, or a builder's own refusal, is one line here rather than a
@@ -1184,6 +1203,11 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             problem = tokenizer_problem(cfg)
             if problem:
                 raise ConfigError(problem)
+        for key in ("dataset", "dataset_val"):
+            if keys is None or key in keys:
+                problem = data_files_problem(cfg, key)
+                if problem:
+                    raise ConfigError(problem)
         if keys is None or "metric_logger" in keys:
             problem = metric_logger_problem(cfg)
             if problem:

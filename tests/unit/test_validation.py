@@ -267,6 +267,13 @@ CASES = [
     ("tiny/full_single_device", ["tokenizer._component_=torchtune.models.llama3.llama3_tokenizer",
                                  "tokenizer.path={file}"],
      "tokenizer: torchtune.models.llama3.llama3_tokenizer cannot be built from tokenizer.path="),
+    # a local data file that is not there, in a dataset or a part of a list of them
+    ("tiny/lora_single_device", ["dataset._component_=torchtune.datasets.instruct_dataset",
+                                 "dataset.source=json", "dataset.data_files=no_such_data.json"],
+     "dataset.data_files=no_such_data.json: no such file"),
+    ("tiny/full_single_device", ["dataset=[{_component_: torchtune.datasets.instruct_dataset, "
+                                 "source: json, data_files: [{file}, gone_data.json]}]"],
+     "dataset[0].data_files=gone_data.json: no such file"),
     ("tiny/lora_single_device", ["metric_logger=null"], "metric_logger=None: expected a mapping"),
     ("tiny/lora_single_device", ["model=5"], "model=5: expected a mapping with a _component_"),
     ("tiny/full_single_device", ["dataset=alpaca"], "dataset=alpaca: expected a mapping"),
