@@ -70,6 +70,9 @@ def load_metrics(run: PathLike) -> Dict[str, Series]:
     repeats; a validation row logged separately at the same step merges with the training row).
     """
     path = metrics_path(run)
+    if not Path(run).exists():
+        raise PlotError(f"{run}: no such file or folder (give a run's output_dir or its "
+                        f"{METRICS_FILE})")
     if not path.is_file():
         raise PlotError(f"no {METRICS_FILE} in {run} (is it a run's output_dir?)")
     by_key: Dict[str, Dict[int, float]] = {}

@@ -60,10 +60,12 @@ def integer(minimum: int) -> Check:
 
 
 def number(minimum: float = -math.inf, exclusive: bool = False, maximum: float = math.inf,
-           finite: bool = True, strings: bool = False) -> Check:
-    """A number in range; ``strings`` also takes a string float() parses (YAML's ``inf``)."""
+           finite: bool = True, strings: bool = False, below_maximum: bool = False) -> Check:
+    """A number in range; ``strings`` also takes a string float() parses (YAML's ``inf``);
+    ``below_maximum``: ``maximum`` itself is out of range too."""
     lo = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
-    want = f"a number {lo}" + (f" and <= {maximum:g}" if maximum != math.inf else "")
+    hi = "<" if below_maximum else "<="
+    want = f"a number {lo}" + (f" and {hi} {maximum:g}" if maximum != math.inf else "")
 
     def check(v):
         if strings and isinstance(v, str):
@@ -73,7 +75,8 @@ def number(minimum: float = -math.inf, exclusive: bool = False, maximum: float =
                 return f"expected {want}"
         if not _is_number(v) or math.isnan(v) or (finite and math.isinf(v)):
             return f"expected {want}"
-        if (v <= minimum if exclusive else v < minimum) or v > maximum:
+        if (v <= minimum if exclusive else v < minimum) or v > maximum \
+                or (below_maximum and v >= maximum):
             return f"expected {want}"
         return None
 
@@ -302,7 +305,8 @@ SCHEMA: List[Rule] = [
     Rule("dtype", _bf16_or_fp32),
     Rule("model.lora_rank", integer(1)),
     Rule("model.lora_alpha", number(0, exclusive=True)),
-    Rule("model.lora_dropout", number(0, maximum=1)),
+    # 1.0 drops every adapter input: the adapters never train, silently.
+    Rule("model.lora_dropout", number(0, maximum=1, below_maximum=True)),
     Rule("model.lora_attn_modules", list_of(one_of(*_LORA_MODULES), nonempty=True)),
     Rule("model.apply_lora_to_mlp", boolean),
     Rule("model.apply_lora_to_output", boolean),
@@ -861,6 +865,8 @@ def tokenizer_problem(cfg: DictConfig) -> Optional[str]:
         tt_config.instantiate(OmegaConf.create(section))
     except Exception as e:  # noqa: BLE001 - whatever stops the tokenizer stops the run
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if len(text) > 300:  # a parser quoting a minified tokenizer.json whole
+            text = text[:300] + " ..."
         where = f" from tokenizer.path={_show(section['path'])}" if "path" in section else ""
         return (f"tokenizer: {section['_component_']} cannot be built{where} "
                 f"({type(e).__name__}: {text})")

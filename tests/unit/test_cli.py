@@ -523,3 +523,22 @@ def test_without_tunes_handlers_the_finalizer_swallows_the_interrupt():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ran to the end" in proc.stdout
     assert "Exception ignored" in proc.stderr
+
+
+def test_a_failed_download_is_one_line_not_torchtunes_traceback_chain(monkeypatch, tmp_path, capsys):
+    import torchtune._cli.download as download
+
+    def offline(*args, **kwargs):
+        try:
+            raise OSError("[Errno -3] Temporary failure in name resolution")
+        except OSError as cause:
+            raise ConnectionError("Max retries exceeded with url: /api/models/a/b") from cause
+
+    monkeypatch.setattr(download, "snapshot_download", offline)
+    with pytest.raises(SystemExit) as exited:
+        main(["download", "a/b", "--output-dir", str(tmp_path / "dl")])
+    assert exited.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith("tune download: error: Failed to download a/b with error: 'Max retries")
+    assert err[0].endswith("(no network? the download needs huggingface.co or kaggle.com)")

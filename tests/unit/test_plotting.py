@@ -100,6 +100,8 @@ def test_plot_with_missing_and_nonfinite_values_still_draws(tmp_path):
 def test_missing_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(PlotError, match="no metrics.jsonl in"):
         plot_runs([tmp_path])
+    with pytest.raises(PlotError, match="nope: no such file or folder"):
+        plot_runs([tmp_path / "nope"])
 
 
 def test_tune_plot_cli(tmp_path, capsys):
@@ -108,5 +110,8 @@ def test_tune_plot_cli(tmp_path, capsys):
     assert (a / "metrics.png").is_file() and "wrote" in capsys.readouterr().out
     assert main(["plot", str(a), str(b), "--out", str(tmp_path / "both.png")]) == 0
     assert (tmp_path / "both.png").is_file()
-    assert main(["plot", str(tmp_path / "nope")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["plot", str(tmp_path / "empty")]) == 2
     assert "tune: error: no metrics.jsonl in" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "nope")]) == 2
+    assert "nope: no such file or folder" in capsys.readouterr().err

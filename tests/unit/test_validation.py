@@ -274,6 +274,8 @@ CASES = [
     ("tiny/full_single_device", ["dataset=[{_component_: torchtune.datasets.instruct_dataset, "
                                  "source: json, data_files: [{file}, gone_data.json]}]"],
      "dataset[0].data_files=gone_data.json: no such file"),
+    ("tiny/lora_single_device", ["model.lora_dropout=1.0"],
+     "model.lora_dropout=1.0: expected a number >= 0 and < 1"),
     ("tiny/lora_single_device", ["metric_logger=null"], "metric_logger=None: expected a mapping"),
     ("tiny/lora_single_device", ["model=5"], "model=5: expected a mapping with a _component_"),
     ("tiny/full_single_device", ["dataset=alpaca"], "dataset=alpaca: expected a mapping"),
@@ -888,3 +890,14 @@ def test_the_wandb_logger_without_credentials_is_one_line(env, mode, refused, tm
         assert rc == 2 and "W&B has no API key on this machine" in line and "wandb login" in line
     else:
         assert rc == 0, err
+
+
+@pytest.mark.unit
+def test_a_tokenizer_error_quoting_a_whole_file_is_cut(tmp_path, capsys):
+    """A parser's error quoting a minified tokenizer.json (megabytes on one line) is cut."""
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": ' + '"x",' * 100_000)  # one long line, not valid JSON
+    rc = main(["validate", "tiny/full_single_device",
+               "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer", f"tokenizer.path={bad}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(_one_error_line(err)) < 1000, err[:2000]

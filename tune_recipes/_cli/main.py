@@ -286,11 +286,28 @@ def version_line() -> str:
 
 def cmd_download(args: argparse.Namespace, rest: List[str]) -> int:
     # Delegates to torchtune's downloader (Hugging Face Hub / Kaggle), same flags.
+    from unittest import mock
+
     from torchtune._cli.tune import main as torchtune_main
 
     sys.argv = ["tune", "download", *rest]
-    torchtune_main()
+    # NOTE: torchtune's downloader reports a failed download through argparse's error() with
+    # the whole traceback chain in the message (five chained tracebacks when offline); here it
+    # is the one line of what failed.
+    with mock.patch.object(argparse.ArgumentParser, "error", _download_error):
+        torchtune_main()
     return 0
+
+
+def _download_error(parser: argparse.ArgumentParser, message: str) -> None:
+    what = message.split(" and traceback:")[0].strip()
+    what = (what.splitlines() or [""])[0][:500]
+    hint = ""
+    if any(w in message for w in ("NameResolution", "Max retries", "ConnectionError",
+                                  "ConnectTimeout", "OfflineModeIsEnabled", "Network is unreachable")):
+        hint = " (no network? the download needs huggingface.co or kaggle.com)"
+    print(f"tune download: error: {what}{hint}", file=sys.stderr)
+    sys.exit(2)
 
 
 _OVERRIDES_HELP = """\
