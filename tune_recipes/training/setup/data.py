@@ -108,10 +108,43 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
     return dataset
 
 
-def _no_column(key: str, e: KeyError, index: Optional[int] = None) -> ConfigError:
+def _no_column(key: str, e: KeyError, index: Optional[int] = None,
+               row: Optional[dict] = None) -> ConfigError:
+    """A KeyError while an example is made into tokens: a column the template reads that the
+    data lacks, or (where the example's raw ``row`` shows it) a value the template does not
+    know, such as a conversation role, or a field inside a column."""
     which = f"example {index}" if index is not None else "an example"
+    missing = e.args[0] if e.args else e
+    if isinstance(row, dict) and missing not in row:
+        columns = ", ".join(map(str, row))
+        if _holds_value(row, missing):
+            return ConfigError(
+                f"{key}: {which} holds {missing!r} where the template expects another value "
+                f"(e.g. a role the conversation style does not know; its columns: {columns})")
+        return ConfigError(
+            f"{key}: {which} has no column {missing!r} (its columns: {columns}; map them with "
+            f"{key}.column_map, e.g. column_map={{input: prompt, output: response}}; chat data: "
+            f"check {key}.conversation_style)")
     return ConfigError(f"{key}: {which} has no column {e} (map the data's columns with "
                        f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})")
+
+
+def _holds_value(value, wanted) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_value(v, wanted) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_value(v, wanted) for v in value)
+    return value == wanted
+
+
+def _raw_row(dataset, index) -> Optional[dict]:
+    """The example's row as loaded (torchtune's SFTDataset keeps it in ``_data``), or None."""
+    data = getattr(dataset, "_data", None)
+    try:
+        row = data[index] if data is not None else None
+    except Exception:  # noqa: BLE001 - only for a better message
+        return None
+    return row if isinstance(row, dict) else None
 
 
 class ExampleErrorsNamed(Dataset):
@@ -134,7 +167,7 @@ class ExampleErrorsNamed(Dataset):
         except ConfigError:
             raise
         except KeyError as e:
-            raise _no_column(self.key, e, index) from None
+            raise _no_column(self.key, e, index, _raw_row(self.dataset, index)) from None
         except (AttributeError, TypeError, ValueError) as e:
             raise ConfigError(
                 f"{self.key}: example {index} cannot be made into tokens ({type(e).__name__}: "

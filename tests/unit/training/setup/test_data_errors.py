@@ -39,7 +39,8 @@ def test_a_missing_data_file_and_a_missing_column_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^dataset: torchtune.datasets.instruct_dataset"):
         build_dataset(_instruct(tmp_path), tiny_tokenizer())
     rows = [{"prompt": "hi", "answer": "yes"}] * 4
-    with pytest.raises(ConfigError, match=r"dataset: example 0 has no column 'input'.*column_map"):
+    with pytest.raises(ConfigError, match=r"dataset: example 0 has no column 'input' \(its "
+                                          r"columns: prompt, answer;.*column_map"):
         build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
     ok = build_dataset(_instruct(tmp_path, rows, column_map={"input": "prompt", "output": "answer"}),
                        tiny_tokenizer())
@@ -119,3 +120,22 @@ def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, what):
     with pytest.raises(ConfigError, match=rf"^dataset: example 0 cannot be made into tokens "
                                           rf"\(AttributeError: '{what}' object"):
         build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+
+
+def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path):
+    """sharegpt's roles are system/human/gpt: a 'bot' turn is a value the template does not
+    know, not a missing column; a field the style reads that the turns lack names the row's
+    columns."""
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yes"}]}] * 4
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(path), "split": "train",
+                            "conversation_column": "conversations", "conversation_style": "sharegpt"})
+    with pytest.raises(ConfigError, match=r"^dataset: example 0 holds 'bot' where the template "
+                                          r"expects another value .*its columns: conversations"):
+        build_dataset(cfg, tiny_tokenizer())
+    cfg.conversation_style = "openai"
+    with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'role' \(its "
+                                          r"columns: conversations;.*conversation_style"):
+        build_dataset(cfg, tiny_tokenizer())
