@@ -265,8 +265,12 @@ def validate_config(cfg: DictConfig, skipped: Optional[List[str]] = None) -> Lis
                 value = node.get(k)
                 if not (value is None or isinstance(value, bool) or value in (0, 1)):
                     # NOTE: a string is truthy: 'Flase' would silently turn the option on.
-                    raise ConfigError(f"{key_path}.{k}={value}: expected True or False "
-                                      f"({target}'s '{k}' is a flag)")
+                    quoted = isinstance(value, str) and value.lower() in ("true", "false")
+                    hint = (" (a quoted string, or an environment variable: unquote it, or "
+                            "read the variable with ${oc.decode:${oc.env:NAME}})") if quoted else ""
+                    shown = repr(value) if quoted else value
+                    raise ConfigError(f"{key_path}.{k}={shown}: expected True or False, "
+                                      f"{target}'s '{k}' is a flag{hint}")
         checked.append(key_path or "<root>")
     return checked
 

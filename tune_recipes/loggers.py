@@ -51,25 +51,11 @@ def write_config(config: DictConfig, log_dir: Optional[PathLike]) -> Optional[Pa
     out = Path(where) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = OmegaConf.to_yaml(config, resolve=True)
+    from tune_recipes.training.reporting.metrics import keep_a_different_config
+
     keep_a_different_config(out, text)
     out.write_text(text)
     return out
-
-
-def keep_a_different_config(out: Path, text: str) -> Optional[Path]:
-    """Before ``out`` (config.yaml) is replaced by ``text``: an earlier, different one is kept as
-    ``config.<k>.yaml``, the first free k (returned)."""
-    if not out.is_file():
-        return None
-    earlier = out.read_text()
-    if earlier == text:
-        return None
-    k = 1
-    while (out.parent / f"config.{k}.yaml").exists():
-        k += 1
-    kept = out.parent / f"config.{k}.yaml"
-    kept.write_text(earlier)
-    return kept
 
 
 class _WithJsonl:

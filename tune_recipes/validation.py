@@ -833,21 +833,31 @@ def lr_scheduler_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+# Hugging Face's packaged loaders: with one of these as ``source`` a relative ``data_files`` is
+# a local path (from ``data_dir`` when given); with a hub id or a local folder as ``source`` it
+# is relative to that repository or folder.
+_LOCAL_FILE_LOADERS = {"json", "csv", "parquet", "text", "arrow"}
+
+
 def data_files_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
     """A local ``data_files`` path (a file or folder, not a URL or a glob) that does not exist,
-    in ``key`` or any part of a list of datasets: named here, as ``tune run`` names it when it
-    loads the data. None when every local path exists."""
+    in ``key`` or any part of a list of datasets, where ``source`` is a packaged loader
+    (``json``, ``csv`` ...): named here, as ``tune run`` names it when it loads the data. None
+    when every such path exists."""
     section = _value(cfg, key)
     parts = [(key, section)] if isinstance(section, dict) else \
         [(f"{key}[{i}]", s) for i, s in enumerate(section)] if isinstance(section, list) else []
     for where, part in parts:
-        files = part.get("data_files") if isinstance(part, dict) else None
+        if not isinstance(part, dict) or part.get("source") not in _LOCAL_FILE_LOADERS:
+            continue
+        base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
+        files = part.get("data_files")
         if isinstance(files, dict):  # split -> file(s)
             files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
         for path in files if isinstance(files, list) else [files]:
             if not isinstance(path, str) or "://" in path or any(c in path for c in "*?["):
                 continue
-            if not Path(path).expanduser().exists():
+            if not (base / Path(path).expanduser()).exists():
                 return f"{where}.data_files={path}: no such file"
     return None
 

@@ -149,3 +149,13 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_starts_its_own_metrics(tmp_
     assert "from epoch_0/ (1 epoch(s) done)" in resumed.stderr, resumed.stderr[-2000:]
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_run_that_logs_no_row_still_writes_its_config(tmp_path):
+    """config.yaml is written when setup is done, not at the first logged row: a run shorter
+    than log_every_n_steps (or stopped in its first step) keeps its settings on record."""
+    out = tmp_path / "run"
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+               ["max_steps_per_epoch=2", "log_every_n_steps=100", "optimizer.lr=1e-3"])
+    assert (out / "epoch_0").is_dir()
+    assert "lr: 0.001" in (out / "config.yaml").read_text()

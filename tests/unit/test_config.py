@@ -54,6 +54,11 @@ def test_a_flag_given_a_word_is_one_line_not_silently_true(section, key):
         cfg = OmegaConf.create({"optimizer": {**section, key: word}})
         with pytest.raises(ConfigError, match=rf"^optimizer.{key}={word}: expected True or False"):
             validate_config(cfg)
+    # a quoted "True" (or an environment variable read as a string) is said to be a string
+    quoted = OmegaConf.create({"optimizer": {**section, key: "false"}})
+    with pytest.raises(ConfigError, match=rf"^optimizer.{key}='false': expected True or False, .*"
+                                          r"a quoted string, or an environment variable"):
+        validate_config(quoted)
     for value in (True, False, None, 0, 1):
         assert validate_config(OmegaConf.create({"optimizer": {**section, key: value}})) == ["optimizer"]
     # an argument that is no flag takes a word

@@ -901,3 +901,27 @@ def test_a_tokenizer_error_quoting_a_whole_file_is_cut(tmp_path, capsys):
                "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer", f"tokenizer.path={bad}"])
     err = capsys.readouterr().err
     assert rc == 2 and len(_one_error_line(err)) < 1000, err[:2000]
+
+
+@pytest.mark.unit
+def test_data_files_are_checked_only_where_they_are_local_paths(tmp_path):
+    """With a packaged loader (json, csv ...) as source a relative data_files is a local path,
+    from data_dir when given; with a hub id or a local folder as source it is relative to that
+    repository or folder, which only loading the data can check."""
+    from tune_recipes.validation import data_files_problem
+
+    (tmp_path / "train.json").write_text("[]")
+
+    def problem(**dataset):
+        return data_files_problem(OmegaConf.create({"dataset": dataset}))
+
+    assert problem(source="json", data_files=str(tmp_path / "train.json")) is None
+    assert problem(source="json", data_dir=str(tmp_path), data_files="train.json") is None
+    assert problem(source="json", data_dir=str(tmp_path), data_files="nope.json") == \
+        "dataset.data_files=nope.json: no such file"
+    assert problem(source="csv", data_files={"train": [str(tmp_path / "gone.csv")]}) == \
+        f"dataset.data_files={tmp_path / 'gone.csv'}: no such file"
+    assert problem(source="allenai/c4", data_files="en/c4-train.00000-of-01024.json.gz") is None
+    assert problem(source=str(tmp_path), data_files="train.json") is None
+    assert problem(source="json", data_files="https://example.com/x.json") is None
+    assert problem(source="json", data_files=str(tmp_path / "*.json")) is None

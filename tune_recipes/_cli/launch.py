@@ -65,12 +65,14 @@ def redeliver_swallowed_interrupt(unraisable) -> None:
         sig = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
         resend = threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), sig))
         resend.daemon = True
+        _resends.append(resend)
         resend.start()
         return
     _hook_before(unraisable)
 
 
 _hook_before = sys.__unraisablehook__
+_resends = []  # redeliveries not yet sent are cancelled when the handlers are restored
 
 
 def handle_sigterm():
@@ -92,6 +94,8 @@ def handle_sigterm():
 def restore_sigterm(previous: Optional[object]) -> None:
     if previous is not None:
         previous_handler, previous_hook = previous
+        while _resends:
+            _resends.pop().cancel()
         signal.signal(signal.SIGTERM, previous_handler)
         sys.unraisablehook = previous_hook
 

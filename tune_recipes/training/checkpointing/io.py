@@ -188,7 +188,8 @@ def _take_from_the_resume_checkpoint(cfg: DictConfig, key: str, path: Path, out:
     beside a newer ``step_<n>/``, whose weights the resume takes."""
     wanted = str(path.relative_to(out))
     given = cfg.get(key)
-    if given and (out / str(given)).resolve() != path.resolve():
+    if given and (out / str(given)).resolve() != path.resolve() \
+            and not _the_chosen_epochs_copy(out / str(given), path):
         line = (f"checkpointer.{key}={given} is not used: the resume takes the weights and the "
                 f"state of one checkpoint, {ckpt_dir.name}/ ({key}: {wanted})")
         if line not in _SAID:  # once: tune run's check before the recipe, then the recipe
@@ -198,6 +199,17 @@ def _take_from_the_resume_checkpoint(cfg: DictConfig, key: str, path: Path, out:
 
 
 _SAID = set()
+
+
+def _the_chosen_epochs_copy(given: Path, chosen: Path) -> bool:
+    """Whether ``given`` is ``recipe_state/recipe_state.pt``, the copy of the newest epoch's
+    state, and ``chosen`` that epoch's own (torchtune's documented way names the copy)."""
+    out = chosen.parent.parent
+    if given.resolve() != (out / RECIPE_STATE_FILE).resolve() \
+            or not _EPOCH_DIR.match(chosen.parent.name) or not given.is_file():
+        return False
+    mine, theirs = load_recipe_state(chosen), load_recipe_state(given)
+    return mine.get(training.EPOCHS_KEY) == theirs.get(training.EPOCHS_KEY)
 
 
 @dataclass
@@ -222,9 +234,12 @@ def resume_point(output_dir: str, resume: Union[bool, str]) -> Optional[ResumePo
     if newest is None:
         if resume == AUTO:
             return None
+        kept = sorted(p.name for p in out.glob("checkpoints.*") if p.is_dir())
+        moved = (f" (an earlier run's, moved aside by a fresh run: {', '.join(kept)}/; move its "
+                 "folders back to resume it)") if kept else ""
         raise ConfigError(
             f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ or step_<n>/ "
-            f"checkpoint with a {RECIPE_STATE_FILE} beside it; run without "
+            f"checkpoint with a {RECIPE_STATE_FILE} beside it{moved}; run without "
             "resume_from_checkpoint first (or with resume_from_checkpoint=auto)"
         )
     if STEP_DIR.match(newest.name) or (newest / EPOCH_STATE_FILE).is_file():
@@ -281,7 +296,8 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
     return checkpointer_config_for_resume(cfg_checkpointer, output_dir, bool(full_weights))
 
 
-def keep_earlier_checkpoints_aside(output_dir: str) -> Optional[Path]:
+def keep_earlier_checkpoints_aside(output_dir: str,
+                                   read_by_the_run: Optional[Dict[str, str]] = None) -> Optional[Path]:
     """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
     (and ``recipe_state/``): they move into ``checkpoints.<suffix>/`` (returned), named as the
     earlier run's kept metrics and config are (``earlier_run_suffix``), and one line says so.
@@ -291,7 +307,11 @@ def keep_earlier_checkpoints_aside(output_dir: str) -> Optional[Path]:
     continue the earlier run's newest epoch on the new run's metrics. Moved at the start, not at
     the first save, so that ``resume_from_checkpoint=auto`` after a crash before that save
     starts afresh again instead of resuming the earlier run. ``step_<n>/`` folders never get
-    here: a fresh run beside them is refused (``refuse_stale_step_checkpoints``)."""
+    here: a fresh run beside them is refused (``refuse_stale_step_checkpoints``).
+    ``read_by_the_run`` (config key -> path): where one lies inside those folders (a new run
+    trained on from an earlier epoch, ``checkpointer.checkpoint_dir=<output_dir>/epoch_0``),
+    nothing moves: the run reads from there, and its checkpoints replace the earlier ones, as
+    torchtune's do; one line says so."""
     from tune_recipes.training.reporting.metrics import earlier_run_suffix
 
     out = Path(output_dir)
@@ -303,6 +323,13 @@ def keep_earlier_checkpoints_aside(output_dir: str) -> Optional[Path]:
         return None
     if (out / RECIPE_STATE_FILE.parent).is_dir():
         found.append(out / RECIPE_STATE_FILE.parent)
+    for key, path in (read_by_the_run or {}).items():
+        inside = next((d for d in found if _is_within(Path(path), d)), None)
+        if inside is not None:
+            print(f"{out} holds an earlier run's checkpoints; {key}={path} reads from "
+                  f"{inside.name}/, so they stay where they are and this run's checkpoints "
+                  "replace them", file=sys.stderr)
+            return None
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         suffix = earlier_run_suffix(metrics)
@@ -317,9 +344,17 @@ def keep_earlier_checkpoints_aside(output_dir: str) -> Optional[Path]:
     for d in found:
         os.replace(d, kept / d.name)
     print(f"{out} held an earlier run's checkpoints: {', '.join(d.name + '/' for d in found)} "
-          f"moved to {kept.name}/ (this run starts afresh; resume_from_checkpoint=True continues "
-          "a run instead)", file=sys.stderr)
+          f"moved to {kept.name}/ (this run starts afresh; to continue the earlier run instead, "
+          f"move them back and run with resume_from_checkpoint=True)", file=sys.stderr)
     return kept
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
 
 
 def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfig,

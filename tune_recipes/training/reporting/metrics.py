@@ -156,8 +156,6 @@ class JsonlMetricLogger:
             self._pending_config = text
 
     def _write_config(self, text: str) -> None:
-        from tune_recipes.loggers import keep_a_different_config
-
         out = self.path.parent / "config.yaml"
         keep_a_different_config(out, text)  # a resume with other settings
         tmp = out.with_name(out.name + ".tmp")
@@ -170,6 +168,22 @@ class JsonlMetricLogger:
 
     def __del__(self) -> None:
         self.close()
+
+
+def keep_a_different_config(out: Path, text: str) -> Optional[Path]:
+    """Before ``out`` (config.yaml) is replaced by ``text``: an earlier, different one is kept as
+    ``config.<k>.yaml``, the first free k (returned)."""
+    if not out.is_file():
+        return None
+    earlier = out.read_text()
+    if earlier == text:
+        return None
+    k = 1
+    while (out.parent / f"config.{k}.yaml").exists():
+        k += 1
+    kept = out.parent / f"config.{k}.yaml"
+    kept.write_text(earlier)
+    return kept
 
 
 def earlier_run_suffix(metrics_file: Path) -> str:

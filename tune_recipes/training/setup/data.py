@@ -87,7 +87,9 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
                 f"{key}: {component} needs the network to fetch its data and cannot reach it "
                 f"({_first_line(e)}); fetch it once while online (it is cached), or point "
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
-        if isinstance(e, KeyError) and not _raised_in_datasets(e):
+        if isinstance(e, KeyError) and hasattr(cfg_dataset, "get") \
+                and cfg_dataset.get("packed", False) is True \
+                and not _raised_in_datasets(e):
             raise _no_column(key, e) from None  # a packed dataset tokenizes as it is built
         if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
@@ -169,10 +171,13 @@ class ExampleErrorsNamed(Dataset):
         except KeyError as e:
             raise _no_column(self.key, e, index, _raw_row(self.dataset, index)) from None
         except (AttributeError, TypeError, ValueError) as e:
-            raise ConfigError(
-                f"{self.key}: example {index} cannot be made into tokens ({type(e).__name__}: "
-                f"{_first_line(e)}); a value the template reads is not text (null, a number, "
-                "a list?): fix or filter that row") from None
+            text = _first_line(e)
+            not_text = isinstance(e, (AttributeError, TypeError)) and any(
+                f"'{t}' object" in text for t in ("NoneType", "int", "float", "list", "dict", "bool"))
+            hint = ("; a value the template reads is not text (null, a number, a list): fix or "
+                    "filter that row") if not_text else "; fix or filter that row"
+            raise ConfigError(f"{self.key}: example {index} cannot be made into tokens "
+                              f"({type(e).__name__}: {text}){hint}") from None
 
     def __getattr__(self, name):
         # Only for what this class does not have (dataset, key, the methods above).

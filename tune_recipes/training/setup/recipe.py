@@ -81,7 +81,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     )
     if point is None:
         if int(os.environ.get("RANK", "0")) == 0:
-            keep_earlier_checkpoints_aside(cfg.output_dir)
+            keep_earlier_checkpoints_aside(cfg.output_dir, read_by_the_run=paths_the_run_reads(cfg))
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
         return checkpointer, read_checkpoint(checkpointer, cfg_checkpointer), None
     if point.finished:
@@ -101,6 +101,14 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     # state must fit this run's optimizer.
     saved.check_optimizer(cfg)
     return checkpointer, ckpt, saved
+
+
+def paths_the_run_reads(cfg: DictConfig) -> Dict[str, str]:
+    """The config's paths a run reads its weights and tokenizer from, by key."""
+    keys = ("checkpointer.checkpoint_dir", "teacher_checkpointer.checkpoint_dir",
+            "tokenizer.path", "tokenizer.merges_file")
+    found = {key: OmegaConf.select(cfg, key, default=None) for key in keys}
+    return {key: str(value) for key, value in found.items() if isinstance(value, str) and value}
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
@@ -175,6 +183,11 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
         metric_logger.log_config(cfg)
         if resume_step is not None and hasattr(metric_logger, "drop_rows_after"):
             metric_logger.drop_rows_after(resume_step)
+        elif resume_step is None and hasattr(metric_logger, "begin_run"):
+            # Setup is done (this is its last step): a fresh run's config.yaml is written and an
+            # earlier run's metrics kept aside now, even if no row is ever logged (a short run
+            # with a large log_every_n_steps, a stop during the first step).
+            metric_logger.begin_run(None)
     # log_level (torchtune's key): WARNING or quieter turns the progress bar off too.
     quiet = str(cfg.get("log_level", "INFO")).upper() in ("WARNING", "WARN", "ERROR", "CRITICAL")
     # SYNC_LOGGING_ENV=1: every logged step waits for the device (no one-step lag on CUDA); for

@@ -351,3 +351,44 @@ def test_an_earlier_runs_checkpoints_move_aside_under_its_metrics_name(tmp_path,
     (tmp_path / "epoch_0").mkdir()
     again = keep_earlier_checkpoints_aside(str(tmp_path))
     assert again is not None and again != kept and (again / "epoch_0").is_dir()
+
+
+def test_checkpoints_the_new_run_reads_from_stay_where_they_are(tmp_path, capsys):
+    """A new run trained on from an earlier epoch (checkpoint_dir=<output_dir>/epoch_0, as
+    torchtune's examples do): nothing moves, the run reads from there."""
+    from tune_recipes.training.checkpointing.io import keep_earlier_checkpoints_aside
+
+    for name in ("epoch_0", "epoch_1"):
+        (tmp_path / name).mkdir()
+    reads = {"checkpointer.checkpoint_dir": str(tmp_path / "epoch_0")}
+    assert keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run=reads) is None
+    assert (tmp_path / "epoch_0").is_dir() and (tmp_path / "epoch_1").is_dir()
+    assert "checkpointer.checkpoint_dir=" in capsys.readouterr().err
+    elsewhere = {"checkpointer.checkpoint_dir": str(tmp_path.parent / "base"),
+                 "tokenizer.path": str(tmp_path / "tokenizer.model")}
+    assert keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run=elsewhere) is not None
+
+
+def test_torchtunes_recipe_state_copy_of_the_chosen_epoch_says_nothing(tmp_path, caplog, monkeypatch):
+    """recipe_state/recipe_state.pt is the copy of the newest epoch's state: naming it, as
+    torchtune's way of resuming does, takes the same state, and no warning is due."""
+    from tune_recipes.training.checkpointing import io
+    from tune_recipes.training.checkpointing.io import EPOCH_STATE_FILE
+
+    monkeypatch.setattr(io, "_SAID", set())
+    for n in (0, 1):
+        (tmp_path / f"epoch_{n}").mkdir()
+        (tmp_path / f"epoch_{n}" / "model-00001-of-00001.safetensors").write_bytes(b"")
+        torch.save({"epochs_run": n + 1}, tmp_path / f"epoch_{n}" / EPOCH_STATE_FILE)
+    _state(tmp_path, epochs_run=2)
+    cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"],
+                            "recipe_checkpoint": "recipe_state/recipe_state.pt"})
+    with caplog.at_level(logging.WARNING):
+        out = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    assert out.recipe_checkpoint == f"epoch_1/{EPOCH_STATE_FILE}"
+    assert not caplog.records
+    _state(tmp_path, epochs_run=1)  # a stale copy: another state, said
+    monkeypatch.setattr(io, "_SAID", set())
+    with caplog.at_level(logging.WARNING):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    assert any("is not used" in r.getMessage() for r in caplog.records)

@@ -139,3 +139,19 @@ def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path
     with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'role' \(its "
                                           r"columns: conversations;.*conversation_style"):
         build_dataset(cfg, tiny_tokenizer())
+
+
+def test_a_row_the_template_refuses_for_another_reason_gets_no_not_text_hint(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yes"}]}] * 24
+    rows[18] = {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(path), "split": "train",
+                            "conversation_column": "conversations", "conversation_style": "sharegpt"})
+    dataset = build_dataset(cfg, tiny_tokenizer())
+    with pytest.raises(ConfigError) as refused:
+        dataset[18]
+    line = str(refused.value)
+    assert line.startswith("dataset: example 18 cannot be made into tokens (ValueError: ")
+    assert "not text" not in line and line.endswith("fix or filter that row")
