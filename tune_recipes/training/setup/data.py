@@ -99,7 +99,9 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         if _raised_in_datasets(e):
             cause = next((c for c in list(_causes(e))[1:]), None)
             detail = f"{_first_line(e)}" + (f": {_first_line(cause)}" if cause else "")
-            raise ConfigError(f"{key}: {component} cannot load its data ({detail})") from None
+            hint = ("; is the file complete, UTF-8 JSON: one list of objects, or one object a "
+                    "line?") if "JSON parse error" in detail else ""
+            raise ConfigError(f"{key}: {component} cannot load its data ({detail}){hint}") from None
         raise
     from torchtune.datasets import PackedDataset
 

@@ -54,6 +54,10 @@ def test_an_unreadable_data_file_and_an_empty_one_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^dataset: torchtune.datasets.instruct_dataset cannot "
                                           r"load its data"):
         build_dataset(_instruct(tmp_path), tiny_tokenizer())
+    # a file cut short: arrow's parse error, with what to look at
+    (tmp_path / "data.json").write_text(json.dumps([{"input": "a", "output": "b"}] * 8)[:-30])
+    with pytest.raises(ConfigError, match=r"JSON parse error.*is the file complete, UTF-8 JSON"):
+        build_dataset(_instruct(tmp_path), tiny_tokenizer())
     (tmp_path / "data.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"^dataset: "):
         build_dataset(_instruct(tmp_path), tiny_tokenizer())
