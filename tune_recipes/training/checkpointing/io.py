@@ -57,9 +57,12 @@ def load_recipe_state(path: Path) -> Dict[str, object]:
             f"(it could run code). Delete it or resume from a checkpoint you wrote ({first})"
         ) from None
     except Exception as e:  # truncated (a kill mid-write), not a torch file, unreadable
+        folder = Path(path).parent
+        way_on = (f"; restore it, or remove {folder} to resume from the checkpoint before it"
+                  if STEP_DIR.match(folder.name) or _EPOCH_DIR.match(folder.name) else "")
         raise CheckpointError(
             f"cannot read the recipe state {path}: {type(e).__name__}: "
-            f"{' '.join(str(e).split())[:200]}"
+            f"{' '.join(str(e).split())[:200]}{way_on}"
         ) from None
 
 
@@ -133,7 +136,7 @@ def _model_files(epoch_dir: Path):
 
 
 def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str,
-                                   full_weights: bool) -> DictConfig:
+                                   full_weights: Optional[bool]) -> DictConfig:
     """Point the checkpointer at the newest checkpoint in ``output_dir``: an epoch's
     ``epoch_<e>/`` or a mid-epoch ``step_<n>/`` (``newest_checkpoint_dir``).
 
@@ -176,6 +179,9 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     elif (ckpt_dir / ADAPTER_FILE).is_file():
         _take_from_the_resume_checkpoint(cfg, "adapter_checkpoint", ckpt_dir / ADAPTER_FILE, out,
                                          ckpt_dir)
+    elif full_weights is False:  # a LoRA-type recipe resumes its adapter (None: not known)
+        raise CheckpointError(f"cannot resume from {ckpt_dir}: {ADAPTER_FILE} is missing; restore "
+                              "it, or remove that folder to resume from the checkpoint before it")
     return cfg
 
 
@@ -293,7 +299,7 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
         return cfg_checkpointer
     if point.finished:
         return checkpointer_config_for_finished_run(cfg_checkpointer, point, full_weights)
-    return checkpointer_config_for_resume(cfg_checkpointer, output_dir, bool(full_weights))
+    return checkpointer_config_for_resume(cfg_checkpointer, output_dir, full_weights)
 
 
 def keep_earlier_checkpoints_aside(output_dir: str,
@@ -368,12 +374,9 @@ def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfi
 
     if check_lock:
         OutputDirLock(output_dir).refuse_if_in_use()
-    # full_weights=False for an unfinished run, None for a finished one: only the recipe
-    # knows whether it resumes model weights or an adapter alone; its load_checkpoint checks
-    # the weight files with the right answer.
-    point = resume_point(output_dir, resume)
-    checkpointer_config_for_output_dir(cfg_checkpointer, output_dir, resume,
-                                       full_weights=None if point and point.finished else False)
+    # full_weights=None: only the recipe knows whether it resumes model weights or an adapter
+    # alone; its load_checkpoint checks the files with the right answer.
+    checkpointer_config_for_output_dir(cfg_checkpointer, output_dir, resume, full_weights=None)
 
 
 def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir: str):

@@ -27,6 +27,14 @@ class DistillationLoss:
             )
         if getattr(ce_loss, "is_fused_linear_loss", False):
             raise ConfigError("loss: distillation needs the student's logits; use a logits loss")
+        vocabularies = [getattr(getattr(m, "tok_embeddings", None), "num_embeddings", None)
+                        for m in (teacher, student)]
+        if None not in vocabularies and vocabularies[0] != vocabularies[1]:
+            # Else the first step fails inside kd_loss on the logits' last dimension.
+            raise ConfigError(
+                f"teacher_model has a vocabulary of {vocabularies[0]} tokens and model of "
+                f"{vocabularies[1]}: distillation compares their next-token distributions token "
+                "by token; use a teacher and student of one tokenizer")
         self.student, self.teacher = student, teacher
         self.ce_loss, self.kd_loss = ce_loss, kd_loss
         self.kd_ratio = float(kd_ratio)

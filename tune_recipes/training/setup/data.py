@@ -172,10 +172,12 @@ class ExampleErrorsNamed(Dataset):
             raise
         except KeyError as e:
             raise _no_column(self.key, e, index, _raw_row(self.dataset, index)) from None
-        except (AttributeError, TypeError, ValueError) as e:
+        except (AttributeError, TypeError, ValueError, AssertionError) as e:
+            # (torchtune's message transforms assert what they are given)
             text = _first_line(e)
-            not_text = isinstance(e, (AttributeError, TypeError)) and any(
+            not_text = isinstance(e, (AttributeError, TypeError, AssertionError)) and (any(
                 f"'{t}' object" in text for t in ("NoneType", "int", "float", "list", "dict", "bool"))
+                or text.endswith("got None"))
             hint = ("; a value the template reads is not text (null, a number, a list): fix or "
                     "filter that row") if not_text else "; fix or filter that row"
             raise ConfigError(f"{self.key}: example {index} cannot be made into tokens "
@@ -300,6 +302,11 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
     from tune_recipes.training.step.validation import shard_for_rank
 
     dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
+    # NOTE: every example made into tokens once now, not only the first few: validation runs
+    # at an epoch's end before the epoch is saved, so a bad row found there would cost the
+    # epoch's training (one line here instead).
+    for index in range(len(dataset)):
+        dataset[index]
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
                            collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE), max_seq_len=max_seq_len,
                            pad_to_multiple_of=padded_batch_multiple(device),

@@ -69,7 +69,12 @@ class FakeQuantSchedule:
         want = global_step >= self.after_n_steps
         if want != self.enabled:
             if self._enable is not None and self._disable is not None:
-                self.model.apply(self._enable if want else self._disable)
+                try:
+                    self.model.apply(self._enable if want else self._disable)
+                except AttributeError:
+                    # torchao 0.15's Int4WeightOnlyQATLinear has no activation fake quantizer
+                    # (None) and its toggle sets one's flag: the loop below sets those it has.
+                    pass
             # Also any fake quantizer outside torchao's QAT linears (our QAT + LoRA linears).
             for m in self.model.modules():
                 if _is_fake_quantizer(m):

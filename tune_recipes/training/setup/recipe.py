@@ -305,6 +305,12 @@ def setup_data_and_schedule(
             f"batches of batch_size={cfg.batch_size} an epoch in each of {world_size} process(es)")
         if problem:
             print(f"warning: {problem}", file=sys.stderr)
+    after = cfg.get("fake_quant_after_n_steps", None)
+    if (rank == 0 if is_main is None else is_main) and isinstance(after, int) \
+            and not isinstance(after, bool) and after >= total_steps:
+        print(f"warning: fake_quant_after_n_steps={after} is not before the run's last step "
+              f"({total_steps} optimizer steps): the run never trains with fake quantization, "
+              "so it is a plain fine-tune; lower fake_quant_after_n_steps", file=sys.stderr)
     lr_schedule = LRSchedule(
         cfg.get("lr_scheduler", None), optimizer, num_training_steps=total_steps,
         last_epoch=global_step - 1,

@@ -64,8 +64,11 @@ class Position:
 
 
 def data_shape(dataloader, gradient_accumulation_steps: int) -> Dict[str, int]:
+    """What a mid-epoch checkpoint's data position depends on, recorded with it and compared on
+    resume (a key an older checkpoint lacks is not compared)."""
     return {"batch_size": dataloader.batch_size, "dataset_size": len(dataloader.dataset),
-            "gradient_accumulation_steps": gradient_accumulation_steps}
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "shuffle": bool(getattr(dataloader.sampler, "shuffle", False))}
 
 
 class StepHook(Protocol):

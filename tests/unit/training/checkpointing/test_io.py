@@ -61,6 +61,7 @@ def test_resume_names_the_newest_epoch_files(tmp_path):
         (tmp_path / f"epoch_{n}").mkdir()
         (tmp_path / f"epoch_{n}" / "model-00001-of-00001.safetensors").write_bytes(b"")
         (tmp_path / f"epoch_{n}" / "adapter_model.safetensors").write_bytes(b"")
+        (tmp_path / f"epoch_{n}" / "adapter_model.pt").write_bytes(b"")
     _state(tmp_path, epochs_run=1)
     with pytest.raises(ConfigError, match="written after epoch 0 but the newest checkpoint is"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
@@ -70,6 +71,12 @@ def test_resume_names_the_newest_epoch_files(tmp_path):
     assert list(cfg.checkpoint_files) == ["model.safetensors"]  # the input is not modified
     lora = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
     assert list(lora.checkpoint_files) == ["model.safetensors"]  # base weights stay
+    assert lora.adapter_checkpoint == "epoch_1/adapter_model.pt"
+    # a LoRA checkpoint without its adapter: one line saying how to go on
+    (tmp_path / "epoch_1" / "adapter_model.pt").unlink()
+    with pytest.raises(ConfigError, match=r"epoch_1: adapter_model.pt is missing; restore it, or "
+                                          r"remove that folder to resume from the checkpoint before it"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
 
 
 def test_peft_adapter_config_names_the_base_once(tmp_path):

@@ -43,3 +43,15 @@ def test_bad_ratio_and_mismatched_chunks_are_config_errors():
         DistillationLoss(student, teacher, torch.nn.CrossEntropyLoss(), ForwardKLLoss(), 1.5)
     with pytest.raises(ConfigError, match="chunk the logits alike"):
         DistillationLoss(student, teacher, CEWithChunkedOutputLoss(), ForwardKLLoss(), 0.5)
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line_before_the_first_step():
+    from torchtune.models.llama3 import llama3
+
+    from tune_recipes.models.tiny import TINY_LLAMA3_ARGS
+
+    student = tiny_llama3()
+    teacher = llama3(**{**TINY_LLAMA3_ARGS, "vocab_size": 300})
+    with pytest.raises(ConfigError, match=r"^teacher_model has a vocabulary of 300 tokens and "
+                                          r"model of 272"):
+        DistillationLoss(student, teacher, torch.nn.CrossEntropyLoss(), ForwardKLLoss(), 0.5)

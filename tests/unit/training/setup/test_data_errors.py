@@ -159,3 +159,24 @@ def test_a_row_the_template_refuses_for_another_reason_gets_no_not_text_hint(tmp
     line = str(refused.value)
     assert line.startswith("dataset: example 18 cannot be made into tokens (ValueError: ")
     assert "not text" not in line and line.endswith("fix or filter that row")
+
+
+def test_a_bad_validation_row_anywhere_is_one_line_at_setup(tmp_path):
+    """Validation runs at an epoch's end, before the epoch is saved: a row it cannot use is
+    found when the run starts (one line), not after the epoch's training."""
+    from tune_recipes.training.setup.data import build_validation_dataloader
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(40)]
+    rows[33]["output"] = None
+    path = tmp_path / "val.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"batch_size": 4, "dataset_val": {
+        "_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
+        "data_files": str(path), "split": "train"}})
+    with pytest.raises(ConfigError, match=r"^dataset_val: example 33 cannot be made into tokens "
+                                          r"\(AssertionError: .*got None\); a value the template "
+                                          r"reads is not text"):
+        build_validation_dataloader(cfg, tiny_tokenizer(), ignore_index=-100)
+    rows[33]["output"] = "a33"
+    path.write_text(json.dumps(rows))
+    assert len(list(build_validation_dataloader(cfg, tiny_tokenizer(), ignore_index=-100))) == 10

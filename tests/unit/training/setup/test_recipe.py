@@ -248,3 +248,39 @@ def test_the_run_pads_batches_for_its_device_up_to_the_tokenizers_max_seq_len():
     assert lengths("cuda", "tokenizer.max_seq_len=90") == {90}
     # the model's max_seq_len caps it too (rows uncut by the tokenizer: none is over 110)
     assert lengths("cuda", "tokenizer.max_seq_len=null", max_seq_len=110) == {110}
+
+
+@pytest.mark.parametrize("override, said", [
+    ("shuffle=False", "shuffle=False (the checkpoint's: True)"),
+    ("batch_size=4", "batch_size=4 (the checkpoint's: 8)"),
+])
+def test_a_mid_epoch_resume_with_other_data_settings_is_refused_by_name(override, said):
+    """A mid-epoch checkpoint's position is a count of batches in one order: another batch size
+    or shuffle setting would continue with other examples (some twice, some never)."""
+    from tune_recipes.training.checkpointing.state import SavedState
+    from tune_recipes.training.step.driver import DATA_SHAPE, DATALOADER_STATE
+
+    cfg = load_config(CONFIG, [override])
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    state = RecipeState(seed=cfg.seed, total_epochs=3, max_steps_per_epoch=6, epochs_run=0)
+    written = {"batch_size": 8, "dataset_size": 64, "gradient_accumulation_steps": 1, "shuffle": True}
+    resume = SavedState(optimizer=None, seed=cfg.seed, epochs_run=0, total_epochs=3,
+                        max_steps_per_epoch=6, global_step=2,
+                        rank_states=[{DATALOADER_STATE: {"_num_yielded": 2}, DATA_SHAPE: written}])
+    with pytest.raises(ConfigError, match=r"written with other data settings: .*" + said.replace("(", r"\(").replace(")", r"\)")):
+        setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100, resume=resume)
+
+
+def test_a_fake_quant_start_past_the_run_is_named_once_the_length_is_known(capsys):
+    def warned(after):
+        cfg = load_config(CONFIG, [f"fake_quant_after_n_steps={after}"])
+        tokenizer = tt_config.instantiate(cfg.tokenizer)
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+        state = RecipeState(seed=cfg.seed, total_epochs=1, max_steps_per_epoch=4, epochs_run=0)
+        setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100)
+        return [l for l in capsys.readouterr().err.splitlines() if "fake_quant_after_n_steps" in l]
+
+    (line,) = warned(4)
+    assert "fake_quant_after_n_steps=4 is not before the run's last step (4 optimizer steps)" in line
+    assert warned(3) == []

@@ -48,3 +48,23 @@ def test_fake_quant_hook_turns_on_at_the_configured_step():
     never = FakeQuantSchedule(model, mode, after_n_steps=None)
     never.before_step(0)
     assert never.enabled
+
+
+@pytest.mark.parametrize("component", [QAT, "torchtune.training.quantization.Int4WeightOnlyQATQuantizer"])
+def test_fake_quant_turns_off_and_on_in_every_qat_layer(component):
+    """Each of torchtune's QAT quantizers: every fake quantizer the prepared layers hold is off
+    before the configured step and on from it (the int4 weight-only layers have no activation
+    quantizer, which torchao's own toggle trips over)."""
+    from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
+
+    from tune_recipes.models.tiny import tiny_llama3
+
+    quantizer, mode = _quantizer(groupsize=32, component=component)
+    model = quantizer.prepare(tiny_llama3())
+    fakes = [m for m in model.modules() if isinstance(m, FakeQuantizerBase)]
+    assert fakes
+    hook = FakeQuantSchedule(model, mode, after_n_steps=1)
+    hook.before_step(0)
+    assert not any(m.enabled for m in fakes)
+    hook.before_step(1)
+    assert all(m.enabled for m in fakes)
