@@ -24,7 +24,13 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 
 from tune_recipes.config import check_known_keys, parse
-from tune_recipes.training.setup.qat import build_quantizer, check_group_size
+from tune_recipes.training.setup.model import load_weights
+from tune_recipes.training.setup.qat import (
+    build_quantizer,
+    check_group_size,
+    check_quantizer_against_the_qat_run,
+)
+from tune_recipes.training.setup.recipe import read_checkpoint
 
 CONFIG_KEYS = {"output_dir", "model", "checkpointer", "quantizer", "device", "dtype", "seed"}
 
@@ -48,14 +54,16 @@ class QuantizationRecipe:
         training.set_seed(seed=cfg.get("seed", 0))
 
     def setup(self, cfg: DictConfig) -> None:
+        if "qat" in self._mode:
+            check_quantizer_against_the_qat_run(cfg.quantizer, cfg.checkpointer.checkpoint_dir)
         self._checkpointer = tt_config.instantiate(cfg.checkpointer)
-        ckpt = self._checkpointer.load_checkpoint()
+        ckpt = read_checkpoint(self._checkpointer, cfg.checkpointer)
         with training.set_default_dtype(self._dtype), self._device:
             model = tt_config.instantiate(cfg.model)
         check_group_size(model, self._quantizer)
         if "qat" in self._mode:
             model = self._quantizer.prepare(model)
-        model.load_state_dict(ckpt[training.MODEL_KEY])
+        load_weights(model, ckpt[training.MODEL_KEY], cfg.model)
         self._model = model
         self._source = str(cfg.checkpointer.checkpoint_dir)
 

@@ -147,6 +147,20 @@ def test_quantize_matches_fake_quantized_model(tmp_path, qat_reference):
     torch.testing.assert_close(real_logits, fake_logits, rtol=1e-4, atol=1e-4)
     # ... and quantization really happened (the unquantized model differs).
     assert (plain_logits - real_logits).abs().max() > 1e-3
+    # Another group size than the QAT run trained with (its config.yaml records 32), or a
+    # checkpoint of another model: one line each, before anything is written.
+    other = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path / 'q64'}",
+                 f"checkpointer.checkpoint_dir={qat_reference / 'epoch_0'}", "quantizer.groupsize=64",
+                 check=False)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-2000:]
+    assert "quantizer.groupsize=64, but the QAT run that wrote" in other.stderr
+    assert "trained with quantizer.groupsize=32" in other.stderr
+    assert not (tmp_path / "q64").exists()
+    wider = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path / 'qw'}",
+                 f"checkpointer.checkpoint_dir={qat_reference / 'epoch_0'}",
+                 "model._component_=tune_recipes.models.tiny_qwen2_5", check=False)
+    assert wider.returncode == 2 and "Traceback" not in wider.stderr, wider.stderr[-2000:]
+    assert "does not fit the checkpoint's weights" in wider.stderr
 
 
 @pytest.mark.parametrize("override, fragment", [

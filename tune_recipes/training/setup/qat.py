@@ -1,5 +1,6 @@
 """Quantization-aware training helpers shared by the QAT recipes and the quantize recipe."""
 
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -91,3 +92,28 @@ def _is_fake_quantizer(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, FakeQuantizerBase)
+
+
+def check_quantizer_against_the_qat_run(cfg_quantizer, checkpoint_dir) -> None:
+    """Converting a QAT checkpoint: the quantizer must be the one its run trained with (the
+    int4 groups are the ones fake quantization trained). The run's ``config.yaml`` beside the
+    checkpoint folder (``<output_dir>/epoch_<n>/``'s parent) records it; a different class or
+    ``groupsize`` is a ConfigError naming both. No record (another layout): nothing to check."""
+    import yaml
+
+    record = Path(str(checkpoint_dir)).parent / "config.yaml"
+    if not record.is_file():
+        return
+    try:
+        trained = (yaml.safe_load(record.read_text()) or {}).get("quantizer") or {}
+    except (yaml.YAMLError, AttributeError):
+        return
+    if not isinstance(trained, dict) or not trained.get("_component_"):
+        return
+    for key in ("_component_", "groupsize"):
+        theirs, ours = trained.get(key), cfg_quantizer.get(key)
+        if theirs is not None and ours != theirs:
+            raise ConfigError(
+                f"quantizer.{key}={ours}, but the QAT run that wrote {checkpoint_dir} trained with "
+                f"quantizer.{key}={theirs} ({record}): set quantizer.{key}={theirs}, the "
+                "quantization its fake quantization trained")
