@@ -5,7 +5,6 @@ import os
 import pickle
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -318,7 +317,7 @@ def keep_earlier_checkpoints_aside(output_dir: str,
     trained on from an earlier epoch, ``checkpointer.checkpoint_dir=<output_dir>/epoch_0``),
     nothing moves: the run reads from there, and its checkpoints replace the earlier ones, as
     torchtune's do; one line says so."""
-    from tune_recipes.training.reporting.metrics import earlier_run_suffix
+    from tune_recipes.training.reporting.metrics import earlier_run_suffix, time_stamp
 
     out = Path(output_dir)
     if not out.is_dir():
@@ -340,8 +339,7 @@ def keep_earlier_checkpoints_aside(output_dir: str,
     if metrics.is_file() and metrics.stat().st_size:
         suffix = earlier_run_suffix(metrics)
     else:
-        newest = max(d.stat().st_mtime for d in found)
-        suffix = time.strftime("%Y%m%d-%H%M%S", time.localtime(newest))
+        suffix = time_stamp(max(d.stat().st_mtime for d in found))
     kept, n = out / f"checkpoints.{suffix}", 1
     while kept.exists():
         n += 1

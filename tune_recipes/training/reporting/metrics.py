@@ -186,6 +186,11 @@ def keep_a_different_config(out: Path, text: str) -> Optional[Path]:
     return kept
 
 
+def time_stamp(seconds: float) -> str:
+    """A file time as the names of kept runs show it (``20261204-192141``)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(seconds))
+
+
 def earlier_run_suffix(metrics_file: Path) -> str:
     """The name an earlier run's files are kept under when a fresh run starts beside them
     (``metrics.<suffix>.jsonl``, ``config.<suffix>.yaml``, its checkpoints in
@@ -193,7 +198,7 @@ def earlier_run_suffix(metrics_file: Path) -> str:
     ... until ``metrics.<suffix>.jsonl`` is free. The same answer before and after the
     checkpoints move, so the earlier run's files share one name."""
     metrics_file = Path(metrics_file)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(metrics_file.stat().st_mtime))
+    stamp = time_stamp(metrics_file.stat().st_mtime)
     suffix, n = stamp, 1
     while metrics_file.with_name(f"{metrics_file.stem}.{suffix}{metrics_file.suffix}").exists():
         n += 1

@@ -202,10 +202,7 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
         raise ConfigError(f"{key}: the dataset is empty")
     masked = 0
     for i in range(n):
-        try:
-            example = dataset[i]
-        except KeyError as e:  # a dataset not wrapped in ExampleErrorsNamed
-            raise _no_column(key, e, i) from None
+        example = dataset[i]  # an unpacked dataset's errors: ExampleErrorsNamed names them
         labels = example.get("labels") if isinstance(example, dict) else None
         if labels is None:
             return  # not a labelled example (a custom dataset): nothing to check here
@@ -302,16 +299,17 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
     from tune_recipes.training.step.validation import shard_for_rank
 
     dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
-    # NOTE: every example made into tokens once now, not only the first few: validation runs
-    # at an epoch's end before the epoch is saved, so a bad row found there would cost the
-    # epoch's training (one line here instead).
-    for index in range(len(dataset)):
-        dataset[index]
+    shard = shard_for_rank(dataset, world_size, rank)
+    # NOTE: every example of this rank's shard made into tokens once now, not only the first
+    # few: validation runs at an epoch's end before the epoch is saved, so a bad row found
+    # there would cost the epoch's training (one line here instead).
+    for index in range(len(shard)):
+        shard[index]
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
                            collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE), max_seq_len=max_seq_len,
                            pad_to_multiple_of=padded_batch_multiple(device),
                            longest_row=getattr(tokenizer, "max_seq_len", None))
-    return DataLoader(shard_for_rank(dataset, world_size, rank),
+    return DataLoader(shard,
                       batch_size=cfg.get("batch_size_val", None) or cfg.batch_size,
                       shuffle=False, collate_fn=collate, drop_last=False)
 
