@@ -46,8 +46,9 @@ class AdamW8bit(TorchaoAdamW8bit):
     A DTensor (FSDP2) parameter steps its local shard, sliced the same way: the update is
     elementwise within each quantization block, and a shard's states are built from the shard
     (torchao's ``_new_buffer``), so the shard's update is the DTensor's (tested on a 2-rank
-    mesh). torchao steps the DTensor whole: an 8B embedding's shard over two GPUs makes ~2 GiB
-    of temporaries there.
+    mesh). torchao steps the DTensor whole: for an 8B embedding's shard over two GPUs that is
+    ~2 GiB of temporaries by the single-GPU measurement's arithmetic (two fp32 copies of 262M
+    elements); the distributed saving itself is not measured.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
