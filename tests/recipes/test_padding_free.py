@@ -2,6 +2,8 @@
 exactly as the padded batch does (fp32, tiny, CPU), on one device, on two gloo ranks, and under
 distillation (the teacher reads the same batches)."""
 
+import math
+
 import pytest
 import torch
 
@@ -63,12 +65,12 @@ def test_the_other_distributed_recipes_take_padding_free(config):
 
 
 def _on_cuda(launch, recipe, config, out, *overrides):
-    """A tiny config on the GPU in fp32 (flex attention there, SDPA on padded rows), 4 steps."""
+    """A tiny config on the GPU in fp32 (unless overridden), 4 steps."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "tune_recipes", "run", *launch, recipe, "--config", config,
-           f"output_dir={out}", "device=cuda", "dtype=fp32", *STEPS, *overrides]
+           f"output_dir={out}", "device=cuda", "dtype=fp32", *STEPS, *overrides]  # later keys win
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return losses(out)
@@ -82,12 +84,32 @@ def _on_cuda(launch, recipe, config, out, *overrides):
 ])
 def test_on_cuda_padding_free_trains_as_padded_in_the_sharded_model_and_the_teacher(
         tmp_path, launch, recipe, config, extra):
-    """Flex attention routed where the sharded (FSDP2) model and the distillation teacher are
-    built: padding-free batches (a BlockMask) train as padded ones (SDPA), fp32, 2e-4."""
+    """Document attention routed where the sharded (FSDP2) model and the distillation teacher
+    are built: padding-free batches (document spans; in fp32 their dense path) train as padded
+    ones (SDPA), fp32, 2e-4."""
     padded = _on_cuda(launch, recipe, config, tmp_path / "padded", *extra)
     free = _on_cuda(launch, recipe, config, tmp_path / "free", *extra, "padding_free=True")
     assert len(free) == len(padded) == 4
     torch.testing.assert_close(torch.tensor(free), torch.tensor(padded), rtol=2e-4, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", [["compile=True"], ["compile=True", "compile_scope=model", "dataset.packed=True"]])
+def test_on_cuda_bf16_document_spans_train_as_padded(tmp_path, extra):
+    """bf16 on a GPU that runs flash attention: padding-free batches (compiled per layer) and
+    packed ones (the whole model compiled) carry document spans, and attention runs flash
+    attention's variable-length kernel; padding-free against padded batches (SDPA): the same
+    losses within bf16's rounding (1e-2 relative), packed: a finite, falling loss."""
+    padded = _on_cuda([], "full_finetune_single_device", "tiny/full_single_device", tmp_path / "padded",
+                      "dtype=bf16", "compile=True")
+    spans = _on_cuda([], "full_finetune_single_device", "tiny/full_single_device", tmp_path / "spans",
+                     "dtype=bf16", "padding_free=True", *extra)
+    assert len(spans) == len(padded) == 4
+    if "dataset.packed=True" in extra:
+        assert all(map(math.isfinite, spans)) and spans[-1] < spans[0]
+    else:
+        torch.testing.assert_close(torch.tensor(spans), torch.tensor(padded), rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("override,named", [

@@ -22,6 +22,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
+from tune_recipes.modules.varlen_attention import document_spans, flash_varlen_available
 
 # flex attention's tile: a BlockMask describes the mask in blocks of this many queries x keys.
 FLEX_BLOCK = 128
@@ -116,9 +117,13 @@ def move_block_mask(mask, device: torch.device):
 
 
 def document_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
-    """The document mask in the form the model's attention takes on this machine: a
-    ``BlockMask`` where flex attention runs, else a dense [rows, seq_len, seq_len] boolean mask
-    (torchtune's, for SDPA)."""
+    """The document mask in the form the model's attention takes on this machine: the documents'
+    offsets (``DocumentSpans``, for flash attention's variable-length kernel) where flash
+    attention runs, else a ``BlockMask`` where flex attention runs, else a dense
+    [rows, seq_len, seq_len] boolean mask (torchtune's, for SDPA). The first two need the
+    model's attention routed (``modules.document_attention``), as the recipes route it."""
+    if flash_varlen_available():
+        return document_spans(seq_lens, seq_len)
     if flex_available():
         return document_block_mask(seq_lens, seq_len)
     from torchtune.modules.attention_utils import create_block_causal_mask

@@ -235,9 +235,10 @@ def test_padding_free_logits_and_gradients_are_the_padded_batchs():
         torch.testing.assert_close(gf, gp, rtol=1e-5, atol=1e-6)
 
 
-def test_collates_give_a_block_mask_where_flex_attention_runs(monkeypatch):
-    """Where torchtune's attention takes flex (a CUDA GPU), packs and padding-free batches carry
-    the BlockMask built from lengths; elsewhere the dense boolean mask SDPA takes."""
+def test_collates_give_spans_or_a_block_mask_where_the_gpu_runs_them(monkeypatch):
+    """Where flash attention runs (a CUDA GPU of compute capability 8.0+), packs and padding-free
+    batches carry the documents' spans; where only flex attention runs, the BlockMask built from
+    lengths; elsewhere the dense boolean mask SDPA takes."""
     import tune_recipes.data.collate as collate
 
     rows = _rows([100, 200])
@@ -251,6 +252,10 @@ def test_collates_give_a_block_mask_where_flex_attention_runs(monkeypatch):
     mask = padding_free_collate(rows)["mask"]
     assert isinstance(mask, BlockMask)
     assert torch.equal(mask.to_dense(), _reference_mask([[100, 200, 84]], 384).to_dense())
+    # where flash attention runs: the documents' offsets, the padding one last
+    monkeypatch.setattr(collate, "flash_varlen_available", lambda: True)
+    assert packed_collate([pack])["mask"].cu_seqlens.tolist() == [0, 100, 256]
+    assert padding_free_collate(rows)["mask"].cu_seqlens.tolist() == [0, 100, 300, 384]
 
 
 def test_padding_free_fills_more_rows_where_the_model_takes_fewer_tokens():

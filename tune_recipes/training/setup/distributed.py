@@ -16,7 +16,7 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_problem
-from tune_recipes.modules.flex_in_graph import route_flex_attention
+from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
 
@@ -89,7 +89,7 @@ def shard_and_load(
         model = tt_config.instantiate(cfg_model)
     if before_shard is not None:
         before_shard(model)
-    route_flex_attention(model)  # document-masked batches: see modules.flex_in_graph
+    route_document_attention(model)  # document-masked batches: see modules.document_attention
     if adapter_state_dict is None and adapter_init_seed is not None:
         adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
     check_tied_embedding_sharding(model, custom_sharded_layers)

@@ -11,7 +11,7 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
-from tune_recipes.modules.flex_in_graph import route_flex_attention
+from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
@@ -67,7 +67,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     if fp8_mlp_activations:
         # After the FP8 swap (the MLP reads its down projection's FP8 settings), before compile.
         _keep_mlp_products_in_fp8(model, fp8_mlp_layers, "gate and up products")
-    route_flex_attention(model)  # document-masked batches: see modules.flex_in_graph
+    route_document_attention(model)  # document-masked batches: see modules.document_attention
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)
@@ -130,7 +130,7 @@ def compile_layers_or_model(model: nn.Module, scope: Optional[str],
                             activation_memory_budget: Optional[float] = None) -> None:
     """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model,
     under ``activation_memory_budget`` (``set_activation_memory_budget``). Route the model's
-    flex attention first (``route_flex_attention``), so that it compiles into the graphs."""
+    flex attention first (``route_document_attention``), so that it compiles into the graphs."""
     set_activation_memory_budget(activation_memory_budget)
     if scope in (None, "layers"):
         training.compile_model(model)
@@ -192,7 +192,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         )
     lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
     set_trainable_params(model, adapter_params)
-    route_flex_attention(model)  # document-masked batches: see modules.flex_in_graph
+    route_document_attention(model)  # document-masked batches: see modules.document_attention
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval)

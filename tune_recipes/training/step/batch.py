@@ -7,6 +7,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
 from tune_recipes.data.collate import move_block_mask
+from tune_recipes.modules.varlen_attention import DocumentSpans
 
 
 def count_valid_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
@@ -26,9 +27,19 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
+def _document_spans_to(spans: DocumentSpans, device: torch.device) -> DocumentSpans:
+    moved = spans.to(device, non_blocking=True)
+    # NOTE: the number of documents changes from batch to batch; marked dynamic from the first
+    # batch, a compiled graph (the whole model's, under compile_scope: model) is not compiled
+    # a second time for the second batch's count.
+    torch._dynamo.maybe_mark_dynamic(moved.cu_seqlens, 0)
+    return moved
+
+
 def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    """The batch's tensors and its flex attention ``BlockMask`` (if any) on ``device``, copied
-    without waiting for the GPU."""
+    """The batch's tensors and its document mask (flex attention's ``BlockMask`` or the
+    documents' spans), if any, on ``device``, copied without waiting for the GPU."""
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
-                else move_block_mask(v, device) if isinstance(v, BlockMask) else v)
+                else move_block_mask(v, device) if isinstance(v, BlockMask)
+                else _document_spans_to(v, device) if isinstance(v, DocumentSpans) else v)
             for k, v in batch.items()}

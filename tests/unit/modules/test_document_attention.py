@@ -1,10 +1,11 @@
-"""Packed batches' flex attention traced into the compiled graph (tune_recipes.modules.flex_in_graph)."""
+"""Document-masked batches' attention (tune_recipes.modules.document_attention): document spans
+to the variable-length path, flex attention traced into the compiled graph."""
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from tune_recipes.modules.flex_in_graph import _flex_call_traced_while_compiling
+from tune_recipes.modules.document_attention import _document_attention_call
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +32,7 @@ def test_outside_compile_a_block_mask_takes_flex_compiled_for_any_length(monkeyp
     """Eagerly, a BlockMask goes to flex attention compiled with automatic dynamic shapes (one
     compile for every later length, where torchtune's call compiles once a length); any other
     mask goes to torchtune's call unchanged."""
-    import tune_recipes.modules.flex_in_graph as flex_in_graph
+    import tune_recipes.modules.document_attention as document_attention
 
     calls, flex_calls = [], []
 
@@ -39,9 +40,9 @@ def test_outside_compile_a_block_mask_takes_flex_compiled_for_any_length(monkeyp
         calls.append((mask, dropout_p, is_causal))
         return q
 
-    monkeypatch.setattr(flex_in_graph, "_compiled_flex",
+    monkeypatch.setattr(document_attention, "_compiled_flex",
                         lambda q, k, v, block_mask: flex_calls.append(block_mask) or k)
-    call = _flex_call_traced_while_compiling(fallback)
+    call = _document_attention_call(fallback, kv_heads=2)
     q, k, v = _qkv()
     block_mask = _document_mask(torch.stack([_doc_ids([20, 44]), _doc_ids([64])]))
     assert call(q, k, v, mask=block_mask, dropout_p=0.0, is_causal=False) is k
@@ -51,12 +52,12 @@ def test_outside_compile_a_block_mask_takes_flex_compiled_for_any_length(monkeyp
 
 
 def test_the_eager_flex_compile_is_dynamic(monkeypatch):
-    import tune_recipes.modules.flex_in_graph as flex_in_graph
+    import tune_recipes.modules.document_attention as document_attention
 
     seen = {}
-    monkeypatch.setattr(flex_in_graph, "_compiled_flex", None)
+    monkeypatch.setattr(document_attention, "_compiled_flex", None)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(fn=fn, **kw) or fn)
-    flex_in_graph._flex_compiled_for_any_length()
+    document_attention._flex_compiled_for_any_length()
     from torch.nn.attention.flex_attention import flex_attention
     # dynamic unset: torch's automatic dynamic shapes (dynamic=False recompiles every length)
     assert seen == {"fn": flex_attention}
@@ -66,7 +67,7 @@ def _check_against_dense_reference(device, backward):
     def fallback(*args, **kwargs):
         raise AssertionError("the compiled call must not take the fallback")
 
-    call = _flex_call_traced_while_compiling(fallback)
+    call = _document_attention_call(fallback, kv_heads=2)
     doc_ids = torch.stack([_doc_ids([20, 30, 10]), _doc_ids([64])]).to(device)
     block_mask = _document_mask(doc_ids)
     q, k, v = (t.to(device).requires_grad_(backward) for t in _qkv(1))
@@ -97,30 +98,77 @@ def test_compiled_block_mask_attention_gradients_match_on_cuda():
 
 
 def test_compiled_call_refuses_dropout():
-    call = _flex_call_traced_while_compiling(lambda *a, **k: None)
+    call = _document_attention_call(lambda *a, **k: None, kv_heads=2)
     q, k, v = _qkv()
     block_mask = _document_mask(torch.stack([_doc_ids([64]), _doc_ids([64])]))
     with pytest.raises(Exception, match="no dropout"):
         torch.compile(call, backend="aot_eager", fullgraph=True)(q, k, v, mask=block_mask, dropout_p=0.1)
 
 
-def test_every_attention_layer_gets_the_call_and_eager_outputs_are_unchanged(monkeypatch):
-    """Where flex attention is supported, each MultiHeadAttention gets the traced call; outside
-    torch.compile the model computes exactly what it did before (unpacked: SDPA)."""
-    import torchtune.utils._import_guard as guard
-
+def test_every_attention_layer_gets_the_call_and_eager_outputs_are_unchanged():
+    """Each MultiHeadAttention gets the call, on every machine (document spans need it on the
+    CPU too); without a document mask the model computes exactly what it did before (SDPA)."""
     from tune_recipes.models import tiny_llama3
-    from tune_recipes.modules.flex_in_graph import route_flex_attention
+    from tune_recipes.modules.document_attention import route_document_attention
 
     torch.manual_seed(0)
     model = tiny_llama3()
     tokens = torch.randint(0, 100, (2, 24))
     before = model(tokens)
-    monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", True)
-    assert route_flex_attention(model) == len(model.layers)
+    assert route_document_attention(model) == len(model.layers)
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
-    monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", False)
-    assert route_flex_attention(tiny_llama3()) == 0
+
+
+def test_document_spans_give_the_dense_document_masks_logits_and_gradients_in_one_graph():
+    """The tiny Llama (grouped-query: 4 query heads a k/v head), routed, on packed rows: with the
+    collate's document spans, the logits and gradients of torchtune's dense document mask (fp32,
+    1e-5), eagerly and compiled whole (aot_eager: one graph, no break, no recompile for a batch
+    of another document count, the spans moved as the step moves them)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torchtune.modules.attention_utils import create_block_causal_mask
+
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.modules.document_attention import route_document_attention
+    from tune_recipes.modules.varlen_attention import document_spans
+    from tune_recipes.training.step.batch import to_device
+
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    assert model.layers[0].attn.num_heads == 4 * model.layers[0].attn.num_kv_heads
+    route_document_attention(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    seq_len = 96
+    for lens in ([[40, 30, 26], [96]], [[10, 20, 30, 6], [50, 40]]):  # the last row ends in padding
+        tokens = torch.randint(0, 272, (2, seq_len))
+        pos = torch.stack([torch.cat([torch.arange(n) for n in [*row, seq_len - sum(row)] if n])
+                           for row in lens])
+        dense = create_block_causal_mask([torch.tensor([n for n in [*row, seq_len - sum(row)] if n])
+                                          for row in lens])
+        spans = to_device({"mask": document_spans(lens, seq_len)}, torch.device("cpu"))["mask"]
+        results = []
+        for fn, mask in ((model, dense), (model, spans), (compiled, spans)):
+            model.zero_grad()
+            out = fn(tokens, mask=mask, input_pos=pos)
+            out.square().mean().backward()
+            results.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+        for got in results[1:]:
+            for a, b in zip(got, results[0]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()
+
+
+def test_document_spans_refuse_dropout():
+    from tune_recipes.modules.varlen_attention import document_spans
+
+    call = _document_attention_call(lambda *a, **k: None, kv_heads=2)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="no dropout"):
+        call(q, k, v, mask=document_spans([[64], [64]], 64), dropout_p=0.1)
 
 
 def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monkeypatch):
@@ -137,7 +185,7 @@ def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monk
     from torchtune.modules.attention_utils import create_block_causal_mask
 
     from tune_recipes.models import tiny_llama3
-    from tune_recipes.modules.flex_in_graph import route_flex_attention
+    from tune_recipes.modules.document_attention import route_document_attention
 
     def block_mask(lens, seq_len):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
@@ -150,7 +198,7 @@ def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monk
     torch.manual_seed(0)
     model = tiny_llama3().eval()
     monkeypatch.setattr(guard, "_SUPPORTS_FLEX_ATTENTION", True)
-    route_flex_attention(model)
+    route_document_attention(model)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager")

@@ -1,0 +1,144 @@
+"""Attention on packed instruction data, forward + backward, one GPU: flex attention with the
+collate's document ``BlockMask`` (torchtune's k/v expanded to every query head, as its attention
+passes them) against flash attention over the documents' lengths
+(``tune_recipes.modules.varlen_attention``), at Llama-3.2-1B's attention shape by default.
+
+    python3 scripts/bench_attention.py --rows 4 --seq-len 2048 --heads 32 --kv-heads 8 --head-dim 64
+
+Documents: the lengths of scripts/make_instruction_data.py's rows (about one token a byte, as the
+byte-level tokenizer the benchmarks use, plus alpaca's ~200-token prompt), packed greedily into
+rows of ``--seq-len`` as torchtune's ``PackedDataset`` packs them (no example split; the rest of a
+row is one padding document). Prints a table: milliseconds a call (CUDA events after warm-up,
+median of ``--reps``), the output's and gradients' largest difference from a float64 reference.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from make_instruction_data import instruction_rows  # noqa: E402
+
+from tune_recipes.data.collate import document_block_mask, move_block_mask  # noqa: E402
+from tune_recipes.modules.varlen_attention import document_spans, varlen_causal_attention  # noqa: E402
+
+PROMPT_TOKENS = 200
+
+
+def packed_lengths(rows: int, seq_len: int, seed: int = 0) -> list:
+    lengths = [PROMPT_TOKENS + len(r["instruction"]) + len(r["input"]) + len(r["output"])
+               for r in instruction_rows(rows * seq_len // 200, 40, seed)]
+    packs, current = [], []
+    for n in lengths:
+        n = min(n, seq_len)
+        if sum(current) + n > seq_len:
+            packs.append(current)
+            current = []
+            if len(packs) == rows:
+                break
+        current.append(n)
+    return packs
+
+
+def timed(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    device = torch.device("cuda")
+    lens = packed_lengths(args.rows, args.seq_len)
+    b, s, h, kvh, d = args.rows, args.seq_len, args.heads, args.kv_heads, args.head_dim
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(b, s, h, d, device=device, generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(b, s, kvh, d, device=device, generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(b, s, kvh, d, device=device, generator=gen, dtype=torch.bfloat16)
+    grad = torch.randn(b, s, h, d, device=device, generator=gen, dtype=torch.bfloat16)
+    block_mask = move_block_mask(document_block_mask(lens, s), device)
+    spans = document_spans(lens, s).to(device)
+    flex = torch.compile(flex_attention)
+
+    def expanded(t):  # torchtune's GQA: k and v copied out to every query head
+        return t.transpose(1, 2).unsqueeze(2).expand(b, kvh, h // kvh, s, d).flatten(1, 2)
+
+    def run_flex(qq, kk, vv):
+        return flex(qq.transpose(1, 2), expanded(kk), expanded(vv), block_mask=block_mask).transpose(1, 2)
+
+    def run_flash(qq, kk, vv):
+        return varlen_causal_attention(qq, kk, vv, spans)
+
+    # float64 reference: each document's causal attention on its own
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out = torch.empty(b, s, h, d, dtype=torch.float64, device=device)
+    for row, row_lens in enumerate(lens):
+        start = 0
+        for n in row_lens + ([s - sum(row_lens)] if sum(row_lens) < s else []):
+            sl = slice(start, start + n)
+            qq = ref_in[0][row, sl].transpose(0, 1)
+            kk = ref_in[1][row, sl].transpose(0, 1).repeat_interleave(h // kvh, 0)
+            vv = ref_in[2][row, sl].transpose(0, 1).repeat_interleave(h // kvh, 0)
+            ref_out[row, sl] = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True).transpose(0, 1)
+            start += n
+    ref_out.backward(grad.double())
+    ref_grads = [t.grad for t in ref_in]
+
+    results = []
+    for name, fn in (("flex, k/v expanded (torchtune)", run_flex), ("flash varlen", run_flash)):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        out.backward(grad)
+        errors = {"out": (out.double() - ref_out).abs().max().item(),
+                  **{f"d{n}": (t.grad.double() - r).abs().max().item()
+                     for n, t, r in zip("qkv", ins, ref_grads)}}
+
+        def fwd():
+            with torch.no_grad():
+                fn(*ins)
+
+        def fwd_bwd():
+            fn(*ins).backward(grad)
+
+        results.append({"impl": name, "forward_ms": timed(fwd, args.reps),
+                        "forward_backward_ms": timed(fwd_bwd, args.reps), **errors})
+    docs = sum(len(r) for r in lens)
+    print(f"{b} rows x {s} tokens, {docs} documents (mean {sum(map(sum, lens)) / docs:.0f} tokens), "
+          f"{h} heads ({kvh} k/v) of {d}; {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| attention | forward ms | forward + backward ms | out err | dq err | dk err | dv err |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['impl']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} | {r['out']:.1e} "
+              f"| {r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "lengths": lens, "results": results},
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

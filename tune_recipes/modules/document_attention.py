@@ -1,0 +1,88 @@
+"""Attention for batches with document masks (packed rows, padding-free micro-batches).
+
+Each torchtune ``MultiHeadAttention`` gets an attention call (``route_document_attention``) that
+takes the collate's document mask in either of its forms:
+
+- ``DocumentSpans`` (the documents' offsets; the collates' form on a CUDA GPU that runs flash
+  attention): ``modules.varlen_attention``, flash attention's variable-length kernel over the
+  documents, k and v at their own head count. torchtune's attention has already copied k and v
+  out to every query head by then: the call takes one copy of each group back (the gradient
+  flows to the original through the copy's backward). On the H200 it replaces flex attention's
+  masked tiles (docs/benchmarks.md, "On instruction data").
+- a flex attention ``BlockMask`` (where flex attention runs but flash attention does not):
+  torchtune calls its own separately compiled ``flex_attention`` from behind
+  ``torch.compiler.disable``, which under ``compile: True`` cuts every layer's graph in two with a
+  Python round trip between the halves. Calling ``flex_attention`` directly while torch.compile
+  traces puts its fused kernels inside the layer's (or the whole model's) graph instead. Outside
+  torch.compile, torchtune's call compiles flex attention for one sequence length
+  (``dynamic=False``): padding-free batches, whose length changes from batch to batch, would
+  compile it again for each new length until torch's recompile limit, then fall back to the
+  unfused reference. Here it is compiled with automatic dynamic shapes instead: a graph for the
+  first length, then a dynamic-shape one for the others.
+
+Any other mask (a dense boolean one, or none) takes torchtune's call unchanged.
+"""
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tune_recipes.modules.varlen_attention import DocumentSpans, varlen_causal_attention
+
+
+_compiled_flex = None
+
+
+def _flex_compiled_for_any_length() -> Callable:
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)  # automatic dynamic shapes
+    return _compiled_flex
+
+
+def _one_copy_a_group(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, heads, s, d] k or v as torchtune passes it (each of ``kv_heads`` heads repeated for
+    its group of query heads, consecutively) -> [b, kv_heads, s, d]."""
+    return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1))[:, :, 0]
+
+
+def _document_attention_call(fallback: Callable, kv_heads: int) -> Callable:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    def attention_call(q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = True):
+        if isinstance(mask, DocumentSpans):
+            if dropout_p > 0.0:
+                raise ValueError("attention over document spans has no dropout: set the model's "
+                                 "attn_dropout to 0.0")
+            k, v = _one_copy_a_group(k, kv_heads), _one_copy_a_group(v, kv_heads)
+            out = varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+            return out.transpose(1, 2)
+        # NOTE: the plain flex_attention only while torch.compile traces. Run eagerly (compile
+        # off, or a frame dynamo gave up on), flex_attention is its unfused reference, which
+        # materializes the whole score matrix (~2 GiB a layer at 4 x 32 heads x 2048^2).
+        if isinstance(mask, BlockMask):
+            if dropout_p > 0.0:
+                raise ValueError("flex attention has no dropout: set the model's attn_dropout to 0.0")
+            if torch.compiler.is_compiling():
+                return flex_attention(q, k, v, block_mask=mask)
+            return _flex_compiled_for_any_length()(q, k, v, block_mask=mask)
+        return fallback(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+    return attention_call
+
+
+def route_document_attention(model: nn.Module) -> int:
+    """Give each torchtune ``MultiHeadAttention`` in ``model`` the attention call of the module
+    docstring; returns how many. Call before compiling. Batches without document spans or a
+    ``BlockMask`` (a tensor mask or none) take torchtune's SDPA path as before."""
+    from torchtune.modules import MultiHeadAttention
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module._attention_call = _document_attention_call(module._attention_call, module.num_kv_heads)
+            count += 1
+    return count
