@@ -22,7 +22,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
-from tune_recipes.modules.varlen_attention import document_spans, flash_varlen_available
+from tune_recipes.modules.varlen_attention import document_spans
 
 # flex attention's tile: a BlockMask describes the mask in blocks of this many queries x keys.
 FLEX_BLOCK = 128
@@ -116,13 +116,14 @@ def move_block_mask(mask, device: torch.device):
     return moved
 
 
-def document_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
-    """The document mask in the form the model's attention takes on this machine: the documents'
-    offsets (``DocumentSpans``, for flash attention's variable-length kernel) where flash
-    attention runs, else a ``BlockMask`` where flex attention runs, else a dense
-    [rows, seq_len, seq_len] boolean mask (torchtune's, for SDPA). The first two need the
-    model's attention routed (``modules.document_attention``), as the recipes route it."""
-    if flash_varlen_available():
+def document_mask(seq_lens: Sequence[Sequence[int]], seq_len: int, spans: bool = False):
+    """The document mask in the form the model's attention takes: the documents' offsets
+    (``DocumentSpans``, for flash attention's variable-length kernel) if ``spans`` (the run's
+    device and dtype run it: ``training.setup.data.document_spans_wanted``), else a
+    ``BlockMask`` where flex attention runs, else a dense [rows, seq_len, seq_len] boolean mask
+    (torchtune's, for SDPA). The first two need the model's attention routed
+    (``modules.document_attention``), as the recipes route it."""
+    if spans:
         return document_spans(seq_lens, seq_len)
     if flex_available():
         return document_block_mask(seq_lens, seq_len)
@@ -133,15 +134,15 @@ def document_mask(seq_lens: Sequence[Sequence[int]], seq_len: int):
     return create_block_causal_mask(lens)
 
 
-def packed_collate(batch: List[Dict[str, Any]]) -> Dict[str, Any]:
+def packed_collate(batch: List[Dict[str, Any]], spans: bool = False) -> Dict[str, Any]:
     """Packs (torchtune's ``PackedDataset`` items: tokens, labels, input_pos, seq_lens, all one
-    length) stacked into a batch with their document mask."""
+    length) stacked into a batch with their document mask (``spans``: see ``document_mask``)."""
     tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in batch])
     return {"tokens": tokens,
             "labels": torch.stack([torch.as_tensor(x["labels"]) for x in batch]),
             "input_pos": torch.stack([torch.as_tensor(x["input_pos"]) for x in batch]),
             "mask": document_mask([torch.as_tensor(x["seq_lens"]).tolist() for x in batch],
-                                  tokens.shape[1])}
+                                  tokens.shape[1], spans)}
 
 
 def padded_length(longest: int, multiple: int, max_seq_len: Optional[int] = None) -> int:
@@ -182,7 +183,7 @@ def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: i
 def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
                          ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX,
                          pad_to_multiple_of: int = FLEX_BLOCK,
-                         max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+                         max_seq_len: Optional[int] = None, spans: bool = False) -> Dict[str, Any]:
     """An unpacked micro-batch as one row: its examples end to end, each attending only to
     itself, then padding up to a multiple of ``pad_to_multiple_of`` tokens (a bounded set of
     lengths for compiled graphs; flex attention's block). Where the examples together are
@@ -214,4 +215,4 @@ def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
         seq_lens.append(lens + ([pad] if pad else []))
         input_pos.append(torch.cat([torch.arange(n) for n in seq_lens[-1]]))
     return {"tokens": torch.stack(tokens), "labels": torch.stack(labels),
-            "input_pos": torch.stack(input_pos), "mask": document_mask(seq_lens, length)}
+            "input_pos": torch.stack(input_pos), "mask": document_mask(seq_lens, length, spans)}

@@ -49,7 +49,7 @@ def _one_copy_a_group(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1))[:, :, 0]
 
 
-def _document_attention_call(fallback: Callable, kv_heads: int) -> Callable:
+def _document_attention_call(fallback: Callable, attention: nn.Module) -> Callable:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     def attention_call(q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = True):
@@ -57,6 +57,9 @@ def _document_attention_call(fallback: Callable, kv_heads: int) -> Callable:
             if dropout_p > 0.0:
                 raise ValueError("attention over document spans has no dropout: set the model's "
                                  "attn_dropout to 0.0")
+            # NOTE: read when called, not when routed: tensor parallelism divides the module's
+            # head counts by its degree after the routing (training.prepare_mha_for_tp).
+            kv_heads = attention.num_kv_heads
             k, v = _one_copy_a_group(k, kv_heads), _one_copy_a_group(v, kv_heads)
             out = varlen_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
             return out.transpose(1, 2)
@@ -83,6 +86,6 @@ def route_document_attention(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
-            module._attention_call = _document_attention_call(module._attention_call, module.num_kv_heads)
+            module._attention_call = _document_attention_call(module._attention_call, module)
             count += 1
     return count

@@ -236,9 +236,9 @@ def test_padding_free_logits_and_gradients_are_the_padded_batchs():
 
 
 def test_collates_give_spans_or_a_block_mask_where_the_gpu_runs_them(monkeypatch):
-    """Where flash attention runs (a CUDA GPU of compute capability 8.0+), packs and padding-free
-    batches carry the documents' spans; where only flex attention runs, the BlockMask built from
-    lengths; elsewhere the dense boolean mask SDPA takes."""
+    """Asked for spans (a run whose device and dtype run flash attention), packs and padding-free
+    batches carry the documents' offsets; else, where flex attention runs, the BlockMask built
+    from lengths; elsewhere the dense boolean mask SDPA takes."""
     import tune_recipes.data.collate as collate
 
     rows = _rows([100, 200])
@@ -252,10 +252,9 @@ def test_collates_give_spans_or_a_block_mask_where_the_gpu_runs_them(monkeypatch
     mask = padding_free_collate(rows)["mask"]
     assert isinstance(mask, BlockMask)
     assert torch.equal(mask.to_dense(), _reference_mask([[100, 200, 84]], 384).to_dense())
-    # where flash attention runs: the documents' offsets, the padding one last
-    monkeypatch.setattr(collate, "flash_varlen_available", lambda: True)
-    assert packed_collate([pack])["mask"].cu_seqlens.tolist() == [0, 100, 256]
-    assert padding_free_collate(rows)["mask"].cu_seqlens.tolist() == [0, 100, 300, 384]
+    # where the run's device and dtype run flash attention: the documents' offsets, padding last
+    assert packed_collate([pack], spans=True)["mask"].cu_seqlens.tolist() == [0, 100, 256]
+    assert padding_free_collate(rows, spans=True)["mask"].cu_seqlens.tolist() == [0, 100, 300, 384]
 
 
 def test_padding_free_fills_more_rows_where_the_model_takes_fewer_tokens():

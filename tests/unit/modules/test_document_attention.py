@@ -10,6 +10,12 @@ from tune_recipes.modules.document_attention import _document_attention_call
 pytestmark = pytest.mark.unit
 
 
+class _Heads(torch.nn.Module):
+    def __init__(self, num_kv_heads):
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+
+
 def _document_mask(doc_ids: torch.Tensor):
     def mask_mod(b, h, q, kv):
         return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
@@ -42,7 +48,7 @@ def test_outside_compile_a_block_mask_takes_flex_compiled_for_any_length(monkeyp
 
     monkeypatch.setattr(document_attention, "_compiled_flex",
                         lambda q, k, v, block_mask: flex_calls.append(block_mask) or k)
-    call = _document_attention_call(fallback, kv_heads=2)
+    call = _document_attention_call(fallback, _Heads(2))
     q, k, v = _qkv()
     block_mask = _document_mask(torch.stack([_doc_ids([20, 44]), _doc_ids([64])]))
     assert call(q, k, v, mask=block_mask, dropout_p=0.0, is_causal=False) is k
@@ -67,7 +73,7 @@ def _check_against_dense_reference(device, backward):
     def fallback(*args, **kwargs):
         raise AssertionError("the compiled call must not take the fallback")
 
-    call = _document_attention_call(fallback, kv_heads=2)
+    call = _document_attention_call(fallback, _Heads(2))
     doc_ids = torch.stack([_doc_ids([20, 30, 10]), _doc_ids([64])]).to(device)
     block_mask = _document_mask(doc_ids)
     q, k, v = (t.to(device).requires_grad_(backward) for t in _qkv(1))
@@ -98,7 +104,7 @@ def test_compiled_block_mask_attention_gradients_match_on_cuda():
 
 
 def test_compiled_call_refuses_dropout():
-    call = _document_attention_call(lambda *a, **k: None, kv_heads=2)
+    call = _document_attention_call(lambda *a, **k: None, _Heads(2))
     q, k, v = _qkv()
     block_mask = _document_mask(torch.stack([_doc_ids([64]), _doc_ids([64])]))
     with pytest.raises(Exception, match="no dropout"):
@@ -165,7 +171,7 @@ def test_document_spans_give_the_dense_document_masks_logits_and_gradients_in_on
 def test_document_spans_refuse_dropout():
     from tune_recipes.modules.varlen_attention import document_spans
 
-    call = _document_attention_call(lambda *a, **k: None, kv_heads=2)
+    call = _document_attention_call(lambda *a, **k: None, _Heads(2))
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="no dropout"):
         call(q, k, v, mask=document_spans([[64], [64]], 64), dropout_p=0.1)
@@ -213,3 +219,27 @@ def test_a_compiled_model_is_one_graph_on_packed_batches_without_recompiles(monk
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
     torch._dynamo.reset()
+
+
+def test_document_spans_take_the_head_counts_tensor_parallelism_leaves():
+    """Tensor parallelism divides an attention module's head counts after the routing
+    (torchtune's prepare_mha_for_tp): the call reads them when it runs. Qwen2.5-7B's 28 / 4
+    heads over two ranks: 14 query heads, 2 k/v heads a rank (k/v copied out to 14 as torchtune
+    does), against per-document attention of the unexpanded k/v (float64 reference, 1e-5)."""
+    from tune_recipes.modules.varlen_attention import document_spans
+
+    heads = _Heads(4)
+    call = _document_attention_call(lambda *a, **k: None, heads)
+    heads.num_kv_heads = 2  # what prepare_mha_for_tp leaves on each of two ranks
+    lens, s, d = [[20, 30, 14], [64]], 64, 8
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 14, s, d, generator=g)
+    k, v = (torch.randn(2, 2, s, d, generator=g) for _ in range(2))
+    expanded = [t.unsqueeze(2).expand(2, 2, 7, s, d).flatten(1, 2) for t in (k, v)]
+    out = call(q, *expanded, mask=document_spans(lens, s))
+    doc = torch.stack([_doc_ids(row, s) for row in lens])
+    pos = torch.arange(s)
+    dense = ((pos[:, None] >= pos[None, :]) & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), *(t.double().repeat_interleave(7, 1) for t in (k, v)), attn_mask=dense)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ from torchtune.datasets import ConcatDataset
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
 from tune_recipes.data.collate import FLEX_BLOCK, packed_collate, padded_to_a_multiple, padding_free_collate
+from tune_recipes.modules.varlen_attention import flash_varlen_available
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -225,16 +226,28 @@ def padded_batch_multiple(device) -> int:
     return FLEX_BLOCK if device is not None and torch.device(device).type == "cuda" else 1
 
 
+def document_spans_wanted(device, dtype) -> bool:
+    """Whether a run on ``device`` in ``dtype`` (a config's ``dtype`` string or a torch dtype)
+    gives its document-masked batches as ``DocumentSpans`` (flash attention's variable-length
+    kernel: a CUDA GPU that runs it, bf16 or fp16); else they carry a BlockMask or a dense mask
+    (``data.collate.document_mask``)."""
+    half = dtype in ("bf16", "fp16", torch.bfloat16, torch.float16)
+    return (half and device is not None and torch.device(device).type == "cuda"
+            and flash_varlen_available())
+
+
 def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int,
                  padding_free: bool = False, max_seq_len: Optional[int] = None,
-                 pad_to_multiple_of: int = 1, longest_row: Optional[int] = None):
+                 pad_to_multiple_of: int = 1, longest_row: Optional[int] = None,
+                 spans: bool = False):
     """The batch collation for ``dataset``: packed sequences with their document masks
     (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
     masks (``padding_free``: ``data.collate.padding_free_collate``); or padding by
     ``collate_fn``, then on to a multiple of ``pad_to_multiple_of`` tokens
     (``data.collate.padded_to_a_multiple``; see ``padded_batch_multiple``) but never past
     ``longest_row`` (the tokenizer's ``max_seq_len``) or ``max_seq_len`` (the most tokens the
-    model takes in a row)."""
+    model takes in a row). ``spans``: document masks as ``DocumentSpans``
+    (``document_spans_wanted``)."""
     # NOTE: torchtune's PackedDataset has no ``packed`` attribute (only its ConcatDataset sets
     # one): test the type too, or a single packed dataset is padded like an unpacked one and
     # its examples attend to each other across pack boundaries, silently.
@@ -249,7 +262,8 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
                 f"(tokenizer.max_seq_len), more than the model takes in a row ({max_seq_len}; "
                 f"with a teacher, the shorter of the two): set tokenizer.max_seq_len="
                 f"{max_seq_len} or less")
-        return packed_collate  # padding_free: nothing to remove, packed rows hold no padding
+        # padding_free: nothing to remove, packed rows hold no padding
+        return partial(packed_collate, spans=True) if spans else packed_collate
     if max_seq_len is not None and isinstance(longest_row, int) and longest_row > max_seq_len:
         # Else the first example longer than the model takes ends the run mid-epoch in the
         # model's traceback.
@@ -259,7 +273,7 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
             f"tokenizer.max_seq_len={max_seq_len} or less")
     if padding_free:
         collate = partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
-                          max_seq_len=max_seq_len)
+                          max_seq_len=max_seq_len, spans=spans)
     else:
         if "left_pad_sequence" in collate_fn:
             raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
@@ -291,7 +305,8 @@ def examples_within(batch, *, collate, max_seq_len: int):
 
 
 def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size: int = 1,
-                                rank: int = 0, max_seq_len: Optional[int] = None, device=None):
+                                rank: int = 0, max_seq_len: Optional[int] = None, device=None,
+                                spans: bool = False):
     """``dataset_val`` in a fixed order, each example on exactly one rank, nothing dropped;
     None when the config has no ``dataset_val``."""
     if cfg.get("dataset_val") is None:
@@ -308,7 +323,7 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
     collate = make_collate(dataset, pad_id=tokenizer.pad_id, ignore_index=ignore_index,
                            collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE), max_seq_len=max_seq_len,
                            pad_to_multiple_of=padded_batch_multiple(device),
-                           longest_row=getattr(tokenizer, "max_seq_len", None))
+                           longest_row=getattr(tokenizer, "max_seq_len", None), spans=spans)
     return DataLoader(shard,
                       batch_size=cfg.get("batch_size_val", None) or cfg.batch_size,
                       shuffle=False, collate_fn=collate, drop_last=False)
@@ -330,6 +345,7 @@ def build_dataloader(
     max_seq_len: Optional[int] = None,
     pad_to_multiple_of: int = 1,
     longest_row: Optional[int] = None,
+    spans: bool = False,
 ) -> StatefulDataLoader:
     """A dataloader whose order depends only on (seed, epoch, rank), so a resumed run sees
     exactly the batches an uninterrupted one would.
@@ -342,7 +358,7 @@ def build_dataloader(
     """
     collate = make_collate(dataset, pad_id=pad_id, collate_fn=collate_fn, ignore_index=ignore_index,
                            padding_free=padding_free, max_seq_len=max_seq_len,
-                           pad_to_multiple_of=pad_to_multiple_of, longest_row=longest_row)
+                           pad_to_multiple_of=pad_to_multiple_of, longest_row=longest_row, spans=spans)
     sampler = StatefulDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )

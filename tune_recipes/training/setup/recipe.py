@@ -30,6 +30,7 @@ from tune_recipes.training.setup.data import (
     build_dataloader,
     build_dataset,
     build_validation_dataloader,
+    document_spans_wanted,
     padded_batch_multiple,
 )
 from tune_recipes.training.setup.profiling import setup_profiler
@@ -256,6 +257,7 @@ def setup_data_and_schedule(
         ignore_index=ignore_index, world_size=world_size, rank=rank,
         padding_free=cfg.get("padding_free", False), max_seq_len=max_seq_len,
         pad_to_multiple_of=padded_batch_multiple(device), longest_row=getattr(tokenizer, "max_seq_len", None),
+        spans=document_spans_wanted(device, cfg.get("dtype", "bf16")),
     )
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
                             state.max_steps_per_epoch, cfg.batch_size)
@@ -355,7 +357,8 @@ def setup_step_driver(
     validator = None
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
                                              world_size=runtime.dp_size, rank=runtime.dp_rank,
-                                             max_seq_len=max_seq_len, device=runtime.device)
+                                             max_seq_len=max_seq_len, device=runtime.device,
+                                             spans=document_spans_wanted(runtime.device, cfg.get("dtype", "bf16")))
     if val_loader is not None:
         if eval_loss is None:
             raise ConfigError("dataset_val: this recipe has no validation loss")

@@ -160,3 +160,27 @@ def test_examples_longer_than_the_model_takes_are_one_line_naming_tokenizer_max_
             for _ in _loader(max_seq_len=100, padding_free=padding_free):
                 pass
         assert len(list(_loader(max_seq_len=102, padding_free=padding_free))) > 1
+
+
+def test_document_spans_where_the_runs_device_and_dtype_run_flash_attention(monkeypatch):
+    """Spans only for a CUDA run in bf16/fp16 on a GPU that runs flash attention (fp32 there
+    keeps flex attention's BlockMask); the packed and padding-free collates then give them."""
+    from torchtune.datasets import PackedDataset
+
+    import tune_recipes.training.setup.data as data
+    from tune_recipes.modules.varlen_attention import DocumentSpans
+
+    monkeypatch.setattr(data, "flash_varlen_available", lambda: True)
+    assert data.document_spans_wanted("cuda", "bf16") and data.document_spans_wanted("cuda:1", torch.float16)
+    assert not data.document_spans_wanted("cuda", "fp32")
+    assert not data.document_spans_wanted("cpu", "bf16") and not data.document_spans_wanted(None, "bf16")
+    monkeypatch.setattr(data, "flash_varlen_available", lambda: False)
+    assert not data.document_spans_wanted("cuda", "bf16")
+
+    rows = [{"tokens": [1] * n, "labels": [1] * n} for n in (2, 3, 4)]
+    options = dict(pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100, spans=True)
+    packed = PackedDataset(rows, max_seq_len=8, padding_idx=0)
+    mask = data.make_collate(packed, **options)([packed[0]])["mask"]
+    assert isinstance(mask, DocumentSpans) and mask.cu_seqlens.tolist() == [0, 2, 5, 8]
+    free = data.make_collate(rows, padding_free=True, **options)(rows)["mask"]
+    assert isinstance(free, DocumentSpans) and free.cu_seqlens.tolist()[:4] == [0, 2, 5, 9]
