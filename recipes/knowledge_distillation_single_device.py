@@ -99,7 +99,7 @@ class KDRecipeSingleDevice:
 
     def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:
         teacher_sd = tt_config.instantiate(cfg_checkpointer).load_checkpoint()[training.MODEL_KEY]
-        # The library's full-model build: flex attention routed for the student's
+        # The library's full-model build: document attention routed for the student's
         # document-masked batches, and a checkpoint of the wrong shapes named in one line.
         return setup_full_model(cfg_model, dtype=self._dtype, device=self._runtime.device,
                                 state_dict=teacher_sd, key="teacher_model")

@@ -1,7 +1,8 @@
-"""Attention on packed instruction data, forward + backward, one GPU: flex attention with the
-collate's document ``BlockMask`` (torchtune's k/v expanded to every query head, as its attention
-passes them) against flash attention over the documents' lengths
-(``tune_recipes.modules.varlen_attention``), at Llama-3.2-1B's attention shape by default.
+"""Attention on packed instruction data, forward + backward, one GPU, as the routed model calls
+it (``modules.document_attention``; k and v copied out to every query head first, as torchtune's
+attention passes them; compiled): flex attention with the collate's document ``BlockMask``
+against flash attention over the documents' spans (``modules.varlen_attention``, one k/v head a
+group taken back), at Llama-3.2-1B's attention shape by default.
 
     python3 scripts/bench_attention.py --rows 4 --seq-len 2048 --heads 32 --kv-heads 8 --head-dim 64
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_instruction_data import instruction_rows  # noqa: E402
 
 from tune_recipes.data.collate import document_block_mask, move_block_mask  # noqa: E402
+from tune_recipes.modules.document_attention import _one_copy_a_group  # noqa: E402
 from tune_recipes.modules.varlen_attention import document_spans, varlen_causal_attention  # noqa: E402
 
 PROMPT_TOKENS = 200
@@ -90,8 +92,11 @@ def main(argv=None):
     def run_flex(qq, kk, vv):
         return flex(qq.transpose(1, 2), expanded(kk), expanded(vv), block_mask=block_mask).transpose(1, 2)
 
-    def run_flash(qq, kk, vv):
+    def flash_as_routed(qq, kk, vv):  # the model's path: torchtune's copies, one head a group back
+        kk, vv = (_one_copy_a_group(expanded(t), kvh).transpose(1, 2) for t in (kk, vv))
         return varlen_causal_attention(qq, kk, vv, spans)
+
+    run_flash = torch.compile(flash_as_routed)
 
     # float64 reference: each document's causal attention on its own
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]

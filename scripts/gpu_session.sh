@@ -17,7 +17,7 @@
 # so run one step a call.
 #
 #   tests      the library's GPU tests (pytest -m gpu, tests/unit; fused-loss kernels, FP8,
-#              collate, flex, the 8-bit optimizer)     (both together ran past 5.5 min: a call each)
+#              collate, document attention, the 8-bit optimizer)     (both together ran past 5.5 min: a call each)
 #   rtests     the recipes' GPU tests (tests/recipes: FP8 recipes, padding-free on CUDA)
 #   packed1b   Llama-3.2-1B full fine-tune on packed instruction rows: stock's best vs
 #              ours' README fastest settings, 2 alternating repetitions                 ~7 min

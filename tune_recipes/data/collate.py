@@ -1,11 +1,14 @@
 """Batches with document masks: packed sequences, and padding-free micro-batches.
 
 A packed sequence holds several examples one after another; each example attends only to its
-own earlier tokens (a block-causal "document" mask). On a GPU with flex attention the mask is a
-``BlockMask``; ``document_block_mask`` builds it on the CPU from the examples' lengths, in
-O((seq_len / 128)^2) work a row, where torchtune's collate evaluates the mask on every token pair
-on the GPU (a seq_len^2 tensor a row, and a host sync) each batch. The mask is moved to the
-device with the rest of the batch (``move_block_mask``, without a sync).
+own earlier tokens (a block-causal "document" mask). ``document_mask`` gives it in the form the
+run's attention takes: in bf16/fp16 on a GPU that runs flash attention, the examples' offsets
+(``modules.varlen_attention.DocumentSpans``, for its variable-length kernel); else on a GPU
+with flex attention a ``BlockMask``, which ``document_block_mask`` builds on the CPU from the
+examples' lengths, in O((seq_len / 128)^2) work a row, where torchtune's collate evaluates the
+mask on every token pair on the GPU (a seq_len^2 tensor a row, and a host sync) each batch; on a
+CPU a dense boolean mask. Either is moved to the device with the rest of the batch without a
+sync (``training.step.batch.to_device``).
 
 ``padded_to_a_multiple`` pads a padded batch's rows on to a multiple of 128 tokens on a GPU, so
 that a run sees a bounded set of batch shapes.
@@ -29,8 +32,9 @@ FLEX_BLOCK = 128
 
 
 def flex_available() -> bool:
-    """Whether batches carry a ``BlockMask`` (flex attention) or a dense boolean mask: the test
-    torchtune's attention uses to pick flex over SDPA (a CUDA device of compute capability 7.5+)."""
+    """Whether batches not given as spans carry a ``BlockMask`` (flex attention) or a dense
+    boolean mask: the test torchtune's attention uses to pick flex over SDPA (a CUDA device of
+    compute capability 7.5+)."""
     from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
 
     return bool(_SUPPORTS_FLEX_ATTENTION)

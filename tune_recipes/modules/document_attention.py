@@ -7,8 +7,7 @@ takes the collate's document mask in either of its forms:
   attention): ``modules.varlen_attention``, flash attention's variable-length kernel over the
   documents, k and v at their own head count. torchtune's attention has already copied k and v
   out to every query head by then: the call takes one copy of each group back (the gradient
-  flows to the original through the copy's backward). On the H200 it replaces flex attention's
-  masked tiles (docs/benchmarks.md, "On instruction data").
+  flows to the original through the copy's backward).
 - a flex attention ``BlockMask`` (where flex attention runs but flash attention does not):
   torchtune calls its own separately compiled ``flex_attention`` from behind
   ``torch.compiler.disable``, which under ``compile: True`` cuts every layer's graph in two with a

@@ -4,8 +4,8 @@ A batch whose rows hold several documents end to end (``dataset.packed``, ``padd
 each token to attend only to the earlier tokens of its own document. With the documents' start
 offsets (``DocumentSpans``: a cumulative-lengths vector over the batch's tokens flattened) flash
 attention's variable-length kernel computes exactly that, document by document, without a mask:
-no masked tiles, no mask evaluated per token pair, and k and v read at their own head count
-(grouped-query attention) instead of copied out to every query head.
+no mask evaluated per token pair or per tile, and k and v taken at their own head count
+(grouped-query attention: each k/v head serves its group of query heads in the kernel).
 
 On a CUDA GPU of compute capability 8.0+ with bf16 or fp16 inputs it runs flash attention
 (``torch.ops.aten._flash_attention_forward`` / ``_backward``, behind a custom op that

@@ -130,7 +130,7 @@ def compile_layers_or_model(model: nn.Module, scope: Optional[str],
                             activation_memory_budget: Optional[float] = None) -> None:
     """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model,
     under ``activation_memory_budget`` (``set_activation_memory_budget``). Route the model's
-    flex attention first (``route_document_attention``), so that it compiles into the graphs."""
+    document attention first (``route_document_attention``), so that it compiles into the graphs."""
     set_activation_memory_budget(activation_memory_budget)
     if scope in (None, "layers"):
         training.compile_model(model)
