@@ -25,7 +25,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
-from tune_recipes.modules.varlen_attention import document_spans
+from tune_recipes.modules.varlen_attention import DocumentSpans, document_spans
 
 # flex attention's tile: a BlockMask describes the mask in blocks of this many queries x keys.
 FLEX_BLOCK = 128
@@ -218,5 +218,8 @@ def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
         labels.append(torch.cat([*(x["labels"] for x in row), torch.full((pad,), ignore_idx)]))
         seq_lens.append(lens + ([pad] if pad else []))
         input_pos.append(torch.cat([torch.arange(n) for n in seq_lens[-1]]))
+    mask = document_mask(seq_lens, length, spans)
+    if isinstance(mask, DocumentSpans):
+        mask.lengths_vary = True  # the step marks the row length dynamic (training.step.batch)
     return {"tokens": torch.stack(tokens), "labels": torch.stack(labels),
-            "input_pos": torch.stack(input_pos), "mask": document_mask(seq_lens, length, spans)}
+            "input_pos": torch.stack(input_pos), "mask": mask}

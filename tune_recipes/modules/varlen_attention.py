@@ -26,12 +26,14 @@ class DocumentSpans:
     """Where the documents of a batch of ``rows`` rows of ``seq_len`` tokens begin and end:
     ``cu_seqlens`` (int32, documents + 1) holds 0, then each document's end offset into the
     batch's tokens flattened row after row. Every row's tokens are covered: a row's padding is
-    a document of its own, and no document crosses a row's end."""
+    a document of its own, and no document crosses a row's end. ``lengths_vary``: the batches
+    these spans come with change length from batch to batch (padding-free ones)."""
 
     cu_seqlens: Tensor
+    lengths_vary: bool = False
 
     def to(self, device, non_blocking: bool = False) -> "DocumentSpans":
-        return DocumentSpans(self.cu_seqlens.to(device, non_blocking=non_blocking))
+        return DocumentSpans(self.cu_seqlens.to(device, non_blocking=non_blocking), self.lengths_vary)
 
 
 def document_spans(seq_lens, seq_len: int) -> DocumentSpans:

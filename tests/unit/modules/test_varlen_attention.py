@@ -142,3 +142,36 @@ def test_on_cuda_compiled_flash_varlen_is_the_eager_call_without_recompiling():
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+@cuda
+def test_on_cuda_padding_free_batches_compile_the_whole_bf16_model_once():
+    """The tiny Llama in bf16 on CUDA, routed, compiled whole (inductor): padding-free batches
+    of three lengths (flash attention's kernel with a symbolic row length) compile once, and each
+    batch's logits are the eager model's within bf16's rounding (5e-2)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tune_recipes.data.collate import padding_free_collate
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.modules.document_attention import route_document_attention
+    from tune_recipes.training.step.batch import to_device
+
+    torch.manual_seed(0)
+    model = tiny_llama3().cuda().to(torch.bfloat16).eval()
+    route_document_attention(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    g = torch.Generator().manual_seed(0)
+    for lengths in ([50, 70], [100, 120, 30], [300, 40]):
+        rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
+                for n in lengths]
+        batch = to_device(padding_free_collate(rows, spans=True), torch.device("cuda"))
+        with torch.no_grad():
+            args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
+            torch.testing.assert_close(compiled(batch["tokens"], **args).float(),
+                                       model(batch["tokens"], **args).float(), rtol=5e-2, atol=5e-2)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

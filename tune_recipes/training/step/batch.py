@@ -38,8 +38,17 @@ def _document_spans_to(spans: DocumentSpans, device: torch.device) -> DocumentSp
 
 def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     """The batch's tensors and its document mask (flex attention's ``BlockMask`` or the
-    documents' spans), if any, on ``device``, copied without waiting for the GPU."""
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
-                else move_block_mask(v, device) if isinstance(v, BlockMask)
-                else _document_spans_to(v, device) if isinstance(v, DocumentSpans) else v)
-            for k, v in batch.items()}
+    documents' spans), if any, on ``device``, copied without waiting for the GPU. Spans of
+    batches whose length varies (padding-free) mark the row length of the batch's [rows, length]
+    tensors dynamic from the first batch: a compiled graph (per layer, or the whole model's) is
+    compiled once, for every length, not first for one length and again for the rest."""
+    moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                 else move_block_mask(v, device) if isinstance(v, BlockMask)
+                 else _document_spans_to(v, device) if isinstance(v, DocumentSpans) else v)
+             for k, v in batch.items()}
+    spans, tokens = moved.get("mask"), moved.get("tokens")
+    if isinstance(spans, DocumentSpans) and spans.lengths_vary and isinstance(tokens, torch.Tensor):
+        for value in moved.values():
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == tokens.shape:
+                torch._dynamo.maybe_mark_dynamic(value, 1)
+    return moved
