@@ -35,7 +35,7 @@ PROMPT_TOKENS = 200
 
 def packed_lengths(rows: int, seq_len: int, seed: int = 0) -> list:
     lengths = [PROMPT_TOKENS + len(r["instruction"]) + len(r["input"]) + len(r["output"])
-               for r in instruction_rows(rows * seq_len // 200, 40, seed)]
+               for r in instruction_rows(rows * seq_len // 200 + 8, 40, seed)]
     packs, current = [], []
     for n in lengths:
         n = min(n, seq_len)
@@ -45,12 +45,18 @@ def packed_lengths(rows: int, seq_len: int, seed: int = 0) -> list:
             if len(packs) == rows:
                 break
         current.append(n)
+    if current and len(packs) < rows:
+        packs.append(current)
+    if len(packs) < rows:
+        raise ValueError(f"the instruction rows fill {len(packs)} of {rows} packs")
     return packs
 
 
 def timed(fn, reps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        return float("nan")
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,10 +77,12 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (flash attention's "
+                    "path takes its dense fallback there, flex attention has no CPU backward)")
     args = ap.parse_args(argv)
     from torch.nn.attention.flex_attention import flex_attention
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     lens = packed_lengths(args.rows, args.seq_len)
     b, s, h, kvh, d = args.rows, args.seq_len, args.heads, args.kv_heads, args.head_dim
     gen = torch.Generator(device).manual_seed(0)
@@ -115,7 +123,8 @@ def main(argv=None):
     ref_grads = [t.grad for t in ref_in]
 
     results = []
-    for name, fn in (("flex, k/v expanded (torchtune)", run_flex), ("flash varlen", run_flash)):
+    impls = (("flex, k/v expanded (torchtune)", run_flex), ("flash varlen", run_flash))
+    for name, fn in impls if device.type == "cuda" else impls[1:]:
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = fn(*ins)
         out.backward(grad)
@@ -133,8 +142,9 @@ def main(argv=None):
         results.append({"impl": name, "forward_ms": timed(fwd, args.reps),
                         "forward_backward_ms": timed(fwd_bwd, args.reps), **errors})
     docs = sum(len(r) for r in lens)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU dry run"
     print(f"{b} rows x {s} tokens, {docs} documents (mean {sum(map(sum, lens)) / docs:.0f} tokens), "
-          f"{h} heads ({kvh} k/v) of {d}; {torch.cuda.get_device_name()}, torch {torch.__version__}")
+          f"{h} heads ({kvh} k/v) of {d}; {where}, torch {torch.__version__}")
     print("| attention | forward ms | forward + backward ms | out err | dq err | dk err | dv err |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

@@ -36,6 +36,8 @@
 #              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config;
 #              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one)
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
+#   attention  attention alone on packed rows (scripts/bench_attention.py): flex on the block
+#              mask against flash over document spans, the 1B and a head-dim-128 shape   ~1 min
 #   accept     shipped-config acceptance, single device: Llama-3.2 1B/3B, Qwen2.5 0.5B/1.5B ~8 min
 #   accept8b   the same: Llama-3.1-8B and the 8B-to-1B distillation                      ~7 min
 #   accept7b   the same: Qwen2.5-7B                                                      ~5 min
@@ -121,6 +123,9 @@ for step in "$@"; do
     shipped8b) bench shipped8b --preset shipped --reps "${REPS:-1}" --cases shipped:llama3_1/8B_lora_single_device ;;
     shippedq8b) bench shippedq8b --preset shipped --reps "${REPS:-1}" --cases shipped:llama3_1/8B_qlora_single_device ;;
     shipped)   bench shipped --preset shipped --reps "${REPS:-1}" --cases "${CASES:-shipped:llama3_2/3B_full_single_device}" ;;
+    attention) timeout 300 python3 scripts/bench_attention.py --out "$OUT/attention_1b.json" 2>&1 | grep -v Skipping | tail -6
+               timeout 200 python3 scripts/bench_attention.py --rows 2 --head-dim 128 \
+                 --out "$OUT/attention_hd128.json" 2>&1 | grep -v Skipping | tail -4 ;;
     fused)     timeout 540 python3 scripts/bench_fused_ce.py --out "$OUT/fused.json" > "$W/fused.log" 2>&1
                echo "bench_fused_ce.py exit $?"; grep -h "^|\|rror" "$W/fused.log" | cut -c1-200 ;;
     accept)    accept accept single "llama3_2/1B_*,llama3_2/3B_*,qwen2_5/0.5B_*,qwen2_5/1.5B_*" ;;
