@@ -141,7 +141,7 @@ CASES = {
         _v("ours_in_bwd_budget", "ours", "ours: the same, compiled graphs saving 90% of activations",
            **OURS_1B_PACKED_IN_BWD, activation_memory_budget=0.9),
         # Optimizer states in 8 bits (torchtune's shipped 1B full config steps bitsandbytes'
-        # 8-bit AdamW): 4.6 GiB of bf16 moments become ~1.2.
+        # 8-bit AdamW): 4.6 GiB of bf16 moments become ~2.3 (one byte each, and a scale a block).
         _v("ours_8bit", "ours", "ours: packed settings, AdamW8bit (torchao's states) after backward",
            **{**OURS_1B_PACKED, "compile_optimizer_step": False},
            optimizer={"_component_": "tune_recipes.optim.AdamW8bit", "lr": 2e-5})],

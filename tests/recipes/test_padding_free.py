@@ -85,8 +85,8 @@ def _on_cuda(launch, recipe, config, out, *overrides):
 def test_on_cuda_padding_free_trains_as_padded_in_the_sharded_model_and_the_teacher(
         tmp_path, launch, recipe, config, extra):
     """Document attention routed where the sharded (FSDP2) model and the distillation teacher
-    are built: padding-free batches (document spans; in fp32 their dense path) train as padded
-    ones (SDPA), fp32, 2e-4."""
+    are built: padding-free batches (fp32: flex attention on a BlockMask) train as padded ones
+    (SDPA), fp32, 2e-4."""
     padded = _on_cuda(launch, recipe, config, tmp_path / "padded", *extra)
     free = _on_cuda(launch, recipe, config, tmp_path / "free", *extra, "padding_free=True")
     assert len(free) == len(padded) == 4

@@ -2,7 +2,7 @@
 
 A packed sequence holds several examples one after another; each example attends only to its
 own earlier tokens (a block-causal "document" mask). ``document_mask`` gives it in the form the
-run's attention takes: in bf16/fp16 on a GPU that runs flash attention, the examples' offsets
+run's attention takes: in bf16 on a GPU that runs flash attention, the examples' offsets
 (``modules.varlen_attention.DocumentSpans``, for its variable-length kernel); else on a GPU
 with flex attention a ``BlockMask``, which ``document_block_mask`` builds on the CPU from the
 examples' lengths, in O((seq_len / 128)^2) work a row, where torchtune's collate evaluates the

@@ -300,16 +300,19 @@ def test_on_cuda_the_moved_mask_gives_torchtunes_packed_attention_and_gradients(
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_on_cuda_padding_free_batches_of_changing_length_give_the_padded_logits(dtype, tol):
     """The tiny Llama on CUDA, not compiled, its attention routed: padding-free batches of four
-    lengths give each example's logits of the padded batch (SDPA): fp32 1e-4 (where flash
-    attention runs, the spans' dense path; else flex, compiled at most twice: automatic dynamic
-    shapes), bf16 5e-2 (flash attention's variable-length kernel, where it runs)."""
+    lengths, in the form the run's dtype gets (``document_spans_wanted``), give each example's
+    logits of the padded batch (SDPA): fp32 1e-4 (flex attention on the BlockMask, compiled at
+    most twice: automatic dynamic shapes), bf16 5e-2 (document spans: flash attention's
+    variable-length kernel, where it runs)."""
     from torch._dynamo.utils import counters
 
     import tune_recipes.modules.document_attention as document_attention
     from tune_recipes.models import tiny_llama3
     from tune_recipes.modules.document_attention import route_document_attention
+    from tune_recipes.training.setup.data import document_spans_wanted
     from tune_recipes.training.step.batch import to_device
 
+    spans = document_spans_wanted("cuda", dtype)
     torch.manual_seed(0)
     model = tiny_llama3().cuda().to(dtype)
     assert route_document_attention(model) == len(model.layers)
@@ -318,7 +321,8 @@ def test_on_cuda_padding_free_batches_of_changing_length_give_the_padded_logits(
     for seed, lengths in enumerate(([50, 7, 120, 31], [200, 90], [33, 250, 17], [100] * 5)):
         rows = _rows(lengths, seed=seed)
         padded = to_device(padded_collate_sft(rows, padding_idx=0, ignore_idx=-100), torch.device("cuda"))
-        free = to_device(padding_free_collate(rows, max_seq_len=model.max_seq_len), torch.device("cuda"))
+        free = to_device(padding_free_collate(rows, max_seq_len=model.max_seq_len, spans=spans),
+                         torch.device("cuda"))
         with torch.no_grad():
             _assert_each_example(model(free["tokens"], mask=free["mask"], input_pos=free["input_pos"]).float(),
                                  model(padded["tokens"]).float(), lengths, tol=tol)

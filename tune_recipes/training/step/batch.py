@@ -40,8 +40,10 @@ def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     """The batch's tensors and its document mask (flex attention's ``BlockMask`` or the
     documents' spans), if any, on ``device``, copied without waiting for the GPU. Spans of
     batches whose length varies (padding-free) mark the row length of the batch's [rows, length]
-    tensors dynamic from the first batch: a compiled graph (per layer, or the whole model's) is
-    compiled once, for every length, not first for one length and again for the rest."""
+    tensors dynamic from the first batch: the whole model's compiled graph (``compile_scope:
+    model``) is compiled once, for every length, not first for one length and again for the
+    rest. (Compiled per layer, a layer's input is the eager embedding's output, which is not
+    marked: those graphs still compile for the first length, then once for the rest.)"""
     moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
                  else move_block_mask(v, device) if isinstance(v, BlockMask)
                  else _document_spans_to(v, device) if isinstance(v, DocumentSpans) else v)
