@@ -64,9 +64,21 @@ def flash_varlen_available() -> bool:
     return available and torch.cuda.get_device_capability() >= (8, 0)
 
 
+def _flash_head_size(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= 256
+
+
+def flash_takes_heads(*models) -> bool:
+    """Whether flash attention's kernel takes the head size of every torchtune attention in
+    ``models`` (a multiple of 8, at most 256)."""
+    from torchtune.modules import MultiHeadAttention
+
+    return all(_flash_head_size(m.head_dim) for model in models for m in model.modules()
+               if isinstance(m, MultiHeadAttention))
+
+
 def _runs_flash(q: Tensor) -> bool:
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256)
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _flash_head_size(q.shape[-1])
 
 
 # NOTE: a custom op, not an autograd.Function around the aten calls: torch.compile keeps it as

@@ -15,7 +15,7 @@ from torchtune.datasets import ConcatDataset
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
 from tune_recipes.data.collate import FLEX_BLOCK, packed_collate, padded_to_a_multiple, padding_free_collate
-from tune_recipes.modules.varlen_attention import flash_varlen_available
+from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varlen_available
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -226,14 +226,15 @@ def padded_batch_multiple(device) -> int:
     return FLEX_BLOCK if device is not None and torch.device(device).type == "cuda" else 1
 
 
-def document_spans_wanted(device, dtype) -> bool:
+def document_spans_wanted(device, dtype, *models) -> bool:
     """Whether a run on ``device`` in ``dtype`` (a config's ``dtype`` string or a torch dtype)
     gives its document-masked batches as ``DocumentSpans`` (flash attention's variable-length
-    kernel: a CUDA GPU that runs it, bf16 or fp16); else they carry a BlockMask or a dense mask
+    kernel: a CUDA GPU that runs it, bf16 or fp16, and a head size it takes in every attention
+    of ``models``, the models fed the batches); else they carry a BlockMask or a dense mask
     (``data.collate.document_mask``)."""
     half = dtype in ("bf16", "fp16", torch.bfloat16, torch.float16)
     return (half and device is not None and torch.device(device).type == "cuda"
-            and flash_varlen_available())
+            and flash_varlen_available() and flash_takes_heads(*models))
 
 
 def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int,

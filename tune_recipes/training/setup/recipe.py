@@ -227,6 +227,7 @@ def setup_data_and_schedule(
     cfg: DictConfig, tokenizer, optimizer, state: RecipeState, *, ignore_index: int,
     resume: Optional[SavedState] = None, world_size: int = 1, rank: int = 0,
     max_seq_len: Optional[int] = None, is_main: Optional[bool] = None, device=None,
+    spans: bool = False,
 ) -> DataAndSchedule:
     """Dataset and dataloader (order from the seed, epoch and rank only), optimizer steps per
     epoch, the global step a run starts at, and the LR schedule positioned at that step.
@@ -239,6 +240,7 @@ def setup_data_and_schedule(
     ``is_main``: the process that prints (default: data-parallel rank 0; under tensor
     parallelism every rank of the first group has that rank). ``device``: where the batches go
     (padded batches on a GPU go on to 128-token multiples: ``padded_batch_multiple``).
+    ``spans``: document masks as ``DocumentSpans`` (``document_spans_wanted``).
     """
     if resume is not None:
         if resume.mid_epoch and len(resume.rank_states) != world_size:
@@ -257,7 +259,7 @@ def setup_data_and_schedule(
         ignore_index=ignore_index, world_size=world_size, rank=rank,
         padding_free=cfg.get("padding_free", False), max_seq_len=max_seq_len,
         pad_to_multiple_of=padded_batch_multiple(device), longest_row=getattr(tokenizer, "max_seq_len", None),
-        spans=document_spans_wanted(device, cfg.get("dtype", "bf16")),
+        spans=spans,
     )
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
                             state.max_steps_per_epoch, cfg.batch_size)
@@ -342,10 +344,11 @@ def setup_step_driver(
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     max_seq_len = longest_row_all_take(model, *also_fed)
+    spans = document_spans_wanted(runtime.device, cfg.get("dtype", "bf16"), model, *also_fed)
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
                                    max_seq_len=max_seq_len, is_main=runtime.is_main,
-                                   device=runtime.device)
+                                   device=runtime.device, spans=spans)
     normalizer = StepLossNormalizer(
         cfg.get("gradient_accumulation_steps", 1),
         optimizer_in_bwd=path.steps_in_backward,
@@ -358,7 +361,7 @@ def setup_step_driver(
     val_loader = build_validation_dataloader(cfg, tokenizer, ignore_index=ignore_index,
                                              world_size=runtime.dp_size, rank=runtime.dp_rank,
                                              max_seq_len=max_seq_len, device=runtime.device,
-                                             spans=document_spans_wanted(runtime.device, cfg.get("dtype", "bf16")))
+                                             spans=spans)
     if val_loader is not None:
         if eval_loss is None:
             raise ConfigError("dataset_val: this recipe has no validation loss")

@@ -163,8 +163,9 @@ def test_examples_longer_than_the_model_takes_are_one_line_naming_tokenizer_max_
 
 
 def test_document_spans_where_the_runs_device_and_dtype_run_flash_attention(monkeypatch):
-    """Spans only for a CUDA run in bf16/fp16 on a GPU that runs flash attention (fp32 there
-    keeps flex attention's BlockMask); the packed and padding-free collates then give them."""
+    """Spans only for a CUDA run in bf16/fp16 on a GPU that runs flash attention, whose models'
+    head sizes it takes (fp32 there keeps flex attention's BlockMask); the packed and
+    padding-free collates then give them."""
     from torchtune.datasets import PackedDataset
 
     import tune_recipes.training.setup.data as data
@@ -174,6 +175,13 @@ def test_document_spans_where_the_runs_device_and_dtype_run_flash_attention(monk
     assert data.document_spans_wanted("cuda", "bf16") and data.document_spans_wanted("cuda:1", torch.float16)
     assert not data.document_spans_wanted("cuda", "fp32")
     assert not data.document_spans_wanted("cpu", "bf16") and not data.document_spans_wanted(None, "bf16")
+    # every model fed the batches must have a head size flash attention takes
+    from tune_recipes.models import tiny_llama3
+
+    student, teacher = tiny_llama3(), tiny_llama3()
+    assert data.document_spans_wanted("cuda", "bf16", student, teacher)
+    teacher.layers[1].attn.head_dim = 260
+    assert not data.document_spans_wanted("cuda", "bf16", student, teacher)
     monkeypatch.setattr(data, "flash_varlen_available", lambda: False)
     assert not data.document_spans_wanted("cuda", "bf16")
 
