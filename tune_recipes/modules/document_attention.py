@@ -88,3 +88,35 @@ def route_document_attention(model: nn.Module) -> int:
             module._attention_call = _document_attention_call(module._attention_call, module)
             count += 1
     return count
+
+
+def _mark_length_dynamic(module, args, output) -> None:
+    torch._dynamo.maybe_mark_dynamic(output, 1)
+
+
+def mark_varying_lengths_dynamic(model: nn.Module) -> bool:
+    """For a model compiled per layer: a batch whose lengths vary (padding-free spans,
+    ``DocumentSpans.lengths_vary``) has its token embedding's output marked dynamic in its
+    length, so that the layers' graphs compile once, for every length, from the first batch
+    (the step marks the batch's own tensors; a layer's input is the embedding's output, made
+    eagerly). The embedding is looked up at each call (``embedding_on_cpu`` replaces it after
+    compiling). Returns False, doing nothing, for a model without ``tok_embeddings``."""
+    if not hasattr(model, "tok_embeddings"):
+        return False
+
+    def before_forward(module, args, kwargs):
+        mask = kwargs.get("mask")
+        if (isinstance(mask, DocumentSpans) and mask.lengths_vary
+                and not torch.compiler.is_compiling()):
+            handle = module.tok_embeddings.register_forward_hook(_mark_length_dynamic)
+            # NOTE: one call only; removed after the forward below (or a failed one)
+            module._length_mark_handles = getattr(module, "_length_mark_handles", []) + [handle]
+
+    def after_forward(module, args, kwargs, output):
+        for handle in getattr(module, "_length_mark_handles", []):
+            handle.remove()
+        module._length_mark_handles = []
+
+    model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    model.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
+    return True

@@ -11,7 +11,7 @@ from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
-from tune_recipes.modules.document_attention import route_document_attention
+from tune_recipes.modules.document_attention import mark_varying_lengths_dynamic, route_document_attention
 from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
@@ -126,6 +126,13 @@ def set_activation_memory_budget(budget: Optional[float]) -> None:
                  "backward instead of saving them (0: all they can, 1: torch's default)", value)
 
 
+def compile_layers(model: nn.Module, verbose: bool = True) -> None:
+    """torchtune's per-transformer-layer compile, and padding-free batches' lengths dynamic from
+    the first batch (``mark_varying_lengths_dynamic``): one compile for every length."""
+    training.compile_model(model, verbose=verbose)
+    mark_varying_lengths_dynamic(model)
+
+
 def compile_layers_or_model(model: nn.Module, scope: Optional[str],
                             activation_memory_budget: Optional[float] = None) -> None:
     """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model,
@@ -133,7 +140,7 @@ def compile_layers_or_model(model: nn.Module, scope: Optional[str],
     document attention first (``route_document_attention``), so that it compiles into the graphs."""
     set_activation_memory_budget(activation_memory_budget)
     if scope in (None, "layers"):
-        training.compile_model(model)
+        compile_layers(model)
     elif scope == "model":
         model.compile(backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"))
     else:

@@ -42,8 +42,8 @@ def to_device(batch: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     batches whose length varies (padding-free) mark the row length of the batch's [rows, length]
     tensors dynamic from the first batch: the whole model's compiled graph (``compile_scope:
     model``) is compiled once, for every length, not first for one length and again for the
-    rest. (Compiled per layer, a layer's input is the eager embedding's output, which is not
-    marked: those graphs still compile for the first length, then once for the rest.)"""
+    rest. (Compiled per layer, a layer's input is the eager embedding's output:
+    ``training.setup.model.compile_layers`` marks it too.)"""
     moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
                  else move_block_mask(v, device) if isinstance(v, BlockMask)
                  else _document_spans_to(v, device) if isinstance(v, DocumentSpans) else v)

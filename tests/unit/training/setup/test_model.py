@@ -215,3 +215,40 @@ def test_weights_of_another_model_are_one_line_naming_the_builder():
     assert "\n" not in message and "tune_recipes.models.tiny_llama3" in message
     assert "size mismatch for" in message and "checkpointer.checkpoint_dir" in message
     assert load_weights(model, tiny_llama3().state_dict(), cfg).missing_keys == []
+
+
+def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(monkeypatch):
+    """compile_layers (torchtune's per-layer compile, aot_eager here): padding-free batches
+    with spans of three lengths, moved as the step moves them, compile the layers' graph once
+    (their input, the embedding's output, marked dynamic from the first batch), where marking
+    the batch alone compiles it twice; the logits are the eager model's (fp32, 1e-5)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tune_recipes.data.collate import padding_free_collate
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.modules.document_attention import route_document_attention
+    from tune_recipes.training.setup.model import compile_layers
+    from tune_recipes.training.step.batch import to_device
+
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    eager, model = tiny_llama3().eval(), tiny_llama3().eval()
+    model.load_state_dict(eager.state_dict())
+    for m in (eager, model):
+        route_document_attention(m)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(model, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    for lengths in ([50, 70], [100, 120, 30], [300, 40]):
+        rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
+                for n in lengths]
+        batch = to_device(padding_free_collate(rows, spans=True), torch.device("cpu"))
+        with torch.no_grad():
+            args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
+            torch.testing.assert_close(model(batch["tokens"], **args), eager(batch["tokens"], **args),
+                                       rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not model._length_mark_handles  # the one-call hooks are gone
+    torch._dynamo.reset()
