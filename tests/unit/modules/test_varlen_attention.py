@@ -146,10 +146,12 @@ def test_on_cuda_compiled_flash_varlen_is_the_eager_call_without_recompiling():
 
 @pytest.mark.gpu
 @cuda
-def test_on_cuda_padding_free_batches_compile_the_whole_bf16_model_once():
-    """The tiny Llama in bf16 on CUDA, routed, compiled whole (inductor): padding-free batches
-    of three lengths (flash attention's kernel with a symbolic row length) compile once, and each
-    batch's logits are the eager model's within bf16's rounding (5e-2)."""
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_on_cuda_padding_free_batches_compile_the_bf16_model_once(scope):
+    """The tiny Llama in bf16 on CUDA, routed, compiled whole or per layer (inductor;
+    ``compile_layers``): padding-free batches of three lengths (flash attention's kernel with a
+    symbolic row length) compile once, and each batch's logits are the eager model's within
+    bf16's rounding (5e-2)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -158,12 +160,20 @@ def test_on_cuda_padding_free_batches_compile_the_whole_bf16_model_once():
     from tune_recipes.modules.document_attention import route_document_attention
     from tune_recipes.training.step.batch import to_device
 
+    from tune_recipes.training.setup.model import compile_layers
+
     torch.manual_seed(0)
     model = tiny_llama3().cuda().to(torch.bfloat16).eval()
     route_document_attention(model)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model)
+    if scope == "model":
+        compiled = torch.compile(model)
+    else:
+        compiled = tiny_llama3().cuda().to(torch.bfloat16).eval()
+        compiled.load_state_dict(model.state_dict())
+        route_document_attention(compiled)
+        compile_layers(compiled, verbose=False)
     g = torch.Generator().manual_seed(0)
     for lengths in ([50, 70], [100, 120, 30], [300, 40]):
         rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
