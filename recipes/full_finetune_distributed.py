@@ -36,7 +36,6 @@ from tune_recipes.training.setup.distributed import (
     tensor_parallel_options,
 )
 from tune_recipes.training.setup.fp8 import convert_to_fp8, fp8_recipe_wanted
-from tune_recipes.training.setup.model import compile_layers
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
@@ -95,7 +94,7 @@ class FullFinetuneRecipeDistributed:
             **fsdp_options(cfg), **tensor_parallel_options(cfg, self._runtime),
         )
         if cfg.get("compile", False):
-            compile_layers(self._model, verbose=self._runtime.is_main)
+            training.compile_model(self._model, verbose=self._runtime.is_main)
         offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

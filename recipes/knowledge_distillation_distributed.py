@@ -35,7 +35,6 @@ from tune_recipes.training.setup.distributed import (
     shard_and_load,
     shard_and_load_lora,
 )
-from tune_recipes.training.setup.model import compile_layers
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
@@ -92,7 +91,7 @@ class KDRecipeDistributed:
             cpu_offload=fsdp_cpu_offload_requested(cfg),
         )
         if cfg.get("compile", False):
-            compile_layers(self._model, verbose=self._runtime.is_main)
+            training.compile_model(self._model, verbose=self._runtime.is_main)
         offload_activations(self._model, self._offload_activations)
         self._kd = DistillationLoss(
             self._model, self._teacher, self._loss_fn, tt_config.instantiate(cfg.kd_loss),

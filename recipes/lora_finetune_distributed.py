@@ -33,7 +33,6 @@ from tune_recipes.training.setup.distributed import (
     fsdp_options,
     shard_and_load_lora,
 )
-from tune_recipes.training.setup.model import compile_layers
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
@@ -82,7 +81,7 @@ class LoRAFinetuneRecipeDistributed:
             **fsdp_options(cfg),
         )
         if cfg.get("compile", False):
-            compile_layers(self._model, verbose=self._runtime.is_main)
+            training.compile_model(self._model, verbose=self._runtime.is_main)
         offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

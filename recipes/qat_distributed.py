@@ -30,7 +30,6 @@ from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
 from tune_recipes.training.setup.distributed import check_fused_loss_sharding, fsdp_options, shard_and_load
 from tune_recipes.training.setup.qat import FakeQuantSchedule, build_quantizer, check_group_size
-from tune_recipes.training.setup.model import compile_layers
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
 from tune_recipes.training.setup.runtime import init_distributed
@@ -81,7 +80,7 @@ class QATRecipeDistributed:
             before_shard=self._prepare_qat, **fsdp_options(cfg),
         )
         if cfg.get("compile", False):
-            compile_layers(self._model, verbose=self._runtime.is_main)
+            training.compile_model(self._model, verbose=self._runtime.is_main)
         offload_activations(self._model, self._offload_activations)
         self._lm_loss = CausalLMLoss(self._model, self._loss_fn, cfg.get("compile", False))
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

@@ -128,7 +128,11 @@ def set_activation_memory_budget(budget: Optional[float]) -> None:
 
 def compile_layers(model: nn.Module, verbose: bool = True) -> None:
     """torchtune's per-transformer-layer compile, and padding-free batches' lengths dynamic from
-    the first batch (``mark_varying_lengths_dynamic``): one compile for every length."""
+    the first batch (``mark_varying_lengths_dynamic``): one compile for every length.
+
+    NOTE: single device only. Under FSDP2 each sharded layer's pre-forward hook hands the layer
+    a new tensor (its backward bookkeeping) without the mark, so the distributed recipes keep
+    torchtune's compile: a first-length graph, then a dynamic one."""
     training.compile_model(model, verbose=verbose)
     mark_varying_lengths_dynamic(model)
 
