@@ -219,7 +219,8 @@ def test_weights_of_another_model_are_one_line_naming_the_builder():
 
 def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(monkeypatch):
     """compile_layers (torchtune's per-layer compile, aot_eager here): padding-free batches
-    with spans of three lengths, moved as the step moves them, compile the layers' graph once
+    with spans of three lengths, moved as the step moves them, forward and backward, compile
+    the layers' graph once
     (their input, the embedding's output, marked dynamic from the first batch), where marking
     the batch alone compiles it twice; the logits are the eager model's (fp32, 1e-5)."""
     import torch._dynamo
@@ -245,10 +246,11 @@ def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(m
         rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
                 for n in lengths]
         batch = to_device(padding_free_collate(rows, spans=True), torch.device("cpu"))
+        args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
+        out = model(batch["tokens"], **args)  # with autograd on, as in training
+        out.square().mean().backward()
         with torch.no_grad():
-            args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
-            torch.testing.assert_close(model(batch["tokens"], **args), eager(batch["tokens"], **args),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.detach(), eager(batch["tokens"], **args), rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
     assert not model._length_mark_handles  # the one-call hooks are gone
     torch._dynamo.reset()
