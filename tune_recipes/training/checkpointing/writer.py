@@ -221,10 +221,13 @@ class CheckpointWriter:
             if intermediate:
                 # The folder's own copy travels with it: resume reads it from there.
                 os.replace(staging / RECIPE_STATE_FILE, written / EPOCH_STATE_FILE)
-            publish_dir(written, out / name, staging / "replaced")
+            # NOTE: held together: a Ctrl-C between the rename and the record would report
+            # "no checkpoint saved" while the folder stands complete.
+            with run_status.stop_signals_held():
+                publish_dir(written, out / name, staging / "replaced")
+                run_status.checkpoint_saved(out / name)
             # One line naming where each file ended up (torchtune's lines are dropped above).
             print(saved_line(what, out / name), file=sys.stderr)
-            run_status.checkpoint_saved(out / name)
             if intermediate and shared_state:
                 # Where torchtune's tools look for it. NOTE: epoch checkpoints only: the
                 # older-layout resume check reads it as the state after an epoch.

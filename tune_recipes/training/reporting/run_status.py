@@ -5,7 +5,9 @@ The step driver records each finished step, the checkpoint writer each published
 reading it costs nothing, so no signal handler has to touch the training state.
 """
 
+import contextlib
 import shlex
+import signal
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,6 +20,26 @@ def step_finished(global_step: int) -> None:
 
 def checkpoint_saved(path) -> None:
     _status["checkpoint"] = str(path)
+
+
+# Signals whose handlers print the one line (``_cli/launch.py``).
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Hold Ctrl-C and SIGTERM until the block ends (then they act as usual): for a
+    checkpoint's rename into place and its ``checkpoint_saved`` record, so a signal between
+    the two cannot print "no checkpoint saved" beside a complete checkpoint. A no-op where
+    the platform cannot mask signals (Windows)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def interrupted_message(script: Path, args: List[str], step: Optional[int] = None,

@@ -234,3 +234,39 @@ def test_a_full_disk_reported_by_safetensors_is_one_line_and_frees_the_staging_f
         writer.save(model, torch.optim.SGD(model.parameters(), lr=0.1),
                     RecipeState(seed=3, total_epochs=1, max_steps_per_epoch=None), epoch=0)
     assert not (tmp_path / ".saving").exists()  # the partial files are gone
+
+
+def test_a_signal_right_after_the_rename_still_reports_the_checkpoint(tmp_path, monkeypatch):
+    """A Ctrl-C landing between the folder's rename into place and its record would print
+    "no checkpoint saved" beside a complete checkpoint; the two are held together."""
+    import os
+    import signal
+
+    from tune_recipes.training.checkpointing import writer as writer_module
+    from tune_recipes.training.reporting import run_status
+
+    class _Stopped(Exception):
+        pass
+
+    def _raise_stopped(signum, frame):
+        raise _Stopped
+
+    real_publish = writer_module.publish_dir
+
+    def publish_then_signal(*args):
+        real_publish(*args)
+        os.kill(os.getpid(), signal.SIGTERM)  # stands for Ctrl-C (xdist workers ignore SIGINT)
+
+    monkeypatch.setattr(writer_module, "publish_dir", publish_then_signal)
+    monkeypatch.setattr(run_status, "_status", {"step": 0, "checkpoint": None})
+    model = tiny_llama3()
+    state = RecipeState(seed=0, total_epochs=2, max_steps_per_epoch=None, epochs_run=1)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        with pytest.raises(_Stopped):
+            CheckpointWriter(_Checkpointer(tmp_path), output_dir=str(tmp_path)).save(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), state, epoch=0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (tmp_path / "epoch_0" / "model.safetensors").exists()
+    assert run_status._status["checkpoint"] == str(tmp_path / "epoch_0")

@@ -1,5 +1,8 @@
 """tune_recipes.training.reporting.run_status: the Ctrl-C line."""
 
+import os
+import signal
+
 import pytest
 
 from tune_recipes.training.reporting import run_status
@@ -18,3 +21,28 @@ def test_the_interrupt_line_names_step_checkpoint_and_resume_command(monkeypatch
     assert line == ("interrupted at step 7; last checkpoint /tmp/o/epoch_0; resume with: tune run "
                     "full --config tiny/full_single_device output_dir=/tmp/o resume_from_checkpoint=True")
     assert "\n" not in line
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped
+
+
+def test_a_signal_sent_inside_the_held_block_acts_when_it_ends(monkeypatch):
+    # SIGTERM with a raising handler stands for Ctrl-C (pytest-xdist workers ignore SIGINT).
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    reached = []
+    try:
+        with pytest.raises(_Stopped):
+            with run_status.stop_signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                reached.append("after the signal")
+            reached.append("after the block")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert reached == ["after the signal"]
+    # The mask is restored: the next signal acts at once.
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
