@@ -1,6 +1,6 @@
 """Where a run stands, and what a checkpoint holds, beyond the weights, to continue exactly."""
 
-import warnings
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -173,14 +173,18 @@ class RecipeState:
         """Continue from ``saved``: its counters and RNG (this ``rank``'s own, for a mid-epoch
         checkpoint); its seed and steps-per-epoch win over the config (changing them mid-run
         would change the data order)."""
+        differing = []
         if saved.seed is not None and self.seed != saved.seed:
-            warnings.warn(f"config seed {self.seed} differs from the checkpoint's {saved.seed}; "
-                          "using the checkpoint's")
+            differing.append(("seed", self.seed, saved.seed))
             self.seed = saved.seed
         if self.max_steps_per_epoch != saved.max_steps_per_epoch:
-            warnings.warn(f"config max_steps_per_epoch {self.max_steps_per_epoch} differs from "
-                          f"the checkpoint's {saved.max_steps_per_epoch}; using the checkpoint's")
+            differing.append(("max_steps_per_epoch", self.max_steps_per_epoch,
+                              saved.max_steps_per_epoch))
             self.max_steps_per_epoch = saved.max_steps_per_epoch
+        if rank == 0:
+            for key, configured, kept in differing:
+                print(f"warning: config {key}={configured} differs from the checkpoint's "
+                      f"{kept}; using the checkpoint's", file=sys.stderr)
         self.epochs_run = saved.epochs_run
         self.skipped_steps = saved.skipped_steps
         rng, cuda_rng = saved.rng_state, saved.cuda_rng_state
