@@ -41,9 +41,15 @@ def test_auto_on_a_finished_run_with_no_more_epochs_trains_nothing(tmp_path):
     args = ["max_steps_per_epoch=2", "epochs=1"]
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, args)
     before = weights(tmp_path)
+    files = {p.relative_to(tmp_path): (p.stat().st_mtime_ns, p.read_bytes())
+             for p in tmp_path.rglob("*") if p.is_file()}
     proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
                       [*args, "resume_from_checkpoint=auto"])
-    assert "holds a finished run (1 epoch(s), final checkpoint epoch_0/): nothing to train" \
-        in proc.stderr
+    assert proc.returncode == 0
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"{tmp_path} holds a finished run (1 epoch(s), final checkpoint epoch_0/): nothing to train")
+    # It ends there: no file written, rewritten (config.yaml, metrics.png) or added.
+    assert {p.relative_to(tmp_path): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in tmp_path.rglob("*") if p.is_file()} == files
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2]
     assert_same_weights(weights(tmp_path), before, rtol=0, atol=0)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config as tt_config, training
@@ -133,7 +134,8 @@ def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point:
                            adapter: bool) -> Tuple[Any, Dict[str, Any], SavedState]:
     """A finished run resumed: with ``epochs`` above the epochs it ran, training continues
     from its final weights (or adapter) at epoch ``epochs_done``; with no more epochs there is
-    nothing to train and the recipe ends at once (a torchrun restart after the final save).
+    nothing to train and the process ends at once, status 0, leaving ``output_dir`` as it was (a
+    torchrun restart after the final save).
 
     NOTE: the final checkpoint holds no optimizer state (the writer keeps it only while
     epochs remain: it is twice the model for AdamW), so the optimizer starts from fresh state
@@ -162,6 +164,13 @@ def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point:
             print(f"{out} holds a finished run ({done} epoch(s), final checkpoint "
                   f"{point.checkpoint.name}/): nothing to train with epochs={total}; set "
                   f"epochs above {done} to train further", file=sys.stderr)
+    if total <= done:
+        # NOTE: the process ends here, before the weights are read (a minute for an 8B) and
+        # before anything in output_dir (config.yaml, metrics) is rewritten for a run that
+        # trains nothing.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(0)
     checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
     ckpt = read_checkpoint(checkpointer, cfg_checkpointer)
     if adapter:
