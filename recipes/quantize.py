@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 
-from tune_recipes.config import check_known_keys, parse
+from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training.setup.model import load_weights
 from tune_recipes.training.setup.qat import (
     build_quantizer,
@@ -43,6 +43,30 @@ def quantize_model(model: torch.nn.Module, quantizer, mode: str) -> torch.nn.Mod
         return quantizer.quantize(model)
 
 
+def check_nothing_earlier_is_replaced(output_dir: Path, mode: str, source: str) -> None:
+    """Refuse an ``output_dir`` whose quantized model (recorded in its ``quantize.json``) came
+    from another checkpoint or in another mode: this run would overwrite its metadata, or the
+    model itself. Quantizing the same checkpoint the same way again replaces it with the same
+    result."""
+    meta_path = output_dir / "quantize.json"
+    if not meta_path.exists():
+        return
+    try:
+        earlier = json.loads(meta_path.read_text())
+        earlier_mode, earlier_source = earlier["mode"], earlier["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"output_dir={output_dir} holds a quantize.json this recipe cannot "
+                          "read: set output_dir to another folder") from None
+    if not (output_dir / f"model-{earlier_mode}.pt").exists():
+        return
+    if earlier_mode == mode and Path(earlier_source).resolve() == Path(source).resolve():
+        return
+    raise ConfigError(
+        f"output_dir={output_dir} already holds model-{earlier_mode}.pt, quantized from "
+        f"{earlier_source}; this run ({mode}, from {source}) would replace what quantize.json "
+        "records: set output_dir to another folder")
+
+
 class QuantizationRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         check_known_keys(cfg, CONFIG_KEYS, "quantize")
@@ -51,7 +75,15 @@ class QuantizationRecipe:
         self._quantizer, self._mode = build_quantizer(cfg.get("quantizer"), self._dtype,
                                                       require_qat=False)
         self._output_dir = Path(cfg.output_dir)
+        check_nothing_earlier_is_replaced(self._output_dir, self._saved_mode,
+                                          str(cfg.checkpointer.checkpoint_dir))
         training.set_seed(seed=cfg.get("seed", 0))
+
+    @property
+    def _saved_mode(self) -> str:
+        """The mode in the saved file's name: a QAT quantizer's converted model is the same
+        kind of model as the post-training one's."""
+        return self._mode.replace("-qat", "")
 
     def setup(self, cfg: DictConfig) -> None:
         if "qat" in self._mode:
@@ -81,7 +113,7 @@ class QuantizationRecipe:
 
     def save_checkpoint(self) -> Path:
         self._output_dir.mkdir(parents=True, exist_ok=True)
-        mode = self._mode.replace("-qat", "")
+        mode = self._saved_mode
         path = self._output_dir / f"model-{mode}.pt"
         tmp = path.with_suffix(".pt.tmp")
         torch.save(self._model.state_dict(), tmp)

@@ -2,6 +2,8 @@
 
 import runpy
 
+import shutil
+
 import pytest
 import torch
 
@@ -161,6 +163,19 @@ def test_quantize_matches_fake_quantized_model(tmp_path, qat_reference):
                  "model._component_=tune_recipes.models.tiny_qwen2_5", check=False)
     assert wider.returncode == 2 and "Traceback" not in wider.stderr, wider.stderr[-2000:]
     assert "does not fit the checkpoint's weights" in wider.stderr
+    # The quantized model of another checkpoint is never replaced; the same one again is.
+    saved = {p.name: p.read_bytes() for p in out.iterdir()}
+    shutil.copytree(qat_reference / "epoch_0", tmp_path / "copy_of_epoch_0")
+    other_source = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
+                        f"checkpointer.checkpoint_dir={tmp_path / 'copy_of_epoch_0'}", check=False)
+    assert other_source.returncode == 2, other_source.stderr[-2000:]
+    assert other_source.stderr.strip().splitlines()[-1] == (
+        f"tune: error: output_dir={out} already holds model-8da4w.pt, quantized from "
+        f"{qat_reference / 'epoch_0'}; this run (8da4w, from {tmp_path / 'copy_of_epoch_0'}) "
+        "would replace what quantize.json records: set output_dir to another folder")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == saved
+    tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
+         f"checkpointer.checkpoint_dir={qat_reference / 'epoch_0'}")
 
 
 @pytest.mark.parametrize("override, fragment", [
