@@ -122,6 +122,50 @@ def test_validate_finds_the_recipe_from_a_config_file_path(capsys, tmp_path):
         assert rc != 0 and "fp8_adapter_inputs=True needs enable_fp8_training=True" in err, (out, err)
 
 
+def test_every_shipped_configs_header_runs_it_with_the_recipe_its_name_maps_to():
+    # What a copy under another name (tune cp ... my_run.yaml) is validated against.
+    for name in registry.list_configs():
+        path = Path(registry.resolve_config(name).path)
+        assert registry.recipe_named_in_header(path) == registry.recipe_for_config(name), name
+
+
+def test_validate_finds_the_recipe_of_a_renamed_copy_from_its_header(capsys, tmp_path):
+    shipped = Path(registry.resolve_config("tiny/lora_single_device").path)
+    copy = tmp_path / "my_run.yaml"
+    copy.write_text(shipped.read_text().replace("\nbatch_size:", "\nbatch_sizee:"))
+    assert registry.recipe_for_config(str(copy)) is None  # the name says nothing
+    rc, out, err = _run(capsys, "validate", str(copy), "--portable")
+    assert rc == 2 and "lora_finetune_single_device does not use config key(s) 'batch_sizee'" in err
+    # Without a header naming it, validate says what it did not check instead of "valid".
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("output_dir: /tmp/x\nbatch_sizee: 2\n")
+    rc, out, err = _run(capsys, "validate", str(bare))
+    assert rc == 0 and "config is valid" not in out
+    assert "its keys, values, paths and output_dir were not checked: add --recipe NAME" in out
+    # torchtune's own recipes declare no keys to check against: said too.
+    rc, out, err = _run(capsys, "validate", "generation")
+    assert rc == 0 and "config is valid" not in out
+    assert "generate declares no CONFIG_KEYS, so its keys, values, paths" in out
+
+
+@pytest.mark.parametrize("header, recipe", [
+    # torchtune's headers: no "# Run" label; every run line names the same recipe.
+    ("# To launch:\n#   tune run lora_finetune_single_device --config llama3_2/1B_lora_single_device\n"
+     "#   tune run lora_finetune_single_device --config x.yaml batch_size=2\n",
+     "lora_finetune_single_device"),
+    ("#   tune run qat_single_device --config a\n#   tune run quantize --config b\n", None),
+    # ours: the line after "# Run" decides, whatever else the header mentions
+    ("# Afterwards: tune run quantize --config q\n# Run:\n"
+     "#   tune run --nproc_per_node 8 qat_distributed --config a\n", "qat_distributed"),
+    ("# Run:\n#   tune run no_such_recipe --config a\n", None),
+    ("output_dir: /tmp/x\n# Run:\n#   tune run quantize --config a\n", None),  # not a header
+])
+def test_the_header_names_a_recipe_only_when_it_is_unambiguous(tmp_path, header, recipe):
+    path = tmp_path / "c.yaml"
+    path.write_text(header + "output_dir: /tmp/x\n")
+    assert registry.recipe_named_in_header(path) == recipe
+
+
 def test_installed_tune_script_is_ours():
     exe = Path(sys.executable).parent / "tune"
     if not exe.exists():

@@ -218,7 +218,8 @@ def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
 
 def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     config = _config_or_fail(args.config)
-    recipe_name = args.recipe or registry.recipe_for_config(args.config)
+    recipe_name = (args.recipe or registry.recipe_for_config(args.config)
+                   or registry.recipe_named_in_header(config.path))
     recipe = _recipe_or_fail(recipe_name) if recipe_name else None
     try:
         cfg, note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
@@ -237,6 +238,16 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     known = registry.recipe_config_keys(recipe.path) if recipe is not None else None
     if not args.portable and known is not None:
         _check_output_dir(cfg, known)
+    # NOTE: not "valid" where the keys, values and paths went unchecked.
+    if recipe is None:
+        print(f"components bind: {config.path} ({note}); its recipe is named neither by the "
+              "file name nor by a `tune run` line in its header, so its keys, values, paths "
+              "and output_dir were not checked: add --recipe NAME")
+        return 0
+    if known is None:
+        print(f"components bind: {config.path} ({note}); {recipe_name} declares no "
+              "CONFIG_KEYS, so its keys, values, paths and output_dir were not checked")
+        return 0
     print(f"config is valid: {config.path} ({note})")
     return 0
 
@@ -407,7 +418,9 @@ example:
 """)
     val.add_argument("config", help="config name (see `tune ls`) or path to a .yaml file")
     val.add_argument("--recipe", default=None,
-                     help="also check top-level keys against this recipe (default: by config name)")
+                     help="the recipe to check the config against (default: by the config's name, "
+                          "else by the `tune run` line in its header, as `tune cp` keeps it; "
+                          "with neither, only the components are checked)")
     val.add_argument("--portable", action="store_true",
                      help="skip the checks of this machine (paths exist, device and dtype "
                           "available, components from packages not installed here): for a "

@@ -1,5 +1,6 @@
 """Where our recipes and configs live, and how names resolve (ours first, then torchtune's)."""
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -67,6 +68,38 @@ def recipe_for_config(config_name: str) -> Optional[str]:
         if stem == suffix or stem.endswith("_" + suffix):
             return CONFIG_SUFFIX_TO_RECIPE[suffix]
     return None
+
+
+# ``tune run [--launcher-flag value ...] RECIPE --config``, as a config's header comments say.
+_RUN_COMMAND = re.compile(r"\btune run\s+(?:--\S+\s+\S+\s+)*(?P<recipe>[\w.]+)\s+--config\b")
+
+
+def recipe_named_in_header(config_path: Path) -> Optional[str]:
+    """The recipe a config file's leading comments run it with, for a copy whose name does not
+    say (``tune cp llama3_2/1B_lora_single_device my_run.yaml`` keeps the header). Ours name it
+    on the line after ``# Run``; otherwise every ``tune run`` line there must name the same
+    recipe (torchtune's headers). None: no header names one, or it names one neither we nor
+    torchtune ship."""
+    try:
+        lines = config_path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    header = []
+    for line in lines:
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        header.append(line)
+    labelled = [i for i, line in enumerate(header) if line.lstrip("# ").startswith("Run")]
+    runs = [(i, m.group("recipe")) for i, line in enumerate(header)
+            for m in [_RUN_COMMAND.search(line)] if m]
+    if labelled:
+        after = [name for i, name in runs if i > labelled[0]]
+        names = after[:1]
+    else:
+        names = sorted({name for _, name in runs})
+    if len(names) != 1 or resolve_recipe(names[0]) is None:
+        return None
+    return names[0]
 
 
 def configs_by_recipe() -> Dict[str, List[str]]:
