@@ -37,6 +37,28 @@ def test_a_finished_run_continues_with_more_epochs(tmp_path, recipe, config, nam
     assert (out / "epoch_1" / name).is_file()
 
 
+def test_a_finished_one_epoch_run_continues_with_its_own_steps_per_epoch_and_seed(tmp_path):
+    """A one-epoch run keeps no recipe_state.pt; its final folder records seed and steps per
+    epoch, which win over a config that changed them: the step count continues (no metrics
+    row is cut), and the data order is the run's own."""
+    args = ["~lr_scheduler"]
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "straight",
+               [*args, "epochs=2", "max_steps_per_epoch=3"])
+    out = tmp_path / "extended"
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", out,
+               [*args, "epochs=1", "max_steps_per_epoch=3"])
+    proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", out,
+                      [*args, "epochs=2", "max_steps_per_epoch=2", "seed=7",
+                       "resume_from_checkpoint=True"])
+    lines = proc.stderr.splitlines()
+    assert "warning: config seed=7 differs from the checkpoint's 0; using the checkpoint's" in lines
+    assert ("warning: config max_steps_per_epoch=2 differs from the checkpoint's 3; using the "
+            "checkpoint's") in lines
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # Same weights, same data order: the first continued step's loss (before its update).
+    assert losses(out)[3] == losses(tmp_path / "straight")[3]
+
+
 def test_auto_on_a_finished_run_with_no_more_epochs_trains_nothing(tmp_path):
     args = ["max_steps_per_epoch=2", "epochs=1"]
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, args)

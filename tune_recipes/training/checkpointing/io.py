@@ -24,6 +24,9 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
 # Each intermediate epoch folder holds its own copy: a folder and its state appear together.
 EPOCH_STATE_FILE = "recipe_state.pt"
+# The final epoch folder's record of what a continuation must keep (seed, steps per epoch,
+# epochs run): it holds no recipe_state.pt (no optimizer state to resume).
+FINISHED_RUN_FILE = "finished_run.json"
 ADAPTER_FILE = "adapter_model.pt"  # torchtune's name for the adapter it loads on resume
 # Keys of a mid-epoch checkpoint's recipe state (tune_recipes.training.checkpointing.state).
 GLOBAL_STEP_KEY = "global_step"

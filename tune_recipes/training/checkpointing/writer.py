@@ -1,6 +1,7 @@
 """Every recipe's ``save_checkpoint``: full or LoRA-type, one device or FSDP, in one place."""
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ from tune_recipes.config import positive_int_or_none
 from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
 from tune_recipes.training.checkpointing.io import (
     EPOCH_STATE_FILE,
+    FINISHED_RUN_FILE,
     RECIPE_STATE_FILE,
     STEP_DIR,
     CheckpointError,
@@ -179,8 +181,11 @@ class CheckpointWriter:
                 ckpt = {training.MODEL_KEY: model_sd}
             if intermediate:
                 ckpt.update(state.checkpoint_entries(opt_sd, position))
+            finished = None if intermediate else {
+                training.SEED_KEY: state.seed, training.MAX_STEPS_KEY: state.max_steps_per_epoch,
+                training.EPOCHS_KEY: epoch + 1}
             self._write(ckpt, epoch, intermediate, name=name, adapter_only=adapter_only,
-                        shared_state=not mid_epoch)
+                        shared_state=not mid_epoch, finished=finished)
             if mid_epoch:
                 self._delete_old_step_checkpoints()
         if self.distributed:
@@ -188,10 +193,11 @@ class CheckpointWriter:
 
     def _write(self, ckpt: Dict[str, object], epoch: int, intermediate: bool,
                name: Optional[str] = None, adapter_only: Optional[bool] = None,
-               shared_state: bool = True) -> None:
+               shared_state: bool = True, finished: Optional[Dict[str, object]] = None) -> None:
         """Crash-safe: the checkpointer writes into ``output_dir/.saving/``; only a complete
         ``name`` folder (``epoch_<n>/`` or ``step_<n>/``: weights, adapter, and unless it is
-        the last epoch its own ``recipe_state.pt``) is renamed into ``output_dir``, then (if
+        the last epoch its own ``recipe_state.pt``; the last epoch's: ``finished``, the
+        ``finished_run.json`` a continuation reads) is renamed into ``output_dir``, then (if
         ``shared_state``) ``recipe_state/`` is replaced atomically. A kill at any point leaves
         the previous checkpoints as they were."""
         name = name or f"epoch_{epoch}"
@@ -221,11 +227,13 @@ class CheckpointWriter:
             if intermediate:
                 # The folder's own copy travels with it: resume reads it from there.
                 os.replace(staging / RECIPE_STATE_FILE, written / EPOCH_STATE_FILE)
-            # NOTE: held together: a Ctrl-C between the rename and the record would report
-            # "no checkpoint saved" while the folder stands complete.
-            with run_status.stop_signals_held():
-                publish_dir(written, out / name, staging / "replaced")
-                run_status.checkpoint_saved(out / name)
+            if finished is not None:
+                (written / FINISHED_RUN_FILE).write_text(json.dumps(finished) + "\n")
+            # NOTE: announced first: a Ctrl-C between the rename and the record must not
+            # report "no checkpoint saved" beside a complete folder.
+            run_status.checkpoint_publishing(written, out / name)
+            publish_dir(written, out / name, staging / "replaced")
+            run_status.checkpoint_saved(out / name)
             # One line naming where each file ended up (torchtune's lines are dropped above).
             print(saved_line(what, out / name), file=sys.stderr)
             if intermediate and shared_state:

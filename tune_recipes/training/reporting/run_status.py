@@ -5,13 +5,11 @@ The step driver records each finished step, the checkpoint writer each published
 reading it costs nothing, so no signal handler has to touch the training state.
 """
 
-import contextlib
 import shlex
-import signal
 from pathlib import Path
 from typing import List, Optional
 
-_status = {"step": 0, "checkpoint": None}
+_status = {"step": 0, "checkpoint": None, "publishing": None}
 
 
 def step_finished(global_step: int) -> None:
@@ -20,26 +18,24 @@ def step_finished(global_step: int) -> None:
 
 def checkpoint_saved(path) -> None:
     _status["checkpoint"] = str(path)
+    _status["publishing"] = None
 
 
-# Signals whose handlers print the one line (``_cli/launch.py``).
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+def checkpoint_publishing(staged, final) -> None:
+    """Called before ``staged`` is renamed to ``final``: a signal can land between the rename
+    and ``checkpoint_saved``, so the line asks the disk (``last_checkpoint``)."""
+    _status["publishing"] = (str(staged), str(final))
 
 
-@contextlib.contextmanager
-def stop_signals_held():
-    """Hold Ctrl-C and SIGTERM until the block ends (then they act as usual): for a
-    checkpoint's rename into place and its ``checkpoint_saved`` record, so a signal between
-    the two cannot print "no checkpoint saved" beside a complete checkpoint. A no-op where
-    the platform cannot mask signals (Windows)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+def last_checkpoint() -> Optional[str]:
+    """The newest checkpoint this run saved: the one being published counts once its staged
+    folder has been renamed into place."""
+    pending = _status.get("publishing")
+    if pending is not None:
+        staged, final = (Path(p) for p in pending)
+        if not staged.exists() and final.exists():
+            return str(final)
+    return _status["checkpoint"]
 
 
 def interrupted_message(script: Path, args: List[str], step: Optional[int] = None,
@@ -47,7 +43,7 @@ def interrupted_message(script: Path, args: List[str], step: Optional[int] = Non
     """``interrupted at step N; last checkpoint ...; resume with ...`` in one line (``how``:
     what stopped it, e.g. ``terminated (SIGTERM)``)."""
     step = _status["step"] if step is None else step
-    checkpoint = _status["checkpoint"] if checkpoint is None else checkpoint
+    checkpoint = last_checkpoint() if checkpoint is None else checkpoint
     if checkpoint is None:
         return f"{how} at step {step}; no checkpoint saved by this run"
     return f"{how} at step {step}; last checkpoint {checkpoint}; {resume_hint(script, args)}"
@@ -57,7 +53,7 @@ def resume_hint(script: Path, args: List[str], checkpoint=None, launcher: List[s
     """``resume with: tune run [LAUNCHER] RECIPE ARGS resume_from_checkpoint=True`` (``auto``
     where no checkpoint is known: it resumes if one was saved, else starts afresh)."""
     keep = [a for a in args if not a.startswith("resume_from_checkpoint=")]
-    known = checkpoint is not None or _status["checkpoint"] is not None
+    known = checkpoint is not None or last_checkpoint() is not None
     command = shlex.join(["tune", "run", *launcher, Path(script).stem, *keep,
                           f"resume_from_checkpoint={'True' if known else 'auto'}"])
     return f"resume with: {command}"

@@ -1,5 +1,6 @@
 """Setup steps every recipe performs the same way (one correct answer each)."""
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from tune_recipes.config import ConfigError
 from tune_recipes.constants import DEFAULT_COLLATE
 from tune_recipes.training.checkpointing.io import (
     ADAPTER_FILE,
+    FINISHED_RUN_FILE,
     RECIPE_STATE_FILE,
+    CheckpointError,
     ResumePoint,
     checkpointer_config_for_output_dir,
     instantiate_checkpointer_for_resume,
@@ -130,6 +133,22 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig) -> Dict[str
             f"{cfg_checkpointer.get('model_type')}): {type(e).__name__}: {first}") from None
 
 
+def finished_run_record(final_checkpoint: Path, output_dir: Path) -> Dict[str, Any]:
+    """What the finished run recorded of its seed and steps per epoch (torchtune's
+    ``SEED_KEY`` and ``MAX_STEPS_KEY``): its final folder's ``finished_run.json``; for a run
+    saved before that file was written, the recipe state of its last intermediate epoch (none
+    for a one-epoch run: then {} and the config's values stand)."""
+    record = final_checkpoint / FINISHED_RUN_FILE
+    if record.is_file():
+        try:
+            return dict(json.loads(record.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{record} is unreadable ({e}); restore it, or start afresh "
+                                  "in another output_dir") from None
+    earlier = output_dir / RECIPE_STATE_FILE
+    return load_recipe_state(earlier) if earlier.is_file() else {}
+
+
 def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point: ResumePoint,
                            adapter: bool) -> Tuple[Any, Dict[str, Any], SavedState]:
     """A finished run resumed: with ``epochs`` above the epochs it ran, training continues
@@ -141,12 +160,11 @@ def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point:
     epochs remain: it is twice the model for AdamW), so the optimizer starts from fresh state
     here, and the LR schedule is laid over all ``epochs`` and entered at epoch
     ``epochs_done``: not the numbers of one run that trained ``epochs`` from the start. The
-    line printed says so. The seed and steps per epoch are the run's own where its recipe
-    state survives (an earlier epoch's), else the config's."""
+    line printed says so. The seed and steps per epoch are the run's own
+    (``finished_run_record``; the config's where it recorded none), as for any resume."""
     out = Path(cfg.output_dir)
     done, total = point.epochs_done, cfg.epochs
-    earlier = out / RECIPE_STATE_FILE
-    recorded = load_recipe_state(earlier) if earlier.is_file() else {}
+    recorded = finished_run_record(point.checkpoint, out)
     saved = SavedState(
         optimizer=None, seed=recorded.get(training.SEED_KEY, cfg.get("seed", None)),
         epochs_run=done, total_epochs=total,

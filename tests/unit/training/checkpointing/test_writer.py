@@ -209,8 +209,12 @@ def test_the_save_line_names_each_file_where_it_ends_up(tmp_path, capsys, caplog
     assert logged == ["a torchtune warning"], logged
     err = capsys.readouterr().err
     size = (tmp_path / "epoch_0" / "adapter_config.json").stat().st_size
-    assert err == (f"epoch 0 checkpoint saved to {tmp_path / 'epoch_0'}: adapter_config.json "
-                   f"({size} B), model.safetensors (9 B)\n"), err
+    record = (tmp_path / "epoch_0" / "finished_run.json").stat().st_size
+    assert err == (f"epoch 0 checkpoint saved to {tmp_path / 'epoch_0'}: finished_run.json "
+                   f"({record} B), adapter_config.json ({size} B), model.safetensors (9 B)\n"), err
+    # The final epoch records what a continuation keeps (it has no recipe_state.pt).
+    assert json.loads((tmp_path / "epoch_0" / "finished_run.json").read_text()) == {
+        "seed": 3, "max_steps_per_epoch": None, "epochs_run": 1}
     # Later INFO lines (not a save) print again.
     from torchtune.utils import get_logger
 
@@ -236,37 +240,24 @@ def test_a_full_disk_reported_by_safetensors_is_one_line_and_frees_the_staging_f
     assert not (tmp_path / ".saving").exists()  # the partial files are gone
 
 
-def test_a_signal_right_after_the_rename_still_reports_the_checkpoint(tmp_path, monkeypatch):
-    """A Ctrl-C landing between the folder's rename into place and its record would print
-    "no checkpoint saved" beside a complete checkpoint; the two are held together."""
-    import os
-    import signal
-
+def test_an_interrupt_right_after_the_rename_still_reports_the_checkpoint(tmp_path, monkeypatch):
+    """A Ctrl-C landing between the folder's rename into place and its record must not print
+    "no checkpoint saved" beside a complete checkpoint."""
     from tune_recipes.training.checkpointing import writer as writer_module
     from tune_recipes.training.reporting import run_status
 
-    class _Stopped(Exception):
-        pass
-
-    def _raise_stopped(signum, frame):
-        raise _Stopped
-
     real_publish = writer_module.publish_dir
 
-    def publish_then_signal(*args):
+    def publish_then_interrupt(*args):
         real_publish(*args)
-        os.kill(os.getpid(), signal.SIGTERM)  # stands for Ctrl-C (xdist workers ignore SIGINT)
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer_module, "publish_dir", publish_then_signal)
-    monkeypatch.setattr(run_status, "_status", {"step": 0, "checkpoint": None})
+    monkeypatch.setattr(writer_module, "publish_dir", publish_then_interrupt)
+    monkeypatch.setattr(run_status, "_status", {"step": 0, "checkpoint": None, "publishing": None})
     model = tiny_llama3()
     state = RecipeState(seed=0, total_epochs=2, max_steps_per_epoch=None, epochs_run=1)
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
-    try:
-        with pytest.raises(_Stopped):
-            CheckpointWriter(_Checkpointer(tmp_path), output_dir=str(tmp_path)).save(
-                model, torch.optim.SGD(model.parameters(), lr=0.1), state, epoch=0)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(KeyboardInterrupt):
+        CheckpointWriter(_Checkpointer(tmp_path), output_dir=str(tmp_path)).save(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), state, epoch=0)
     assert (tmp_path / "epoch_0" / "model.safetensors").exists()
-    assert run_status._status["checkpoint"] == str(tmp_path / "epoch_0")
+    assert run_status.last_checkpoint() == str(tmp_path / "epoch_0")

@@ -1,8 +1,5 @@
 """tune_recipes.training.reporting.run_status: the Ctrl-C line."""
 
-import os
-import signal
-
 import pytest
 
 from tune_recipes.training.reporting import run_status
@@ -23,26 +20,15 @@ def test_the_interrupt_line_names_step_checkpoint_and_resume_command(monkeypatch
     assert "\n" not in line
 
 
-class _Stopped(Exception):
-    pass
-
-
-def _raise_stopped(signum, frame):
-    raise _Stopped
-
-
-def test_a_signal_sent_inside_the_held_block_acts_when_it_ends(monkeypatch):
-    # SIGTERM with a raising handler stands for Ctrl-C (pytest-xdist workers ignore SIGINT).
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
-    reached = []
-    try:
-        with pytest.raises(_Stopped):
-            with run_status.stop_signals_held():
-                os.kill(os.getpid(), signal.SIGTERM)
-                reached.append("after the signal")
-            reached.append("after the block")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert reached == ["after the signal"]
-    # The mask is restored: the next signal acts at once.
-    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+def test_a_checkpoint_counts_once_its_folder_is_renamed_into_place(monkeypatch, tmp_path):
+    monkeypatch.setattr(run_status, "_status", {"step": 3, "checkpoint": None, "publishing": None})
+    staged, final = tmp_path / ".saving" / "epoch_0", tmp_path / "epoch_0"
+    staged.mkdir(parents=True)
+    run_status.checkpoint_publishing(staged, final)
+    # Interrupted before the rename: nothing saved yet.
+    assert run_status.interrupted_message("r/full.py", []).endswith("no checkpoint saved by this run")
+    staged.rename(final)
+    # After the rename, before checkpoint_saved: the folder on disk counts.
+    assert f"last checkpoint {final};" in run_status.interrupted_message("r/full.py", [])
+    run_status.checkpoint_saved(final)
+    assert run_status.last_checkpoint() == str(final)

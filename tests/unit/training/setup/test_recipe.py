@@ -283,3 +283,21 @@ def test_a_fake_quant_start_past_the_run_is_named_once_the_length_is_known(capsy
     (line,) = warned(4)
     assert "fake_quant_after_n_steps=4 is not before the run's last step (4 optimizer steps)" in line
     assert warned(3) == []
+
+
+def test_a_finished_runs_record_is_read_from_its_final_folder_else_its_last_state(tmp_path):
+    from tune_recipes.training.checkpointing.io import CheckpointError
+    from tune_recipes.training.setup.recipe import finished_run_record
+
+    final = tmp_path / "epoch_1"
+    final.mkdir()
+    assert finished_run_record(final, tmp_path) == {}  # a one-epoch run of an older version
+    (tmp_path / "recipe_state").mkdir()
+    torch.save({"seed": 4, "max_steps_per_epoch": 2, "epochs_run": 1},
+               tmp_path / "recipe_state" / "recipe_state.pt")
+    assert finished_run_record(final, tmp_path)["seed"] == 4  # its last intermediate epoch's
+    (final / "finished_run.json").write_text('{"seed": 5, "max_steps_per_epoch": 3, "epochs_run": 2}')
+    assert finished_run_record(final, tmp_path) == {"seed": 5, "max_steps_per_epoch": 3, "epochs_run": 2}
+    (final / "finished_run.json").write_text('{"seed": 5, ')
+    with pytest.raises(CheckpointError, match="finished_run.json is unreadable"):
+        finished_run_record(final, tmp_path)
