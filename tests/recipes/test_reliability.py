@@ -234,6 +234,12 @@ def test_mid_epoch_resume_equals_uninterrupted_and_keeps_last_n(tmp_path):
     assert read_metrics(killed / "metrics.jsonl", "step") == list(range(1, 7))
     assert losses(killed) == losses(ref)
     assert_same_weights(weights(killed, 1), weights(ref, 1), rtol=0, atol=0)
+    # The same command again, afresh: the finished run's step folder (older than its last
+    # epoch) moves aside with its epochs instead of refusing the run.
+    run_recipe(*FULL, out, saving)
+    kept = [p for p in out.glob("checkpoints.*") if p.is_dir()]
+    assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == [
+        "epoch_0", "epoch_1", "recipe_state", "step_4"]
 
 
 def test_mid_epoch_resume_with_accumulation_dropout_and_an_adapter(tmp_path):

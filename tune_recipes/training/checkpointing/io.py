@@ -85,20 +85,14 @@ def step_dirs(output_dir: Path) -> List[Path]:
 
 
 def refuse_stale_step_checkpoints(output_dir: Path) -> None:
-    """A fresh run (no ``resume_from_checkpoint``) must not start beside an earlier run's
-    ``step_<n>/`` folders: a later resume would take the newest of them, the old run's step,
-    and this run's own checkpoints would not be the ones resumed. Deleting them would lose a
-    run that was meant to be resumed, so this is a ConfigError naming both ways out."""
+    """A fresh run (no ``resume_from_checkpoint``) must not start beside an earlier run whose
+    newest checkpoint is a ``step_<n>/`` folder: that run was interrupted mid-epoch, most
+    likely meant to be resumed, so this is a ConfigError naming both ways out. Step folders
+    older than the newest ``epoch_<n>/`` (the run went on past them, or finished) move aside
+    with the epochs (``keep_earlier_checkpoints_aside``)."""
     stale = step_dirs(output_dir)
-    if stale:
+    if stale and newest_checkpoint_dir(output_dir) != latest_epoch_dir(output_dir):
         names = ", ".join(p.name for p in stale[:3]) + (" ..." if len(stale) > 3 else "")
-        if newest_checkpoint_dir(output_dir) == latest_epoch_dir(output_dir):
-            raise ConfigError(
-                f"output_dir {output_dir} holds mid-epoch checkpoints of an earlier run ({names}) "
-                f"older than its {latest_epoch_dir(output_dir).name}/: remove the step_<n>/ "
-                "folders or choose another output_dir to start afresh (a later resume could "
-                "take one of them)"
-            )
         raise ConfigError(
             f"output_dir {output_dir} holds mid-epoch checkpoints of an earlier run ({names}): "
             "resume it with resume_from_checkpoint=True, or remove them or choose another "
@@ -307,15 +301,16 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
 def keep_earlier_checkpoints_aside(output_dir: str,
                                    read_by_the_run: Optional[Dict[str, str]] = None) -> Optional[Path]:
     """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
-    (and ``recipe_state/``): they move into ``checkpoints.<suffix>/`` (returned), named as the
+    (and ``recipe_state/``, and ``step_<n>/`` folders older than them): they move into ``checkpoints.<suffix>/`` (returned), named as the
     earlier run's kept metrics and config are (``earlier_run_suffix``), and one line says so.
 
     NOTE: moved, not left for the new run to overwrite: the new run's ``epoch_0/`` would
     replace the earlier one's while the earlier ``epoch_1/`` ... stayed, and a later resume would
     continue the earlier run's newest epoch on the new run's metrics. Moved at the start, not at
     the first save, so that ``resume_from_checkpoint=auto`` after a crash before that save
-    starts afresh again instead of resuming the earlier run. ``step_<n>/`` folders never get
-    here: a fresh run beside them is refused (``refuse_stale_step_checkpoints``).
+    starts afresh again instead of resuming the earlier run. ``step_<n>/`` folders older than
+    the newest epoch move with them; a newer one never gets here: a fresh run beside it is
+    refused (``refuse_stale_step_checkpoints``).
     ``read_by_the_run`` (config key -> path): where one lies inside those folders (a new run
     trained on from an earlier epoch, ``checkpointer.checkpoint_dir=<output_dir>/epoch_0``),
     nothing moves: the run reads from there, and its checkpoints replace the earlier ones, as
@@ -329,6 +324,7 @@ def keep_earlier_checkpoints_aside(output_dir: str,
                    key=lambda d: int(_EPOCH_DIR.match(d.name).group(1)))
     if not found:
         return None
+    found += step_dirs(out)  # older than the newest epoch (refuse_stale_step_checkpoints)
     if (out / RECIPE_STATE_FILE.parent).is_dir():
         found.append(out / RECIPE_STATE_FILE.parent)
     for key, path in (read_by_the_run or {}).items():

@@ -13,6 +13,7 @@ from tune_recipes.training.checkpointing.io import (
     LoRASpec,
     checkpointer_config_for_resume,
     complete_peft_adapter_config,
+    keep_earlier_checkpoints_aside,
     latest_epoch_dir,
     lora_checkpoint_entries,
     newest_checkpoint_dir,
@@ -234,15 +235,24 @@ def test_resume_from_a_folder_missing_its_weights_names_them(tmp_path):
 
 def test_a_finished_runs_folder_says_so_for_resume_and_for_a_fresh_run(tmp_path):
     """A finished run leaves its last epoch_<n>/ without recipe state, and maybe older step
-    folders: resume says the run finished (not 'run without resume first'), and a fresh run is
-    told to remove the superseded step folders (not to resume them)."""
+    folders: resume says the run finished (not 'run without resume first'), and a fresh run
+    moves the superseded step folders aside with the epochs (a step folder newer than every
+    epoch is an interrupted run: refused)."""
     cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
     _step_dir(tmp_path, 19, epochs_run=0)
     (tmp_path / "epoch_0").mkdir()
     (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"epoch_0 is the final checkpoint of a finished run"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
-    with pytest.raises(ConfigError, match=r"\(step_19\) older than its epoch_0/: remove the step_<n>/"):
+    refuse_stale_step_checkpoints(tmp_path)  # nothing to refuse
+    kept = keep_earlier_checkpoints_aside(str(tmp_path))
+    assert sorted(p.name for p in kept.iterdir()) == ["epoch_0", "step_19"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
+    # A step folder newer than the newest epoch: an interrupted run, refused.
+    _step_dir(tmp_path, 30, epochs_run=1)
+    (tmp_path / "epoch_0").mkdir()
+    with pytest.raises(ConfigError, match=r"mid-epoch checkpoints of an earlier run \(step_30\): "
+                                          "resume it with resume_from_checkpoint=True"):
         refuse_stale_step_checkpoints(tmp_path)
 
 
