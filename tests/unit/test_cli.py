@@ -1,6 +1,7 @@
 """The `tune` command: name resolution, ls/cp/validate, and one-line errors."""
 
 import os
+import signal
 import subprocess
 import sys
 import zipfile
@@ -549,11 +550,17 @@ finally:
 """
 
 
+def _default_sigint():
+    # NOTE: keep. Tests started in the background (`cmd &`, nohup) ignore SIGINT, and the
+    # child inherits it; a terminal's `tune` has the default disposition, so this child too.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, raised", [("SIGTERM", "Terminated"),
                                          ("SIGINT", "KeyboardInterrupt")])
 def test_a_signal_a_finalizer_swallowed_still_stops_the_run(sig, raised):
     proc = subprocess.run([sys.executable, "-c", _SWALLOWED, sig, "tune"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.strip() == raised
     assert "Exception ignored" not in proc.stderr
@@ -563,7 +570,7 @@ def test_a_signal_a_finalizer_swallowed_still_stops_the_run(sig, raised):
 def test_without_tunes_handlers_the_finalizer_swallows_the_interrupt():
     """The case the handlers exist for: Python's own SIGINT handling loses this Ctrl-C."""
     proc = subprocess.run([sys.executable, "-c", _SWALLOWED, "SIGINT", "bare"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ran to the end" in proc.stdout
     assert "Exception ignored" in proc.stderr
