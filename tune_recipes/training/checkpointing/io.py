@@ -301,8 +301,9 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
 def keep_earlier_checkpoints_aside(output_dir: str,
                                    read_by_the_run: Optional[Dict[str, str]] = None) -> Optional[Path]:
     """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
-    (and ``recipe_state/``, and ``step_<n>/`` folders older than them): they move into ``checkpoints.<suffix>/`` (returned), named as the
-    earlier run's kept metrics and config are (``earlier_run_suffix``), and one line says so.
+    (and ``recipe_state/``, and ``step_<n>/`` folders older than them): they move into
+    ``checkpoints.<suffix>/`` (returned), named as the earlier run's kept metrics and config
+    are (``earlier_run_suffix``), and one line says so.
 
     NOTE: moved, not left for the new run to overwrite: the new run's ``epoch_0/`` would
     replace the earlier one's while the earlier ``epoch_1/`` ... stayed, and a later resume would
