@@ -14,16 +14,20 @@ Writes ``<output_dir>/model-<mode>.pt`` (the quantized state dict) and
 result as a smoke check.
 """
 
+import filecmp
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 
-from tune_recipes.config import ConfigError, check_known_keys, parse
+from tune_recipes.config import check_known_keys, parse
+from tune_recipes.training.reporting.metrics import time_stamp
 from tune_recipes.training.setup.model import load_weights
 from tune_recipes.training.setup.qat import (
     build_quantizer,
@@ -43,28 +47,39 @@ def quantize_model(model: torch.nn.Module, quantizer, mode: str) -> torch.nn.Mod
         return quantizer.quantize(model)
 
 
-def check_nothing_earlier_is_replaced(output_dir: Path, mode: str, source: str) -> None:
-    """Refuse an ``output_dir`` whose quantized model (recorded in its ``quantize.json``) came
-    from another checkpoint or in another mode: this run would overwrite its metadata, or the
-    model itself. Quantizing the same checkpoint the same way again replaces it with the same
-    result."""
+def keep_earlier_quantized_model_aside(output_dir: Path, path: Path, written: Path,
+                                      meta: dict) -> Optional[Path]:
+    """Before ``written`` (this run's model, not yet renamed) becomes ``path`` and ``meta``
+    ``quantize.json``: an earlier quantized model there that this run would replace with other
+    bytes, or whose ``quantize.json`` records another mode or source, moves with that file into
+    ``output_dir/earlier.<time>/`` (returned; None when nothing moved). The same checkpoint
+    quantized the same way again replaces nothing that differs. NOTE: compared by bytes, not by
+    the source's path: a retrained run's new ``epoch_0/`` sits where the old one did."""
     meta_path = output_dir / "quantize.json"
-    if not meta_path.exists():
-        return
     try:
-        earlier = json.loads(meta_path.read_text())
-        earlier_mode, earlier_source = earlier["mode"], earlier["source"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"output_dir={output_dir} holds a quantize.json this recipe cannot "
-                          "read: set output_dir to another folder") from None
-    if not (output_dir / f"model-{earlier_mode}.pt").exists():
-        return
-    if earlier_mode == mode and Path(earlier_source).resolve() == Path(source).resolve():
-        return
-    raise ConfigError(
-        f"output_dir={output_dir} already holds model-{earlier_mode}.pt, quantized from "
-        f"{earlier_source}; this run ({mode}, from {source}) would replace what quantize.json "
-        "records: set output_dir to another folder")
+        earlier = json.loads(meta_path.read_text()) if meta_path.exists() else None
+        earlier_mode = earlier.get("mode") if isinstance(earlier, dict) else None
+    except (OSError, ValueError):
+        earlier, earlier_mode = None, None
+    moving = []
+    if path.exists() and not filecmp.cmp(path, written, shallow=False):
+        moving.append(path)
+    if meta_path.exists() and (moving or earlier != meta):
+        other = output_dir / f"model-{earlier_mode}.pt" if isinstance(earlier_mode, str) else None
+        moving += [f for f in (other, meta_path) if f is not None and f.exists() and f not in moving]
+    if not moving:
+        return None
+    stamp = time_stamp(max(f.stat().st_mtime for f in moving))
+    kept, n = output_dir / f"earlier.{stamp}", 1
+    while kept.exists():
+        n += 1
+        kept = output_dir / f"earlier.{stamp}-{n}"
+    kept.mkdir()
+    for f in moving:
+        os.replace(f, kept / f.name)
+    print(f"{output_dir} held an earlier quantized model: {', '.join(f.name for f in moving)} "
+          f"moved to {kept.name}/", file=sys.stderr)
+    return kept
 
 
 class QuantizationRecipe:
@@ -75,8 +90,6 @@ class QuantizationRecipe:
         self._quantizer, self._mode = build_quantizer(cfg.get("quantizer"), self._dtype,
                                                       require_qat=False)
         self._output_dir = Path(cfg.output_dir)
-        check_nothing_earlier_is_replaced(self._output_dir, self._saved_mode,
-                                          str(cfg.checkpointer.checkpoint_dir))
         training.set_seed(seed=cfg.get("seed", 0))
 
     @property
@@ -117,9 +130,10 @@ class QuantizationRecipe:
         path = self._output_dir / f"model-{mode}.pt"
         tmp = path.with_suffix(".pt.tmp")
         torch.save(self._model.state_dict(), tmp)
-        tmp.replace(path)  # a crash mid-write never leaves a truncated model-*.pt
         meta = {"mode": mode, "groupsize": getattr(self._quantizer, "groupsize", None),
                 "source": self._source}
+        keep_earlier_quantized_model_aside(self._output_dir, path, tmp, meta)
+        tmp.replace(path)  # a crash mid-write never leaves a truncated model-*.pt
         (self._output_dir / "quantize.json").write_text(json.dumps(meta, indent=2) + "\n")
         print(f"saved {path}")
         return path

@@ -163,19 +163,28 @@ def test_quantize_matches_fake_quantized_model(tmp_path, qat_reference):
                  "model._component_=tune_recipes.models.tiny_qwen2_5", check=False)
     assert wider.returncode == 2 and "Traceback" not in wider.stderr, wider.stderr[-2000:]
     assert "does not fit the checkpoint's weights" in wider.stderr
-    # The quantized model of another checkpoint is never replaced; the same one again is.
+    # Quantized again from the same checkpoint: the same bytes, nothing moves.
     saved = {p.name: p.read_bytes() for p in out.iterdir()}
-    shutil.copytree(qat_reference / "epoch_0", tmp_path / "copy_of_epoch_0")
-    other_source = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
-                        f"checkpointer.checkpoint_dir={tmp_path / 'copy_of_epoch_0'}", check=False)
-    assert other_source.returncode == 2, other_source.stderr[-2000:]
-    assert other_source.stderr.strip().splitlines()[-1] == (
-        f"tune: error: output_dir={out} already holds model-8da4w.pt, quantized from "
-        f"{qat_reference / 'epoch_0'}; this run (8da4w, from {tmp_path / 'copy_of_epoch_0'}) "
-        "would replace what quantize.json records: set output_dir to another folder")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == saved
     tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
          f"checkpointer.checkpoint_dir={qat_reference / 'epoch_0'}")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == saved
+    # Other weights where the source was (a retrained epoch_0/): the earlier quantized model
+    # and its record move aside, never overwritten.
+    from safetensors.torch import load_file, save_file
+
+    retrained = tmp_path / "retrained" / "epoch_0"
+    shutil.copytree(qat_reference / "epoch_0", retrained)
+    weights_file = retrained / "model-00001-of-00001.safetensors"
+    save_file({k: v * 1.5 for k, v in load_file(weights_file).items()}, weights_file)
+    shutil.copy(qat_reference / "config.yaml", retrained.parent / "config.yaml")
+    proc = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
+                f"checkpointer.checkpoint_dir={retrained}")
+    kept = [p for p in out.iterdir() if p.name.startswith("earlier.")]
+    assert len(kept) == 1, proc.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in kept[0].iterdir()} == saved
+    assert f"held an earlier quantized model: model-8da4w.pt, quantize.json moved to {kept[0].name}/" \
+        in proc.stderr
+    assert (out / "model-8da4w.pt").read_bytes() != saved["model-8da4w.pt"]
 
 
 @pytest.mark.parametrize("override, fragment", [
