@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import assert_same_weights, losses, run_recipe, tune, weights
+from tune_recipes.training.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 STEPS = ["max_steps_per_epoch=6", "lr_scheduler.num_warmup_steps=1"]
@@ -165,6 +166,31 @@ def test_all_masked_batch_fails_clearly(tmp_path):
     assert proc.returncode == 2
     assert "tokenizer.max_seq_len=8: none of the first 16 examples" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_micro_batch_cut_before_its_response_leaves_the_step_to_the_others(tmp_path):
+    """batch_size=1 with accumulation: an example whose prompt fills max_seq_len has no label
+    token; its step trains on the other micro-batches' tokens instead of stopping the run.
+    A step of only such examples is one line naming it."""
+    long_prompt = "describe " * 200
+    rows = [{"instruction": long_prompt if i % 4 == 1 else f"say {i}", "input": "",
+             "output": f"ok {i}"} for i in range(8)]
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps(rows))
+    args = [f"dataset.data_files={data}", "dataset._component_=torchtune.datasets.alpaca_dataset",
+            "dataset.source=json", "dataset.train_on_input=False", "shuffle=False",
+            "batch_size=1", "gradient_accumulation_steps=4", "max_steps_per_epoch=2",
+            "lr_scheduler.num_warmup_steps=1"]
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "out", args)
+    assert read_metrics(tmp_path / "out" / "metrics.jsonl", "step") == [1, 2]
+    data.write_text(json.dumps([{**r, "instruction": long_prompt} if i < 4 else r
+                                for i, r in enumerate(rows)]))
+    proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path / "bad",
+                      args, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "tune: error: The step ending at epoch 0, step 1 (batch 3 of the epoch), in all its "
+        "micro-batches, has no unmasked label token")
 
 
 def test_unknown_config_key_named(tmp_path):

@@ -296,7 +296,8 @@ class Step:
                 self._first_batch = idx
             # Counted on the CPU labels: a Python int, no device sync.
             self.num_tokens = count_valid_tokens(batch["labels"], d.ignore_index)
-            self._where = f"epoch {self.epoch}, step {d.global_step}, batch {idx}"
+            # As logged: the step's number in metrics.jsonl, the batch's in its epoch.
+            self._where = f"epoch {self.epoch}, step {d.global_step + 1} (batch {idx} of the epoch)"
             self._pending_backward = True
             yield to_device(batch, d.device)
             if self._pending_backward:

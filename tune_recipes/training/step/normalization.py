@@ -165,6 +165,15 @@ def grad_norm_and_clip_(
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def _no_label_tokens(what: str) -> str:
+    """The one line for a step with nothing to train on: a data problem, not a bug (raised as
+    a ConfigError, so it prints as one line naming where and what to change)."""
+    return (f"{what[0].upper()}{what[1:]} has no unmasked label token, so its mean loss is "
+            "0/0. Every example was truncated before its response or fully masked: raise "
+            "tokenizer.max_seq_len, set train_on_input=True, or filter such examples from the "
+            "dataset.")
+
+
 class StepLossNormalizer:
     """Turns per-micro-batch mean losses into an exactly token-normalized step.
 
@@ -210,6 +219,7 @@ class StepLossNormalizer:
         self._micro_batches = 0
         self._extra_sums: Dict[str, torch.Tensor] = {}
         self._global_tokens: Optional[int] = None
+        self._where = ""
 
     @property
     def _weights_by_tokens(self) -> bool:
@@ -224,9 +234,7 @@ class StepLossNormalizer:
             dist.all_reduce(count, group=self.group)
             self._global_tokens = int(count.item())
             if self._global_tokens <= 0:
-                raise RuntimeError(
-                    "No rank had an unmasked label token in this step; raise "
-                    "tokenizer.max_seq_len, set train_on_input=True, or filter the data.")
+                raise ConfigError(_no_label_tokens("the step (on every rank)"))
         return self._global_tokens
 
     def backward_factor(self, num_tokens: int) -> float:
@@ -255,20 +263,18 @@ class StepLossNormalizer:
         told the gradient that reaches it (``declare_grad_output``), which spares its host sync.
         """
         num_tokens = int(num_tokens)
-        if num_tokens <= 0 and not self.distributed:
-            # A data problem, not a bug: one line (ConfigError), naming where and what to change.
-            raise ConfigError(
-                f"Batch at {where or 'this step'} has no unmasked label token, so its mean loss "
-                "is 0/0. Every example was truncated before its response or fully masked: raise "
-                "tokenizer.max_seq_len, set train_on_input=True, or filter such examples from "
-                "the dataset."
-            )
+        rescale = self._weights_by_tokens
+        if num_tokens <= 0 and not rescale:
+            # The micro-batch is the whole step: nothing to train on.
+            raise ConfigError(_no_label_tokens(f"batch at {where or 'this step'}"))
+        self._where = where
         self._micro_batches += 1
         self._num_tokens += num_tokens
-        rescale = self._weights_by_tokens
         if rescale:
-            # A rank with no unmasked token still runs backward (collectives must match), but
-            # its mean is NaN: contribute an exact zero with zero gradients instead.
+            # A micro-batch (or a rank) with no unmasked token still runs backward (collectives
+            # must match), but its mean is NaN: contribute an exact zero with zero gradients;
+            # the step's other micro-batches (and ranks) carry it (the step's count is checked
+            # in _step_sums).
             factor = self.backward_factor(num_tokens)
             loss = mean_loss * factor if num_tokens > 0 else mean_loss.nan_to_num(0.0) * 0.0
             if num_tokens > 0:
@@ -338,8 +344,7 @@ class StepLossNormalizer:
             # gradient pass multiplies by a scalar, not a device tensor.
             total_tokens = int(packed[1].item())
         if total_tokens <= 0:
-            raise RuntimeError(
-                "No rank had an unmasked label token in this step; raise "
-                "tokenizer.max_seq_len, set train_on_input=True, or filter the data."
-            )
+            ranks = " on every rank" if self.distributed else ""
+            raise ConfigError(_no_label_tokens(
+                f"the step ending at {self._where or 'this step'}, in all its micro-batches{ranks},"))
         return running_loss, extras, total_tokens

@@ -105,23 +105,32 @@ def test_skip_path_does_not_touch_gradients(monkeypatch):
 
 @pytest.mark.parametrize("normalizer", [StepLossNormalizer(1), _forced_rescale()],
                          ids=["skip", "rescale"])
-def test_all_masked_batch_raises_same_error_on_both_paths(normalizer):
+def test_a_step_with_no_label_token_is_one_config_error_on_every_path(normalizer):
+    """Nothing to train on: a data problem, named (where, and what to change), on the skip
+    path at its one micro-batch, on the rescale path when the step closes."""
     x, y = _batch(8, 0, seed=3)
     model = _model()
-    loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
     with pytest.raises(ConfigError) as err:
-        normalizer.loss_to_backward(loss, int((y != IGNORE).sum()), where="epoch 2, step 7")
+        loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+        normalizer.loss_to_backward(loss, 0, where="epoch 2, step 7").backward()
+        normalizer.finish_step(model.parameters())
     msg = str(err.value)
     assert "epoch 2, step 7" in msg and "max_seq_len" in msg and "no unmasked" in msg
 
 
-def test_all_masked_error_text_is_identical_across_paths():
-    msgs = []
-    for norm in (StepLossNormalizer(1), StepLossNormalizer(3), _forced_rescale()):
-        with pytest.raises(ConfigError) as err:
-            norm.loss_to_backward(torch.tensor(float("nan")), 0, where="epoch 0, step 1")
-        msgs.append(str(err.value))
-    assert len(set(msgs)) == 1
+def test_a_micro_batch_with_no_label_token_leaves_the_step_to_the_others():
+    """batch_size 1 with accumulation: one example cut before its response must not stop the
+    run; the step is the exact mean over the tokens its other micro-batches hold."""
+    empty, mb1, mb2 = _batch(4, 0, seed=20), _batch(4, 3, seed=21), _batch(4, 2, seed=22)
+    grads, logged = _run(StepLossNormalizer(3), _model(), [mb1, empty, mb2])
+    ref_grads, ref_loss = _reference_grads([mb1, mb2])
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-7)
+    assert logged.item() == pytest.approx(ref_loss, rel=1e-5)
+    # Every micro-batch empty: the step has nothing to train on.
+    norm = StepLossNormalizer(2)
+    with pytest.raises(ConfigError, match="in all its micro-batches, has no unmasked label"):
+        _run(norm, _model(), [empty, empty])
 
 
 def test_gradient_accumulation_two_passes_equal_one_combined_pass():
