@@ -85,6 +85,25 @@ def test_distributed_recipe_outside_torchrun_says_how(tmp_path):
     assert proc.returncode == 2 and "--nproc_per_node" in proc.stderr
 
 
+def test_one_ranks_data_error_is_its_line_not_a_traceback_of_the_other(tmp_path):
+    """Only the rank that reads the bad row fails; the other's collective then fails too,
+    which it says in one line pointing at the first (not a gloo traceback burying it)."""
+    import json
+
+    # Past the 16 examples every rank checks before training: only rank 1 meets it, mid-run.
+    rows = [{"instruction": f"say {i}", "input": "", "output": None if i == 19 else f"ok {i}"}
+            for i in range(24)]
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps(rows))
+    proc = run_dist(2, "lora_finetune_distributed", "tiny/lora_distributed", tmp_path / "out",
+                    [f"dataset.data_files={data}", "dataset.source=json",
+                     "dataset._component_=torchtune.datasets.alpaca_dataset", "shuffle=False",
+                     "batch_size=1", "max_steps_per_epoch=null"], check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("tune: error: dataset: example 19 cannot be made into tokens") == 1
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("ga", [1, 2])
 def test_lora_two_ranks_equal_one_rank_and_single_device(tmp_path, ga):
     common = [*STEPS, f"gradient_accumulation_steps={ga}", "optimizer.lr=3e-3"]

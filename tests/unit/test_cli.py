@@ -593,3 +593,32 @@ def test_a_failed_download_is_one_line_not_torchtunes_traceback_chain(monkeypatc
     assert len(err) == 1, err
     assert err[0].startswith("tune download: error: Failed to download a/b with error: 'Max retries")
     assert err[0].endswith("(no network? the download needs huggingface.co or kaggle.com)")
+
+
+@pytest.mark.parametrize("torchrun_rank", [True, False])
+def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, monkeypatch, capsys):
+    """gloo's error in the surviving rank would bury the failed rank's own line under a
+    traceback; under torchrun it is one line instead. Outside torchrun it is not ours to hide."""
+    from tune_recipes._cli.launch import run_script
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # run_script sets both, as python does
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = tmp_path / "recipe.py"
+    script.write_text("raise RuntimeError('[pair.cc:553] Connection closed by peer [127.0.0.1]:7365. "
+                      "This is typically caused by a remote worker crashing.')\n")
+    if torchrun_rank:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(SystemExit) as stopped:
+            run_script(script, [])
+        assert stopped.value.code == 1
+        assert capsys.readouterr().err == ("tune: error: rank 0 stopped: another process of the "
+                                           "run ended (its own error is above)\n")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            run_script(script, [])
+    # Any other error of a rank is its own: raised as it is.
+    script.write_text("raise RuntimeError('CUDA out of memory')\n")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_script(script, [])

@@ -109,6 +109,18 @@ def exit_code(e: KeyboardInterrupt) -> int:
     return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
 
 
+# What a gloo collective raises in a rank whose peer has died (torch words it so). The peer's
+# own error line says why; the traceback of this consequence would bury it.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer",
+              "typically caused by a remote worker crashing")
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether ``e``, raised in a torchrun rank, only says another rank of the run ended."""
+    return ("TORCHELASTIC_RUN_ID" in os.environ and isinstance(e, RuntimeError)
+            and any(words in str(e) for words in _PEER_GONE))
+
+
 # ------------------------------------------------------------------ launching
 def run_script(path: Path, args: List[str]) -> None:
     """Execute ``path`` as ``__main__`` with ``sys.argv = [path, *args]``; like ``python path``,
@@ -129,6 +141,12 @@ def run_script(path: Path, args: List[str]) -> None:
         print(f"\n{interrupted_message(Path(path), list(args), how=how_stopped(e))}",
               file=sys.stderr)
         sys.exit(exit_code(e))
+    except RuntimeError as e:
+        if not peer_gone(e):
+            raise
+        print(f"tune: error: rank {os.environ.get('RANK', '?')} stopped: another process of "
+              "the run ended (its own error is above)", file=sys.stderr)
+        sys.exit(1)
 
 
 # ------------------------------------------------------------ torchrun launch
