@@ -36,7 +36,12 @@ from tune_recipes.training.setup.distributed import (
     shard_and_load_lora,
 )
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
-from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
+from tune_recipes.training.setup.recipe import (
+    load_checkpoint,
+    read_teacher_weights,
+    setup_step_driver,
+    training_dtype,
+)
 from tune_recipes.training.setup.runtime import init_distributed
 from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.normalization import normalization_path
@@ -83,7 +88,7 @@ class KDRecipeDistributed:
             adapter_state_dict=ckpt.get(training.ADAPTER_KEY), seed=self._state.seed,
             **fsdp_options(cfg),
         )
-        teacher_sd = tt_config.instantiate(cfg.teacher_checkpointer).load_checkpoint()[training.MODEL_KEY]
+        teacher_sd = read_teacher_weights(cfg.teacher_checkpointer)
         self._teacher, _ = shard_and_load(
             cfg.teacher_model, dtype=self._dtype, device=self._runtime.device,
             world_size=self._runtime.world_size, full_state_dict=teacher_sd,

@@ -36,7 +36,12 @@ from tune_recipes.training.losses.kd import DistillationLoss
 from tune_recipes.training.setup.activations import ac_interval
 from tune_recipes.training.setup.model import setup_full_model, setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
-from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
+from tune_recipes.training.setup.recipe import (
+    load_checkpoint,
+    read_teacher_weights,
+    setup_step_driver,
+    training_dtype,
+)
 from tune_recipes.training.setup.runtime import single_device
 from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.normalization import normalization_path
@@ -98,7 +103,7 @@ class KDRecipeSingleDevice:
         )
 
     def _setup_teacher(self, cfg_model: DictConfig, cfg_checkpointer: DictConfig) -> torch.nn.Module:
-        teacher_sd = tt_config.instantiate(cfg_checkpointer).load_checkpoint()[training.MODEL_KEY]
+        teacher_sd = read_teacher_weights(cfg_checkpointer)
         # The library's full-model build: document attention routed for the student's
         # document-masked batches, and a checkpoint of the wrong shapes named in one line.
         return setup_full_model(cfg_model, dtype=self._dtype, device=self._runtime.device,

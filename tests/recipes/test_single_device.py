@@ -253,6 +253,15 @@ def test_a_teacher_that_does_not_fit_its_checkpoint_is_named_in_one_line(tmp_pat
     assert ("teacher_model: tune_recipes.models.tiny_qwen2_5 does not fit the checkpoint's weights"
             in proc.stderr and "teacher_checkpointer.checkpoint_dir" in proc.stderr)
     assert "Traceback" not in proc.stderr
+    # A teacher checkpointer for another format: one line naming teacher_checkpointer.
+    proc = tune("run", "knowledge_distillation_single_device", "--config", "tiny/kd_single_device",
+                f"output_dir={tmp_path}", "max_steps_per_epoch=1",
+                "teacher_checkpointer._component_=torchtune.training.FullModelMetaCheckpointer",
+                check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "tune: error: teacher_checkpointer: torchtune.training.FullModelMetaCheckpointer could "
+        "not load")
 
 
 def test_resume_keeps_the_checkpoints_seed_and_data_order(tmp_path):

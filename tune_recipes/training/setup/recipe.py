@@ -116,11 +116,12 @@ def paths_the_run_reads(cfg: DictConfig) -> Dict[str, str]:
     return {key: str(value) for key, value in found.items() if isinstance(value, str) and value}
 
 
-def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig) -> Dict[str, Any]:
+def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
+                    key: str = "checkpointer") -> Dict[str, Any]:
     """``checkpointer.load_checkpoint()``, with a failure of the files to load (torchtune's
     converters raise bare Exceptions, KeyErrors and ValueErrors: a Meta checkpointer on HF files,
-    a model_type that does not fit the weights) as one line naming the checkpointer and where
-    it read."""
+    a model_type that does not fit the weights) as one line naming the checkpointer (config
+    ``key``) and where it read."""
     try:
         return checkpointer.load_checkpoint()
     except ConfigError:
@@ -128,7 +129,7 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig) -> Dict[str
     except Exception as e:  # every converter failure, whatever its class
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise ConfigError(
-            f"checkpointer: {cfg_checkpointer.get('_component_')} could not load "
+            f"{key}: {cfg_checkpointer.get('_component_')} could not load "
             f"{cfg_checkpointer.get('checkpoint_dir')} (model_type="
             f"{cfg_checkpointer.get('model_type')}): {type(e).__name__}: {first}") from None
 
@@ -147,6 +148,14 @@ def finished_run_record(final_checkpoint: Path, output_dir: Path) -> Dict[str, A
                                   "in another output_dir") from None
     earlier = output_dir / RECIPE_STATE_FILE
     return load_recipe_state(earlier) if earlier.is_file() else {}
+
+
+def read_teacher_weights(cfg_teacher_checkpointer: DictConfig) -> Dict[str, Any]:
+    """A distillation teacher's state dict, read through ``teacher_checkpointer`` (its
+    failures in one line naming that key, as the student's name ``checkpointer``)."""
+    checkpointer = tt_config.instantiate(cfg_teacher_checkpointer)
+    return read_checkpoint(checkpointer, cfg_teacher_checkpointer,
+                           key="teacher_checkpointer")[training.MODEL_KEY]
 
 
 def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point: ResumePoint,
