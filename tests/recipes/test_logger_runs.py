@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers import losses, run_recipe
+from tune_recipes.training.metrics import read_metrics
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -151,11 +152,15 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_starts_its_own_metrics(tmp_
     assert steps == [1, 2, 3, 4]
 
 
-def test_a_run_that_logs_no_row_still_writes_its_config(tmp_path):
-    """config.yaml is written when setup is done, not at the first logged row: a run shorter
-    than log_every_n_steps (or stopped in its first step) keeps its settings on record."""
+def test_a_run_shorter_than_its_log_interval_logs_its_last_step_and_config(tmp_path):
+    """A run shorter than log_every_n_steps still logs its epoch's last step (the steps since
+    the last row, here all of them) and keeps its settings in config.yaml, written when setup
+    is done, not at the first logged row."""
     out = tmp_path / "run"
     run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
                ["max_steps_per_epoch=2", "log_every_n_steps=100", "optimizer.lr=1e-3"])
     assert (out / "epoch_0").is_dir()
     assert "lr: 0.001" in (out / "config.yaml").read_text()
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["steps_in_window"]) for r in rows] == [(2, 2)]
+    assert (out / "metrics.png").is_file()

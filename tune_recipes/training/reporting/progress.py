@@ -147,7 +147,7 @@ class StepReporter:
     """Owns the progress bar and the metric logger calls of a training loop.
 
     ``add_tokens`` after each micro-batch; ``step_done`` at each optimizer step. Every
-    ``log_every_n_steps``-th step is logged. With ``is_main=False`` (non-zero ranks) nothing is
+    ``log_every_n_steps``-th step is logged, and each epoch's last. With ``is_main=False`` (non-zero ranks) nothing is
     shown or logged.
 
     Timing: tokens/s and ``step_time_s`` cover the window since the previous logged step (or
@@ -208,11 +208,15 @@ class StepReporter:
         self._tokens += num_tokens
 
     def step_done(self, global_step: int, loss: torch.Tensor, lr: float,
-                  grad_norm: Optional[torch.Tensor] = None, **extra) -> None:
+                  grad_norm: Optional[torch.Tensor] = None, *, epoch_end: bool = False,
+                  **extra) -> None:
+        """``epoch_end``: the epoch's last step, logged whatever ``log_every_n_steps`` says, so
+        a run's last steps (or a run shorter than the interval) are never missing from
+        ``metrics.jsonl``."""
         self._window_steps += 1
         # The previous step's row: its work finished while this step's was being queued.
         self.flush()
-        if self.is_main and global_step % self.log_every_n_steps == 0:
+        if self.is_main and (global_step % self.log_every_n_steps == 0 or epoch_end):
             if self._window_start is None:
                 self._window_start = self._mark({})
             values = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), **extra}

@@ -345,7 +345,8 @@ class Step:
             metrics.update(hook.metrics())
         if d.guard.mode == "skip":
             metrics["skipped_steps"] = d.guard.skipped_steps
-        d.reporter.step_done(d.global_step, loss, lr, grad_norm, **metrics)
+        d.reporter.step_done(d.global_step, loss, lr, grad_norm,
+                             epoch_end=self.index + 1 >= d.steps_per_epoch, **metrics)
         d.check_finite_at_logged_step()
         self.finished = True
         if d.validator is not None and d.validator.due(d.global_step):

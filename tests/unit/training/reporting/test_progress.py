@@ -47,6 +47,21 @@ def _reporter(dev, log, every=1):
     return StepReporter(log, log_every_n_steps=every, synchronize=dev.synchronize, clock=dev.clock)
 
 
+def test_an_epochs_last_step_is_logged_with_the_steps_since_the_last_row():
+    """log_every_n_steps=10 over 3 steps, or 4 over 6: the last window is a row, not lost."""
+    dev, log = _FakeDevice(), _Log()
+    rep = _reporter(dev, log, every=4)
+    rep.start_epoch(0, 1, 6)
+    for step in range(1, 7):
+        dev.queue(1.0)
+        rep.add_tokens(10)
+        rep.step_done(step, torch.tensor(float(step)), lr=1e-3, epoch_end=step == 6)
+    rep.end_epoch()
+    assert [s for s, _ in log.rows] == [4, 6]
+    last = log.rows[1][1]
+    assert last["loss"] == 6.0 and last["steps_in_window"] == 2 and last["valid_tokens"] == 20
+
+
 def test_clock_is_read_after_the_device_finishes():
     dev, log = _FakeDevice(), _Log()
     rep = _reporter(dev, log)
