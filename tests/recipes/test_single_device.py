@@ -264,6 +264,22 @@ def test_a_teacher_that_does_not_fit_its_checkpoint_is_named_in_one_line(tmp_pat
         "not load")
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (["checkpointer._component_=torchtune.training.FullModelTorchTuneCheckpointer"],
+     "model: tune_recipes.models.lora_tiny_llama3 does not fit the checkpoint's weights (Missing "
+     "non-LoRA key tok_embeddings.weight from base model dict); check model._component_ and "
+     "checkpointer._component_"),
+    (["model._component_=tune_recipes.models.lora_tiny_llama3_2", "model.apply_lora_to_output=True"],
+     "model: tune_recipes.models.lora_tiny_llama3_2 refused its arguments (ValueError: "
+     "apply_lora_to_output is currently not supporting"),
+], ids=["another-checkpoint-format", "lora-on-a-tied-output"])
+def test_a_lora_model_that_cannot_be_built_or_loaded_is_one_line(tmp_path, overrides, line):
+    proc = tune("run", "lora_finetune_single_device", "--config", "tiny/lora_single_device",
+                f"output_dir={tmp_path}", "max_steps_per_epoch=1", *overrides, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"tune: error: {line}")
+
+
 def test_resume_keeps_the_checkpoints_seed_and_data_order(tmp_path):
     """A resumed run with a different seed in the config still continues the original run
     (same data order), and says so."""

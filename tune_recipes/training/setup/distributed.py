@@ -19,6 +19,7 @@ from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_
 from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
+from tune_recipes.training.setup.model import build_model, check_lora_keys
 
 log = get_logger("INFO")
 
@@ -85,8 +86,7 @@ def shard_and_load(
             log.warning("fsdp_cpu_offload: the model runs on %s, where parameters already are in "
                         "CPU memory; nothing to offload, sharding as if off", device.type)
         cpu_offload = False
-    with training.set_default_dtype(dtype), torch.device("meta"):
-        model = tt_config.instantiate(cfg_model)
+    model = build_model(cfg_model, dtype, torch.device("meta"))
     if before_shard is not None:
         before_shard(model)
     route_document_attention(model)  # document-masked batches: see modules.document_attention
@@ -163,7 +163,6 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
-        validate_missing_and_unexpected_for_lora,
     )
 
     def before(meta_model):
@@ -184,11 +183,7 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
     if adapter_state_dict is None:
         initialize_dora_magnitudes(model)
         a_miss = None  # the seeded init holds only lora_a/lora_b
-    validate_missing_and_unexpected_for_lora(
-        lora_attn_modules=spec.attn_modules, apply_lora_to_mlp=spec.apply_to_mlp,
-        apply_lora_to_output=spec.apply_to_output, base_missing=b_miss,
-        base_unexpected=b_unexp, lora_missing=a_miss, lora_unexpected=a_unexp,
-    )
+    check_lora_keys(cfg_model, spec, b_miss, b_unexp, a_miss, a_unexp)
     return model
 
 

@@ -57,8 +57,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     ``fp8_mlp_activations``: each MLP (``fp8_mlp_layers`` N: the first N layers') keeps its
     gate and up products in float8 e4m3 for backward and runs its down product itself
     (``modules.fp8_mlp``; FP8 or not)."""
-    with training.set_default_dtype(dtype), device:
-        model = tt_config.instantiate(cfg_model)
+    model = build_model(cfg_model, dtype, device, key=key)
     if before_load is not None:
         model = before_load(model)
     # Before compile (which must trace the Float8Linear forward) and before the load (names
@@ -74,6 +73,40 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     load_weights(model, state_dict, cfg_model, key=key)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
+
+
+def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
+                key: str = "model") -> nn.Module:
+    """``<key>._component_`` built with its arguments in ``dtype`` on ``device``; a builder's
+    refusal of them (torchtune's raise ValueError or AssertionError, e.g. LoRA on an output
+    projection tied to the embeddings) as one line naming the key and the builder."""
+    try:
+        with training.set_default_dtype(dtype), device:
+            return tt_config.instantiate(cfg_model)
+    except (ValueError, AssertionError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"{key}: {cfg_model.get('_component_')} refused its arguments "
+                          f"({type(e).__name__}: {first})") from None
+
+
+def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, lora_missing,
+                    lora_unexpected) -> None:
+    """torchtune's check that only the LoRA ``lora`` spec's adapters lack base weights (and
+    the adapter dict holds only adapters), with its AssertionError (a base checkpoint of
+    another model or format) as one line naming ``model`` and the checkpoint to compare."""
+    from torchtune.modules.peft import validate_missing_and_unexpected_for_lora
+
+    try:
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=lora.attn_modules, apply_lora_to_mlp=lora.apply_to_mlp,
+            apply_lora_to_output=lora.apply_to_output, base_missing=base_missing,
+            base_unexpected=base_unexpected, lora_missing=lora_missing,
+            lora_unexpected=lora_unexpected)
+    except AssertionError as e:
+        raise ConfigError(
+            f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
+            f"({str(e).strip()[:300]}); check model._component_ and checkpointer._component_ "
+            "against checkpointer.checkpoint_dir") from None
 
 
 def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictConfig,
@@ -189,12 +222,10 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     from torchtune.modules.peft import (
         get_adapter_params,
         set_trainable_params,
-        validate_missing_and_unexpected_for_lora,
     )
 
     resuming = bool(lora_state_dict)
-    with training.set_default_dtype(dtype), device:
-        model = tt_config.instantiate(cfg_model)
+    model = build_model(cfg_model, dtype, device)
     adapter_params = get_adapter_params(model)
     if not adapter_params:
         raise ConfigError(
@@ -217,15 +248,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         # the init dict holds only lora_a/lora_b, so its "missing" keys are expected.
         initialize_dora_magnitudes(model)
         lora_missing = None
-    validate_missing_and_unexpected_for_lora(
-        lora_attn_modules=lora.attn_modules,
-        apply_lora_to_mlp=lora.apply_to_mlp,
-        apply_lora_to_output=lora.apply_to_output,
-        base_missing=base_missing,
-        base_unexpected=base_unexpected,
-        lora_missing=lora_missing,
-        lora_unexpected=lora_unexpected,
-    )
+    check_lora_keys(cfg_model, lora, base_missing, base_unexpected, lora_missing, lora_unexpected)
     training.validate_expected_param_dtype(adapter_params.items(), dtype=dtype)
     if fp8:
         # NOTE: after both loads (each base weight is quantized here, once, from the loaded
