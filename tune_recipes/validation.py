@@ -480,6 +480,23 @@ def dataset_packed(dataset) -> bool:
         and not dataset_unpacked(dataset)
 
 
+def mixed_packing_problem(cfg: DictConfig) -> Optional[str]:
+    """A list of datasets (torchtune's ConcatDataset) is all packed or all unpacked: it
+    refuses a mix, and only once every dataset is built (after the model loads)."""
+    for key in ("dataset", "dataset_val"):
+        entries = cfg.get(key)
+        if not isinstance(entries, (list, ListConfig)):
+            continue
+        packed = [i for i, d in enumerate(entries)
+                  if isinstance(d, (dict, DictConfig)) and d.get("packed", False) is True]
+        if packed and len(packed) < len(entries):
+            unpacked = next(i for i in range(len(entries)) if i not in packed)
+            return (f"{key}[{packed[0]}].packed=True but {key}[{unpacked}] is not packed: a list "
+                    "of datasets is all packed or none (torchtune's ConcatDataset); set packed "
+                    "the same in every entry")
+    return None
+
+
 def padding_free_problem(cfg: DictConfig) -> Optional[str]:
     """``padding_free`` lays an unpacked micro-batch's rows end to end, replacing the padding
     ``collate_fn``. (With a packed dataset it has nothing to do: a warning, see check_config,
@@ -1012,6 +1029,7 @@ CROSS_KEY: List[tuple] = [
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("padding_free", "dataset"), padding_free_problem),
+    (("dataset",), mixed_packing_problem),
     (("enable_fp8_training", "model"), fp8_lora_problem),
     (("fp8_mlp_activations", "enable_fp8_training"), fp8_mlp_problem),
     (("enable_activation_offloading",), activation_offloading_problem),

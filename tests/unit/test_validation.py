@@ -426,6 +426,24 @@ def test_typo_without_a_close_match_lists_the_keys():
 
 
 @pytest.mark.unit
+def test_a_list_of_datasets_mixing_packed_and_unpacked_is_named_before_any_work():
+    """torchtune's ConcatDataset refuses the mix only once every dataset is built, after the
+    model has loaded; the config check names it first."""
+    recipe = "lora_finetune_single_device"
+    cfg = _tiny("tiny/lora_single_device")
+    entry = OmegaConf.to_container(cfg.dataset)
+    for packed, refused in (([True, False], True), ([True, True], False), ([False, None], False)):
+        cfg.dataset = [dict(entry, **({"packed": p} if p is not None else {})) for p in packed]
+        cfg.padding_free = False
+        if refused:
+            with pytest.raises(ConfigError, match=r"dataset\[0\].packed=True but dataset\[1\] is "
+                                                  "not packed: a list of datasets is all packed or none"):
+                check_config(cfg, recipe, _keys(recipe), env=False)
+        else:
+            check_config(cfg, recipe, _keys(recipe), env=False)
+
+
+@pytest.mark.unit
 def test_every_tiny_config_passes_and_schema_keys_are_recipe_keys():
     every_key = set().union(*(_keys(r) for r in registry.list_recipes()))
     assert {rule.owner for rule in SCHEMA} <= every_key
