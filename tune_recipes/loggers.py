@@ -70,6 +70,11 @@ class _WithJsonl:
 
             self._jsonl = JsonlMetricLogger(self._log_dir)
 
+    @property
+    def path(self) -> Optional[Path]:
+        """The metrics.jsonl file written beside the backend's own records (None: none)."""
+        return self._jsonl.path if self._jsonl is not None else None
+
     def _jsonl_row(self, payload: Mapping[str, Any], step: int) -> None:
         if self._jsonl is not None:
             self._jsonl.log_dict(payload, step)

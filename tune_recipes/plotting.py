@@ -74,7 +74,10 @@ def load_metrics(run: PathLike) -> Dict[str, Series]:
         raise PlotError(f"{run}: no such file or folder (give a run's output_dir or its "
                         f"{METRICS_FILE})")
     if not path.is_file():
-        raise PlotError(f"no {METRICS_FILE} in {run} (is it a run's output_dir?)")
+        others = sorted(f.name for f in Path(run).glob("*.jsonl")) if Path(run).is_dir() else []
+        hint = (f"; it holds {', '.join(others[:3])}: give that file (a metric logger's "
+                "filename)" if others else " (is it a run's output_dir?)")
+        raise PlotError(f"no {METRICS_FILE} in {run}{hint}")
     by_key: Dict[str, Dict[int, float]] = {}
     for line in path.read_text().splitlines():
         if not line.strip():

@@ -102,6 +102,10 @@ def test_missing_metrics_is_a_clear_error(tmp_path):
         plot_runs([tmp_path])
     with pytest.raises(PlotError, match="nope: no such file or folder"):
         plot_runs([tmp_path / "nope"])
+    # A run whose logger wrote another file name: named, to give instead.
+    (tmp_path / "train.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(PlotError, match="it holds train.jsonl: give that file"):
+        plot_runs([tmp_path])
 
 
 def test_tune_plot_cli(tmp_path, capsys):

@@ -169,14 +169,14 @@ class StepReporter:
                  log_peak_memory_stats: bool = False, is_main: bool = True,
                  synchronize: Optional[Callable[[], None]] = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 show_progress: Optional[bool] = None, plot_dir: Optional[str] = None,
+                 show_progress: Optional[bool] = None, plot_from: Optional[str] = None,
                  lag: Optional[bool] = None, mark: Optional[Callable[[Dict[str, Any]], Any]] = None) -> None:
         self.metric_logger = metric_logger
         # The bar (with loss, tokens/s and tqdm's ETA) only on an interactive terminal: piped
         # or logged output would fill with carriage-return redraws.
         self.show_progress = sys.stdout.isatty() if show_progress is None else show_progress
-        # Where close() draws metrics.png from metrics.jsonl (None: no picture).
-        self.plot_dir = plot_dir
+        # The run folder or metrics file close() draws metrics.png from, beside it (None: none).
+        self.plot_from = plot_from
         self.log_every_n_steps = max(1, int(log_every_n_steps))
         self.device = device or torch.device("cpu")
         self.log_peak_memory_stats = log_peak_memory_stats
@@ -302,7 +302,7 @@ class StepReporter:
         _REPORTERS.discard(self)
         if self.metric_logger is not None:
             self.metric_logger.close()
-        if self.is_main and self.plot_dir is not None:
+        if self.is_main and self.plot_from is not None:
             self._plot()
 
     def _plot(self) -> None:
@@ -310,6 +310,6 @@ class StepReporter:
         try:
             from tune_recipes.plotting import plot_runs
 
-            print(f"wrote {plot_runs([self.plot_dir])}  (redraw or compare: tune plot DIR ...)")
+            print(f"wrote {plot_runs([self.plot_from])}  (redraw or compare: tune plot DIR ...)")
         except Exception as e:  # matplotlib missing, a logger that writes no metrics.jsonl
             print(f"note: no metrics.png ({type(e).__name__}: {e})", file=sys.stderr)

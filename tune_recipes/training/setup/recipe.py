@@ -230,10 +230,13 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
     # SYNC_LOGGING_ENV=1: every logged step waits for the device (no one-step lag on CUDA); for
     # measuring what the lag buys (bench_recipes.py --env TUNE_RECIPES_SYNC_LOGGING=1), not a setting.
     lag = False if os.environ.get(SYNC_LOGGING_ENV) == "1" else None
+    # The picture is drawn from the file the logger writes (its log_dir and filename), beside it.
+    metrics_file = getattr(metric_logger, "path", None)
+    plot_from = (str(metrics_file) if metrics_file is not None
+                 else str(cfg.output_dir) if "output_dir" in cfg else None)
     return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
                         cfg.get("log_peak_memory_stats", False), is_main=is_main,
-                        show_progress=False if quiet else None,
-                        plot_dir=str(cfg.output_dir) if "output_dir" in cfg else None, lag=lag)
+                        show_progress=False if quiet else None, plot_from=plot_from, lag=lag)
 
 
 def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,

@@ -220,13 +220,30 @@ def test_log_level_warning_turns_the_bar_off(tmp_path):
                           "log_dir": str(tmp_path)}})
     assert build_reporter(cfg, torch.device("cpu")).show_progress is False
     cfg.log_level = "INFO"
-    assert build_reporter(cfg, torch.device("cpu")).plot_dir == str(tmp_path)
+    assert build_reporter(cfg, torch.device("cpu")).plot_from == str(tmp_path / "metrics.jsonl")
+
+
+def test_the_picture_is_drawn_from_the_file_the_logger_writes(tmp_path):
+    """metric_logger.filename / log_dir elsewhere: metrics.png is drawn beside that file."""
+    from omegaconf import OmegaConf
+
+    from tune_recipes.training.setup.recipe import build_reporter
+
+    cfg = OmegaConf.create({
+        "output_dir": str(tmp_path),
+        "metric_logger": {"_component_": "tune_recipes.training.metrics.JsonlMetricLogger",
+                          "log_dir": str(tmp_path / "logs"), "filename": "train.jsonl"}})
+    rep = build_reporter(cfg, torch.device("cpu"))
+    assert rep.plot_from == str(tmp_path / "logs" / "train.jsonl")
+    _steps(rep)
+    rep.close()
+    assert (tmp_path / "logs" / "metrics.png").is_file()
 
 
 def test_close_draws_metrics_png_from_the_run_log(tmp_path):
     from tune_recipes.training.metrics import JsonlMetricLogger
 
-    rep = StepReporter(JsonlMetricLogger(tmp_path), plot_dir=str(tmp_path))
+    rep = StepReporter(JsonlMetricLogger(tmp_path), plot_from=str(tmp_path))
     _steps(rep)
     rep.close()
     png = tmp_path / "metrics.png"
@@ -234,7 +251,7 @@ def test_close_draws_metrics_png_from_the_run_log(tmp_path):
 
 
 def test_a_failed_plot_does_not_fail_the_run(tmp_path, capsys):
-    rep = StepReporter(_Log(), plot_dir=str(tmp_path / "no_metrics_here"))
+    rep = StepReporter(_Log(), plot_from=str(tmp_path / "no_metrics_here"))
     _steps(rep)
     rep.close()  # no metrics.jsonl: a note, no exception
     assert "no metrics.png" in capsys.readouterr().err
