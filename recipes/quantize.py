@@ -110,7 +110,8 @@ class QuantizationRecipe:
             model = self._quantizer.prepare(model)
         load_weights(model, ckpt[training.MODEL_KEY], cfg.model)
         self._model = model
-        self._source = str(cfg.checkpointer.checkpoint_dir)
+        # Absolute: what quantize.json records is compared across runs from any folder.
+        self._source = str(Path(cfg.checkpointer.checkpoint_dir).resolve())
 
     def quantize(self) -> None:
         t0 = time.perf_counter()

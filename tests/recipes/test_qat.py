@@ -1,7 +1,6 @@
 """QAT on a single device and the quantize recipe (tiny model, CPU, fp32)."""
 
 import runpy
-
 import shutil
 
 import pytest

@@ -189,8 +189,8 @@ def test_a_micro_batch_cut_before_its_response_leaves_the_step_to_the_others(tmp
                       args, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        "tune: error: The step ending at epoch 0, step 1 (batch 3 of the epoch), in all its "
-        "micro-batches, has no unmasked label token")
+        "tune: error: Every micro-batch of the step ending at epoch 0, step 1 (batch 3 of the "
+        "epoch) has no unmasked label token")
 
 
 def test_unknown_config_key_named(tmp_path):

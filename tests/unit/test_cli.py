@@ -159,6 +159,8 @@ def test_validate_finds_the_recipe_of_a_renamed_copy_from_its_header(capsys, tmp
     ("# Afterwards: tune run quantize --config q\n# Run:\n"
      "#   tune run --nproc_per_node 8 qat_distributed --config a\n", "qat_distributed"),
     ("# Run:\n#   tune run no_such_recipe --config a\n", None),
+    ("# Run:\n#   tune run --standalone --nproc_per_node=2 lora_finetune_distributed --config a\n",
+     "lora_finetune_distributed"),
     ("output_dir: /tmp/x\n# Run:\n#   tune run quantize --config a\n", None),  # not a header
 ])
 def test_the_header_names_a_recipe_only_when_it_is_unambiguous(tmp_path, header, recipe):
@@ -612,8 +614,9 @@ def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, mon
         with pytest.raises(SystemExit) as stopped:
             run_script(script, [])
         assert stopped.value.code == 1
-        assert capsys.readouterr().err == ("tune: error: rank 0 stopped: another process of the "
-                                           "run ended (its own error is above)\n")
+        assert capsys.readouterr().err == (
+            "tune: error: rank 0 stopped: another process of the run ended first (its error, or "
+            "torchrun's line if it was killed, says why)\n")
     else:
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
         with pytest.raises(RuntimeError, match="Connection closed by peer"):

@@ -145,7 +145,8 @@ def run_script(path: Path, args: List[str]) -> None:
         if not peer_gone(e):
             raise
         print(f"tune: error: rank {os.environ.get('RANK', '?')} stopped: another process of "
-              "the run ended (its own error is above)", file=sys.stderr)
+              "the run ended first (its error, or torchrun's line if it was killed, says why)",
+              file=sys.stderr)
         sys.exit(1)
 
 

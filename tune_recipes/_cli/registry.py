@@ -70,8 +70,9 @@ def recipe_for_config(config_name: str) -> Optional[str]:
     return None
 
 
-# ``tune run [--launcher-flag value ...] RECIPE --config``, as a config's header comments say.
-_RUN_COMMAND = re.compile(r"\btune run\s+(?:--\S+\s+\S+\s+)*(?P<recipe>[\w.]+)\s+--config\b")
+# ``tune run [launcher flags ...] RECIPE --config``, as a config's header comments say: the
+# recipe is the word right before ``--config``.
+_RUN_COMMAND = re.compile(r"\btune run\b.*?\s(?P<recipe>[\w.]+)\s+--config\b")
 
 
 def recipe_named_in_header(config_path: Path) -> Optional[str]:
@@ -90,8 +91,11 @@ def recipe_named_in_header(config_path: Path) -> Optional[str]:
             break
         header.append(line)
     labelled = [i for i, line in enumerate(header) if line.lstrip("# ").startswith("Run")]
-    runs = [(i, m.group("recipe")) for i, line in enumerate(header)
-            for m in [_RUN_COMMAND.search(line)] if m]
+    runs = []  # (line number, recipe) of each `tune run` line
+    for i, line in enumerate(header):
+        match = _RUN_COMMAND.search(line)
+        if match:
+            runs.append((i, match.group("recipe")))
     if labelled:
         after = [name for i, name in runs if i > labelled[0]]
         names = after[:1]

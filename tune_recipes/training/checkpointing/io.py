@@ -325,16 +325,27 @@ def keep_earlier_checkpoints_aside(output_dir: str,
                    key=lambda d: int(_EPOCH_DIR.match(d.name).group(1)))
     if not found:
         return None
-    found += step_dirs(out)  # older than the newest epoch (refuse_stale_step_checkpoints)
+    steps = step_dirs(out)  # older than the newest epoch (refuse_stale_step_checkpoints)
+    found += steps
     if (out / RECIPE_STATE_FILE.parent).is_dir():
         found.append(out / RECIPE_STATE_FILE.parent)
     for key, path in (read_by_the_run or {}).items():
         inside = next((d for d in found if _is_within(Path(path), d)), None)
-        if inside is not None:
-            print(f"{out} holds an earlier run's checkpoints; {key}={path} reads from "
-                  f"{inside.name}/, so they stay where they are and this run's checkpoints "
-                  "replace them", file=sys.stderr)
+        if inside is None:
+            continue
+        if inside in steps:
+            raise ConfigError(
+                f"{key}={path} reads from {inside.name}/, a mid-epoch checkpoint of an earlier "
+                f"run in {out}: copy it out of output_dir first, or choose another output_dir")
+        print(f"{out} holds an earlier run's checkpoints; {key}={path} reads from "
+              f"{inside.name}/, so they stay where they are and this run's checkpoints "
+              "replace them", file=sys.stderr)
+        # NOTE: its step folders still go: a resume would take the newest of them over this
+        # run's own epochs.
+        found = steps
+        if not found:
             return None
+        break
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         suffix = earlier_run_suffix(metrics)

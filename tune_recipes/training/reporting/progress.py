@@ -147,8 +147,8 @@ class StepReporter:
     """Owns the progress bar and the metric logger calls of a training loop.
 
     ``add_tokens`` after each micro-batch; ``step_done`` at each optimizer step. Every
-    ``log_every_n_steps``-th step is logged, and each epoch's last. With ``is_main=False`` (non-zero ranks) nothing is
-    shown or logged.
+    ``log_every_n_steps``-th step is logged, and each epoch's last. With ``is_main=False``
+    (non-zero ranks) nothing is shown or logged.
 
     Timing: tokens/s and ``step_time_s`` cover the window since the previous logged step (or
     the epoch start), so steps that are not logged fall into the next logged window and no step

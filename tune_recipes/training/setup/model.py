@@ -103,10 +103,17 @@ def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, 
             base_unexpected=base_unexpected, lora_missing=lora_missing,
             lora_unexpected=lora_unexpected)
     except AssertionError as e:
+        reason = str(e).strip()[:300]
+        if "adapter" in reason:
+            # Only a resumed run loads an adapter: one trained with other LoRA settings.
+            raise ConfigError(
+                f"model: the adapter being resumed does not fit this run's LoRA settings "
+                f"({reason}); model.lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output "
+                "and use_dora must be the checkpoint's (see the run's config.yaml)") from None
         raise ConfigError(
             f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
-            f"({str(e).strip()[:300]}); check model._component_ and checkpointer._component_ "
-            "against checkpointer.checkpoint_dir") from None
+            f"({reason}); check model._component_ and checkpointer._component_ against "
+            "checkpointer.checkpoint_dir") from None
 
 
 def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictConfig,

@@ -85,6 +85,10 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         cfg.checkpointer, cfg.output_dir, setting, full_weights=not adapter
     )
     if point is None:
+        if dist.is_available() and dist.is_initialized():
+            # NOTE: every rank has read output_dir's step folders (checkpointer_config_for_
+            # output_dir) before rank 0 moves them aside below.
+            dist.barrier()
         if int(os.environ.get("RANK", "0")) == 0:
             keep_earlier_checkpoints_aside(cfg.output_dir, read_by_the_run=paths_the_run_reads(cfg))
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)

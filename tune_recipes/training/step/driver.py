@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torchtune.utils import get_logger
 
-from tune_recipes.config import positive_int_or_none
+from tune_recipes.config import ConfigError, positive_int_or_none
 from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.batch import count_valid_tokens, to_device
 from tune_recipes.training.step.nonfinite import NonFiniteGuard, check_clip_grad_norm, check_mode
@@ -316,14 +316,19 @@ class Step:
     def loss_scaling(self) -> float:
         """The factor ``backward`` will multiply this micro-batch's mean loss by; a loss that
         pre-computes its gradients in forward (the fused loss) takes it as ``scaling``."""
-        return self.driver.normalizer.backward_factor(self.num_tokens)
+        return self.driver.normalizer.backward_factor(self.num_tokens, where=self._where)
 
     def backward(self, mean_loss: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Backward this micro-batch's mean loss with the factor its path needs. ``extras``:
         other per-token means to log with the step (e.g. distillation's loss terms)."""
         d = self.driver
-        d.normalizer.loss_to_backward(mean_loss, self.num_tokens, where=self._where,
-                                      extras=extras).backward()
+        try:
+            to_backward = d.normalizer.loss_to_backward(mean_loss, self.num_tokens,
+                                                        where=self._where, extras=extras)
+        except ConfigError:
+            d.reporter.end_epoch()  # close the progress bar: the error gets its own line
+            raise
+        to_backward.backward()
         d.reporter.add_tokens(self.num_tokens)
         self._pending_backward = False
 
@@ -334,9 +339,13 @@ class Step:
         last = self._first_batch + d.gradient_accumulation_steps - 1
         batches = f"batch {last}" if last == self._first_batch else f"batches {self._first_batch}-{last}"
         where = f"epoch {self.epoch}, step {number} ({batches} of the epoch)"
-        loss, grad_norm, lr = complete_optimizer_step(
-            d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
-            guard=d.guard, step=number, where=where)
+        try:
+            loss, grad_norm, lr = complete_optimizer_step(
+                d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
+                guard=d.guard, step=number, where=where)
+        except ConfigError:  # a step with nothing to train on (normalization)
+            d.reporter.end_epoch()  # close the progress bar: the error gets its own line
+            raise
         d.global_step += 1
         d.state.skipped_steps = d.guard.skipped_steps  # a running total, checkpointed
         run_status.step_finished(d.global_step)

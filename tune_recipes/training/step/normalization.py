@@ -234,12 +234,16 @@ class StepLossNormalizer:
             dist.all_reduce(count, group=self.group)
             self._global_tokens = int(count.item())
             if self._global_tokens <= 0:
-                raise ConfigError(_no_label_tokens("the step (on every rank)"))
+                raise ConfigError(_no_label_tokens(
+                    f"the step at {self._where or 'this step'} (on every rank)"))
         return self._global_tokens
 
-    def backward_factor(self, num_tokens: int) -> float:
+    def backward_factor(self, num_tokens: int, where: str = "") -> float:
         """The factor ``loss_to_backward`` multiplies this micro-batch's mean loss by (a loss
-        that pre-scales its gradients in forward takes it as ``scaling``)."""
+        that pre-scales its gradients in forward takes it as ``scaling``); ``where``: as for
+        ``loss_to_backward`` (asked before the forward, it may be the first to know)."""
+        if where:
+            self._where = where
         if self.path == NormalizationPath.IN_BACKWARD_GLOBAL:
             # Every rank joins the count's all-reduce, even one with no token of its own.
             global_tokens = self.global_tokens(num_tokens)
@@ -255,7 +259,7 @@ class StepLossNormalizer:
 
         ``mean_loss`` is the loss function's mean over this micro-batch's ``num_tokens``
         unmasked tokens (a Python int, see ``count_valid_tokens``). ``where`` names the
-        position (e.g. "epoch 0, step 12") for the error message. ``extras`` maps names to
+        position (e.g. "epoch 0, step 12 (batch 47 of the epoch)") for the error message. ``extras`` maps names to
         other per-token means to log (e.g. the two parts of a distillation loss); after
         ``finish_step`` they are in ``self.extras``, token-weighted like the loss.
 
@@ -346,5 +350,5 @@ class StepLossNormalizer:
         if total_tokens <= 0:
             ranks = " on every rank" if self.distributed else ""
             raise ConfigError(_no_label_tokens(
-                f"the step ending at {self._where or 'this step'}, in all its micro-batches{ranks},"))
+                f"every micro-batch of the step ending at {self._where or 'this step'}{ranks}"))
         return running_loss, extras, total_tokens

@@ -381,6 +381,17 @@ def test_checkpoints_the_new_run_reads_from_stay_where_they_are(tmp_path, capsys
     assert keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run=reads) is None
     assert (tmp_path / "epoch_0").is_dir() and (tmp_path / "epoch_1").is_dir()
     assert "checkpointer.checkpoint_dir=" in capsys.readouterr().err
+    # The earlier run's older step folders still move: a resume would take them over this
+    # run's own epochs. A step folder the run reads from is refused (copy it out first).
+    _step_dir(tmp_path, 5, epochs_run=0)
+    kept = keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run=reads)
+    assert sorted(p.name for p in kept.iterdir()) == ["step_5"]
+    assert (tmp_path / "epoch_0").is_dir() and (tmp_path / "epoch_1").is_dir()
+    _step_dir(tmp_path, 7, epochs_run=0)
+    with pytest.raises(ConfigError, match=r"reads from step_7/, a mid-epoch checkpoint of an "
+                                          "earlier run"):
+        keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run={
+            "checkpointer.checkpoint_dir": str(tmp_path / "step_7")})
     elsewhere = {"checkpointer.checkpoint_dir": str(tmp_path.parent / "base"),
                  "tokenizer.path": str(tmp_path / "tokenizer.model")}
     assert keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run=elsewhere) is not None

@@ -254,3 +254,21 @@ def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(m
     assert counters["stats"]["unique_graphs"] == 1
     assert not model._length_mark_handles  # the one-call hooks are gone
     torch._dynamo.reset()
+
+
+def test_lora_key_mismatches_name_the_base_checkpoint_or_the_resumed_adapter():
+    from omegaconf import OmegaConf
+
+    from tune_recipes.training.checkpointing.io import LoRASpec
+    from tune_recipes.training.setup.model import check_lora_keys
+
+    cfg = OmegaConf.create({"_component_": "tune_recipes.models.lora_tiny_llama3",
+                            "lora_attn_modules": ["q_proj"], "lora_rank": 4, "lora_alpha": 8})
+    spec = LoRASpec.from_model_config(cfg)
+    check_lora_keys(cfg, spec, ["layers.0.attn.q_proj.lora_a.weight"], [], None, [])  # fine
+    with pytest.raises(ConfigError, match=r"^model: tune_recipes.models.lora_tiny_llama3 does not "
+                                          r"fit the checkpoint's weights \(Missing non-LoRA key"):
+        check_lora_keys(cfg, spec, ["tok_embeddings.weight"], [], None, [])
+    with pytest.raises(ConfigError, match=r"^model: the adapter being resumed does not fit this "
+                                          r"run's LoRA settings \(Unexpected key loading adapter\)"):
+        check_lora_keys(cfg, spec, [], [], [], ["layers.0.mlp.w1.lora_a.weight"])

@@ -129,7 +129,7 @@ def test_a_micro_batch_with_no_label_token_leaves_the_step_to_the_others():
     assert logged.item() == pytest.approx(ref_loss, rel=1e-5)
     # Every micro-batch empty: the step has nothing to train on.
     norm = StepLossNormalizer(2)
-    with pytest.raises(ConfigError, match="in all its micro-batches, has no unmasked label"):
+    with pytest.raises(ConfigError, match=r"^Every micro-batch of the step ending at test has no unmasked label"):
         _run(norm, _model(), [empty, empty])
 
 
