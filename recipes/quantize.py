@@ -16,7 +16,6 @@ result as a smoke check.
 
 import filecmp
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 
 from tune_recipes.config import check_known_keys, parse
+from tune_recipes.training.checkpointing.io import move_into_new_folder
 from tune_recipes.training.reporting.metrics import time_stamp
 from tune_recipes.training.setup.model import load_weights
 from tune_recipes.training.setup.qat import (
@@ -70,13 +70,7 @@ def keep_earlier_quantized_model_aside(output_dir: Path, path: Path, written: Pa
     if not moving:
         return None
     stamp = time_stamp(max(f.stat().st_mtime for f in moving))
-    kept, n = output_dir / f"earlier.{stamp}", 1
-    while kept.exists():
-        n += 1
-        kept = output_dir / f"earlier.{stamp}-{n}"
-    kept.mkdir()
-    for f in moving:
-        os.replace(f, kept / f.name)
+    kept = move_into_new_folder(output_dir, f"earlier.{stamp}", moving)
     print(f"{output_dir} held an earlier quantized model: {', '.join(f.name for f in moving)} "
           f"moved to {kept.name}/", file=sys.stderr)
     return kept

@@ -351,16 +351,23 @@ def keep_earlier_checkpoints_aside(output_dir: str,
         suffix = earlier_run_suffix(metrics)
     else:
         suffix = time_stamp(max(d.stat().st_mtime for d in found))
-    kept, n = out / f"checkpoints.{suffix}", 1
-    while kept.exists():
-        n += 1
-        kept = out / f"checkpoints.{suffix}-{n}"
-    kept.mkdir()
-    for d in found:
-        os.replace(d, kept / d.name)
+    kept = move_into_new_folder(out, f"checkpoints.{suffix}", found)
     print(f"{out} held an earlier run's checkpoints: {', '.join(d.name + '/' for d in found)} "
           f"moved to {kept.name}/ (this run starts afresh; to continue the earlier run instead, "
           f"move them back and run with resume_from_checkpoint=True)", file=sys.stderr)
+    return kept
+
+
+def move_into_new_folder(parent: Path, name: str, paths: List[Path]) -> Path:
+    """Move ``paths`` (files or folders in ``parent``) into a new ``parent/name/`` (``name-2``,
+    ``name-3`` ... when taken), returned: how an earlier run's outputs are kept aside."""
+    kept, n = parent / name, 1
+    while kept.exists():
+        n += 1
+        kept = parent / f"{name}-{n}"
+    kept.mkdir()
+    for p in paths:
+        os.replace(p, kept / p.name)
     return kept
 
 
