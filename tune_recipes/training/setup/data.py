@@ -77,6 +77,11 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         raise ConfigError(f"{key}.column_map={column_map}: expected a mapping from the "
                           "template's names to the data's columns, e.g. "
                           f"{key}.column_map={{input: prompt, output: response}}")
+    unset = [k for k, v in (column_map or {}).items() if v is None and ":" in str(k)]
+    if unset:
+        # YAML reads `{input:prompt}` (no space after the colon) as the key "input:prompt".
+        raise ConfigError(f"{key}.column_map holds {unset[0]!r} with no value: write a space "
+                          f"after the colon, {{{str(unset[0]).replace(':', ': ', 1)}}}")
     try:
         dataset = tt_config.instantiate(cfg_dataset, tokenizer)
     except ConfigError:

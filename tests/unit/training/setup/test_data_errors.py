@@ -47,6 +47,10 @@ def test_a_missing_data_file_and_a_missing_column_name_the_key(tmp_path):
     assert len(ok) == 4
     with pytest.raises(ConfigError, match=r"^dataset.column_map=prompt: expected a mapping"):
         build_dataset(_instruct(tmp_path, rows, column_map="prompt"), tiny_tokenizer())
+    # `column_map={input:prompt}` on the command line: YAML's key "input:prompt", no value.
+    with pytest.raises(ConfigError, match=r"^dataset.column_map holds 'input:prompt' with no "
+                                          r"value: write a space after the colon, \{input: prompt\}"):
+        build_dataset(_instruct(tmp_path, rows, column_map={"input:prompt": None}), tiny_tokenizer())
 
 
 def test_an_unreadable_data_file_and_an_empty_one_name_the_key(tmp_path):
