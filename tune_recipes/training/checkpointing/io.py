@@ -312,10 +312,12 @@ def keep_earlier_checkpoints_aside(output_dir: str,
     starts afresh again instead of resuming the earlier run. ``step_<n>/`` folders older than
     the newest epoch move with them; a newer one never gets here: a fresh run beside it is
     refused (``refuse_stale_step_checkpoints``).
-    ``read_by_the_run`` (config key -> path): where one lies inside those folders (a new run
-    trained on from an earlier epoch, ``checkpointer.checkpoint_dir=<output_dir>/epoch_0``),
-    nothing moves: the run reads from there, and its checkpoints replace the earlier ones, as
-    torchtune's do; one line says so."""
+    ``read_by_the_run`` (config key -> path): where one lies inside an ``epoch_<n>/`` or
+    ``recipe_state/`` (a new run trained on from an earlier epoch,
+    ``checkpointer.checkpoint_dir=<output_dir>/epoch_0``), those stay: the run reads from
+    there, and its checkpoints replace them, as torchtune's do; the step folders still move (a
+    resume would take the newest of them over the new run's epochs). One inside a
+    ``step_<n>/`` is a ConfigError: copy it out first. A line says what stayed and what moved."""
     from tune_recipes.training.reporting.metrics import earlier_run_suffix, time_stamp
 
     out = Path(output_dir)
@@ -329,32 +331,39 @@ def keep_earlier_checkpoints_aside(output_dir: str,
     found += steps
     if (out / RECIPE_STATE_FILE.parent).is_dir():
         found.append(out / RECIPE_STATE_FILE.parent)
+    # Every key first: one reading from a step folder is refused whatever the others read.
+    read = {}
     for key, path in (read_by_the_run or {}).items():
         inside = next((d for d in found if _is_within(Path(path), d)), None)
-        if inside is None:
-            continue
+        if inside is not None:
+            read[key] = (path, inside)
+    for key, (path, inside) in read.items():
         if inside in steps:
             raise ConfigError(
                 f"{key}={path} reads from {inside.name}/, a mid-epoch checkpoint of an earlier "
                 f"run in {out}: copy it out of output_dir first, or choose another output_dir")
+    if read:
+        key, (path, inside) = next(iter(read.items()))
         print(f"{out} holds an earlier run's checkpoints; {key}={path} reads from "
-              f"{inside.name}/, so they stay where they are and this run's checkpoints "
+              f"{inside.name}/, so its epochs stay where they are and this run's checkpoints "
               "replace them", file=sys.stderr)
-        # NOTE: its step folders still go: a resume would take the newest of them over this
-        # run's own epochs.
         found = steps
         if not found:
             return None
-        break
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         suffix = earlier_run_suffix(metrics)
     else:
         suffix = time_stamp(max(d.stat().st_mtime for d in found))
     kept = move_into_new_folder(out, f"checkpoints.{suffix}", found)
-    print(f"{out} held an earlier run's checkpoints: {', '.join(d.name + '/' for d in found)} "
-          f"moved to {kept.name}/ (this run starts afresh; to continue the earlier run instead, "
-          f"move them back and run with resume_from_checkpoint=True)", file=sys.stderr)
+    moved = ", ".join(d.name + "/" for d in found)
+    if read:
+        print(f"{out} held an earlier run's mid-epoch checkpoints: {moved} moved to "
+              f"{kept.name}/", file=sys.stderr)
+    else:
+        print(f"{out} held an earlier run's checkpoints: {moved} moved to {kept.name}/ (this "
+              "run starts afresh; to continue the earlier run instead, move them back and run "
+              "with resume_from_checkpoint=True)", file=sys.stderr)
     return kept
 
 

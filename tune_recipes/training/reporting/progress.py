@@ -294,6 +294,13 @@ class StepReporter:
             print(f"note: the last logged step's row was not written ({type(e).__name__}: {e})",
                   file=sys.stderr)
 
+    def stop_for_error(self) -> None:
+        """Before an error's one line: the waiting row written if it can be (a failure to is
+        a note, never an exception that would replace the error), the progress bar closed so
+        the line gets a line of its own."""
+        self._write_last_row()
+        self.end_epoch()
+
     def close(self) -> None:
         # (A run that dies mid-epoch never gets here: _write_waiting_rows writes its waiting
         # row at exit.)

@@ -104,7 +104,7 @@ def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, 
             lora_unexpected=lora_unexpected)
     except AssertionError as e:
         reason = str(e).strip()[:300]
-        if "adapter" in reason:
+        if "loading adapter" in reason or "from adapter state dict" in reason:
             # Only a resumed run loads an adapter: one trained with other LoRA settings.
             raise ConfigError(
                 f"model: the adapter being resumed does not fit this run's LoRA settings "

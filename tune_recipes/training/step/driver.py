@@ -316,7 +316,11 @@ class Step:
     def loss_scaling(self) -> float:
         """The factor ``backward`` will multiply this micro-batch's mean loss by; a loss that
         pre-computes its gradients in forward (the fused loss) takes it as ``scaling``."""
-        return self.driver.normalizer.backward_factor(self.num_tokens, where=self._where)
+        try:
+            return self.driver.normalizer.backward_factor(self.num_tokens, where=self._where)
+        except ConfigError:  # no rank had a label token (the pre-forward count)
+            self.driver.reporter.stop_for_error()
+            raise
 
     def backward(self, mean_loss: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Backward this micro-batch's mean loss with the factor its path needs. ``extras``:
@@ -326,7 +330,7 @@ class Step:
             to_backward = d.normalizer.loss_to_backward(mean_loss, self.num_tokens,
                                                         where=self._where, extras=extras)
         except ConfigError:
-            d.reporter.end_epoch()  # close the progress bar: the error gets its own line
+            d.reporter.stop_for_error()
             raise
         to_backward.backward()
         d.reporter.add_tokens(self.num_tokens)
@@ -344,7 +348,7 @@ class Step:
                 d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
                 guard=d.guard, step=number, where=where)
         except ConfigError:  # a step with nothing to train on (normalization)
-            d.reporter.end_epoch()  # close the progress bar: the error gets its own line
+            d.reporter.stop_for_error()
             raise
         d.global_step += 1
         d.state.skipped_steps = d.guard.skipped_steps  # a running total, checkpointed

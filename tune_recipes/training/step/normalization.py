@@ -235,7 +235,7 @@ class StepLossNormalizer:
             self._global_tokens = int(count.item())
             if self._global_tokens <= 0:
                 raise ConfigError(_no_label_tokens(
-                    f"the step at {self._where or 'this step'} (on every rank)"))
+                    f"every rank's batch at {self._where or 'this step'}"))
         return self._global_tokens
 
     def backward_factor(self, num_tokens: int, where: str = "") -> float:

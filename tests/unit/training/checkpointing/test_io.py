@@ -390,8 +390,11 @@ def test_checkpoints_the_new_run_reads_from_stay_where_they_are(tmp_path, capsys
     _step_dir(tmp_path, 7, epochs_run=0)
     with pytest.raises(ConfigError, match=r"reads from step_7/, a mid-epoch checkpoint of an "
                                           "earlier run"):
+        # Refused whatever another key reads (the epoch read first must not hide it).
         keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run={
-            "checkpointer.checkpoint_dir": str(tmp_path / "step_7")})
+            "checkpointer.checkpoint_dir": str(tmp_path / "epoch_1"),
+            "teacher_checkpointer.checkpoint_dir": str(tmp_path / "step_7")})
+    assert (tmp_path / "step_7").is_dir()
     elsewhere = {"checkpointer.checkpoint_dir": str(tmp_path.parent / "base"),
                  "tokenizer.path": str(tmp_path / "tokenizer.model")}
     assert keep_earlier_checkpoints_aside(str(tmp_path), read_by_the_run=elsewhere) is not None

@@ -135,6 +135,29 @@ class _Mark:
         return self.at - earlier.at
 
 
+def test_stopping_for_an_error_writes_the_waiting_row_and_never_raises_its_own(capsys):
+    """A step's one-line error comes after the waiting row and the closed bar; a logger that
+    fails then is a note, not an exception that would replace the error."""
+    tl, log = _Timeline(), _Log()
+    rep = StepReporter(log, lag=True, mark=tl.mark, show_progress=True)
+    rep.start_epoch(0, 1, 3)
+    tl.queue(1.0)
+    rep.step_done(1, torch.tensor(1.0), lr=1e-3)
+    rep.stop_for_error()
+    assert [s for s, _ in log.rows] == [1] and rep._pbar is None
+
+    class _Failing(_Log):
+        def log_dict(self, payload, step):
+            raise OSError(28, "No space left on device")
+
+    rep = StepReporter(_Failing(), lag=True, mark=tl.mark, show_progress=True)
+    rep.start_epoch(0, 1, 3)
+    rep.step_done(1, torch.tensor(1.0), lr=1e-3)
+    rep.stop_for_error()  # no exception
+    assert rep._pbar is None
+    assert "the last logged step's row was not written (OSError" in capsys.readouterr().err
+
+
 def test_lagging_rows_come_one_step_late_and_wait_only_for_their_own_step():
     tl, log = _Timeline(), _Log()
     rep = StepReporter(log, lag=True, mark=tl.mark)
