@@ -809,6 +809,22 @@ def test_output_dir_checks_name_a_live_run_first_and_spare_quantize(tmp_path, ca
 
 
 @pytest.mark.unit
+def test_a_fresh_run_reading_from_an_earlier_runs_step_folder_is_refused_by_validate(tmp_path, capsys):
+    """Found before anything starts (tune validate, tune run), as the recipe's ranks find it."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "epoch_0").mkdir()
+    step = tmp_path / "step_3"
+    step.mkdir()
+    save_file({"w": torch.zeros(1)}, str(step / "model.safetensors"))
+    torch.save({"epochs_run": 0, "global_step": 3, "rank_states": [{}]}, step / "recipe_state.pt")
+    assert main(["validate", "tiny/full_single_device", f"output_dir={tmp_path}",
+                 f"checkpointer.checkpoint_dir={step}"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"checkpointer.checkpoint_dir={step} reads from step_3/, a mid-epoch checkpoint" in line
+
+
+@pytest.mark.unit
 def test_a_lora_recipe_given_a_full_fine_tune_config_is_refused_by_validate(capsys):
     # The recipe refuses it after building the model; validate builds it on the meta device.
     rc = main(["validate", "tiny/full_single_device", "--recipe", "lora_finetune_single_device"])

@@ -158,14 +158,18 @@ def _check_output_dir(cfg, known, nodes: int = 1) -> None:
     output_dir, checkpointer = cfg.get("output_dir"), cfg.get("checkpointer")
     if {"output_dir", "checkpointer", "resume_from_checkpoint"} <= set(known) \
             and isinstance(output_dir, str) and isinstance(checkpointer, DictConfig):
-        from tune_recipes.training.checkpointing.io import check_output_dir_allows_the_run
+        from tune_recipes.training.checkpointing.io import (
+            check_output_dir_allows_the_run,
+            paths_the_run_reads,
+        )
 
         # NOTE: on several nodes the lock is not checked here: rank 0 takes it on whichever
         # node the rendezvous makes it, and a node that joins or restarts later would find it
         # held by its own job. The recipe still takes it, so two jobs cannot share output_dir.
         check_output_dir_allows_the_run(output_dir, checkpointer,
                                         cfg.get("resume_from_checkpoint", False),
-                                        check_lock=nodes == 1)
+                                        check_lock=nodes == 1,
+                                        read_by_the_run=paths_the_run_reads(cfg))
 
 
 def cmd_ls(args: argparse.Namespace, rest: List[str]) -> int:

@@ -298,6 +298,27 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
     return checkpointer_config_for_resume(cfg_checkpointer, output_dir, full_weights)
 
 
+def paths_the_run_reads(cfg: DictConfig) -> Dict[str, str]:
+    """The config's paths a run reads its weights and tokenizer from, by key."""
+    keys = ("checkpointer.checkpoint_dir", "teacher_checkpointer.checkpoint_dir",
+            "tokenizer.path", "tokenizer.merges_file")
+    found = {key: OmegaConf.select(cfg, key, default=None) for key in keys}
+    return {key: str(value) for key, value in found.items() if isinstance(value, str) and value}
+
+
+def refuse_reading_an_earlier_step(output_dir: str, read_by_the_run: Dict[str, str]) -> None:
+    """A fresh run that reads from a ``step_<n>/`` folder of an earlier run in its own
+    ``output_dir`` is a ConfigError: that folder would move aside (or be resumed over this run's
+    checkpoints). Read-only, so every rank, ``tune run`` and ``tune validate`` make it."""
+    out = Path(output_dir)
+    for key, path in read_by_the_run.items():
+        inside = next((d for d in step_dirs(out) if _is_within(Path(path), d)), None)
+        if inside is not None:
+            raise ConfigError(
+                f"{key}={path} reads from {inside.name}/, a mid-epoch checkpoint of an earlier "
+                f"run in {out}: copy it out of output_dir first, or choose another output_dir")
+
+
 def keep_earlier_checkpoints_aside(output_dir: str,
                                    read_by_the_run: Optional[Dict[str, str]] = None) -> Optional[Path]:
     """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
@@ -331,17 +352,12 @@ def keep_earlier_checkpoints_aside(output_dir: str,
     found += steps
     if (out / RECIPE_STATE_FILE.parent).is_dir():
         found.append(out / RECIPE_STATE_FILE.parent)
-    # Every key first: one reading from a step folder is refused whatever the others read.
-    read = {}
+    refuse_reading_an_earlier_step(output_dir, read_by_the_run or {})
+    read = {}  # the keys reading from an epoch_<n>/ or recipe_state/ here
     for key, path in (read_by_the_run or {}).items():
         inside = next((d for d in found if _is_within(Path(path), d)), None)
         if inside is not None:
             read[key] = (path, inside)
-    for key, (path, inside) in read.items():
-        if inside in steps:
-            raise ConfigError(
-                f"{key}={path} reads from {inside.name}/, a mid-epoch checkpoint of an earlier "
-                f"run in {out}: copy it out of output_dir first, or choose another output_dir")
     if read:
         key, (path, inside) = next(iter(read.items()))
         print(f"{out} holds an earlier run's checkpoints; {key}={path} reads from "
@@ -389,12 +405,14 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 
 def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfig,
-                                    resume: Union[bool, str], check_lock: bool = True) -> None:
+                                    resume: Union[bool, str], check_lock: bool = True,
+                                    read_by_the_run: Optional[Dict[str, str]] = None) -> None:
     """``load_checkpoint``'s checks of ``output_dir``, for ``tune run`` and ``tune validate``
     to make before anything starts (raises its ConfigError): no live run holds it (first, so
     that a second run is told of the live one, not told to resume or remove its step_<n>/;
     ``check_lock=False`` skips this); a resume finds a checkpoint to resume; a fresh run finds
-    no earlier run's step_<n>/."""
+    no earlier run's step_<n>/ newer than its epochs, nor reads from one
+    (``read_by_the_run``: ``paths_the_run_reads``)."""
     from tune_recipes.training.checkpointing.lock import OutputDirLock
 
     if check_lock:
@@ -402,6 +420,8 @@ def check_output_dir_allows_the_run(output_dir: str, cfg_checkpointer: DictConfi
     # full_weights=None: only the recipe knows whether it resumes model weights or an adapter
     # alone; its load_checkpoint checks the files with the right answer.
     checkpointer_config_for_output_dir(cfg_checkpointer, output_dir, resume, full_weights=None)
+    if resume_point(output_dir, resume) is None:
+        refuse_reading_an_earlier_step(output_dir, read_by_the_run or {})
 
 
 def instantiate_checkpointer_for_resume(cfg_checkpointer: DictConfig, output_dir: str):

@@ -25,6 +25,8 @@ from tune_recipes.training.checkpointing.io import (
     instantiate_checkpointer_for_resume,
     keep_earlier_checkpoints_aside,
     load_recipe_state,
+    paths_the_run_reads,
+    refuse_reading_an_earlier_step,
     resume_point,
 )
 from tune_recipes.training.checkpointing.lock import OutputDirLock
@@ -85,6 +87,8 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         cfg.checkpointer, cfg.output_dir, setting, full_weights=not adapter
     )
     if point is None:
+        # Every rank, before anything moves: a key reading from an earlier run's step folder.
+        refuse_reading_an_earlier_step(cfg.output_dir, paths_the_run_reads(cfg))
         if dist.is_available() and dist.is_initialized():
             # NOTE: every rank has read output_dir's step folders (checkpointer_config_for_
             # output_dir) before rank 0 moves them aside below.
@@ -110,14 +114,6 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     # state must fit this run's optimizer.
     saved.check_optimizer(cfg)
     return checkpointer, ckpt, saved
-
-
-def paths_the_run_reads(cfg: DictConfig) -> Dict[str, str]:
-    """The config's paths a run reads its weights and tokenizer from, by key."""
-    keys = ("checkpointer.checkpoint_dir", "teacher_checkpointer.checkpoint_dir",
-            "tokenizer.path", "tokenizer.merges_file")
-    found = {key: OmegaConf.select(cfg, key, default=None) for key in keys}
-    return {key: str(value) for key, value in found.items() if isinstance(value, str) and value}
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
