@@ -64,3 +64,23 @@ def saved_bytes():
         return out, total
 
     return measure
+
+
+@pytest.fixture
+def padding_free_batches():
+    """``make(device)``: three padding-free batches of random tokens (rows of 50-300 tokens,
+    two or three a batch, so the row length changes every batch), document spans as their
+    mask, moved as the step driver moves them: for "compiles once over every length" tests."""
+    from tune_recipes.data.collate import padding_free_collate
+    from tune_recipes.training.step.batch import to_device
+
+    def make(device):
+        g = torch.Generator().manual_seed(0)
+        batches = []
+        for lengths in ([50, 70], [100, 120, 30], [300, 40]):
+            rows = [{"tokens": torch.randint(1, 272, (n,), generator=g),
+                     "labels": torch.randint(1, 272, (n,), generator=g)} for n in lengths]
+            batches.append(to_device(padding_free_collate(rows, spans=True), torch.device(device)))
+        return batches
+
+    return make

@@ -245,7 +245,7 @@ def test_document_spans_take_the_head_counts_tensor_parallelism_leaves():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once():
+def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once(padding_free_batches):
     """Padding-free batches (spans whose lengths vary) moved as the step moves them: the row
     length is dynamic from the first batch, so the whole tiny Llama, compiled as one graph
     (aot_eager), compiles once for batches of 128, 256 and 384 tokens, not first for one length
@@ -253,10 +253,8 @@ def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tune_recipes.data.collate import padding_free_collate
     from tune_recipes.models import tiny_llama3
     from tune_recipes.modules.document_attention import route_document_attention
-    from tune_recipes.training.step.batch import to_device
 
     torch.manual_seed(0)
     model = tiny_llama3().eval()
@@ -264,11 +262,7 @@ def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager")
-    g = torch.Generator().manual_seed(0)
-    for lengths in ([50, 70], [100, 120, 30], [300, 40]):
-        rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
-                for n in lengths]
-        batch = to_device(padding_free_collate(rows, spans=True), torch.device("cpu"))
+    for batch in padding_free_batches("cpu"):
         assert batch["mask"].lengths_vary
         with torch.no_grad():
             args = dict(mask=batch["mask"], input_pos=batch["input_pos"])

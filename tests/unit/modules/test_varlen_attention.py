@@ -147,7 +147,7 @@ def test_on_cuda_compiled_flash_varlen_is_the_eager_call_without_recompiling():
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("scope", ["model", "layers"])
-def test_on_cuda_padding_free_batches_compile_the_bf16_model_once(scope):
+def test_on_cuda_padding_free_batches_compile_the_bf16_model_once(scope, padding_free_batches):
     """The tiny Llama in bf16 on CUDA, routed, compiled whole or per layer (inductor;
     ``compile_layers``): padding-free batches of three lengths (flash attention's kernel with a
     symbolic row length) compile once, and each batch's logits are the eager model's within
@@ -155,10 +155,8 @@ def test_on_cuda_padding_free_batches_compile_the_bf16_model_once(scope):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tune_recipes.data.collate import padding_free_collate
     from tune_recipes.models import tiny_llama3
     from tune_recipes.modules.document_attention import route_document_attention
-    from tune_recipes.training.step.batch import to_device
 
     from tune_recipes.training.setup.model import compile_layers
 
@@ -174,11 +172,7 @@ def test_on_cuda_padding_free_batches_compile_the_bf16_model_once(scope):
         compiled.load_state_dict(model.state_dict())
         route_document_attention(compiled)
         compile_layers(compiled, verbose=False)
-    g = torch.Generator().manual_seed(0)
-    for lengths in ([50, 70], [100, 120, 30], [300, 40]):
-        rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
-                for n in lengths]
-        batch = to_device(padding_free_collate(rows, spans=True), torch.device("cuda"))
+    for batch in padding_free_batches("cuda"):
         with torch.no_grad():
             args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
             torch.testing.assert_close(compiled(batch["tokens"], **args).float(),

@@ -217,7 +217,7 @@ def test_weights_of_another_model_are_one_line_naming_the_builder():
     assert load_weights(model, tiny_llama3().state_dict(), cfg).missing_keys == []
 
 
-def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(monkeypatch):
+def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(monkeypatch, padding_free_batches):
     """compile_layers (torchtune's per-layer compile, aot_eager here): padding-free batches
     with spans of three lengths, moved as the step moves them, forward and backward, compile
     the layers' graph once
@@ -226,11 +226,9 @@ def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(m
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tune_recipes.data.collate import padding_free_collate
     from tune_recipes.models import tiny_llama3
     from tune_recipes.modules.document_attention import route_document_attention
     from tune_recipes.training.setup.model import compile_layers
-    from tune_recipes.training.step.batch import to_device
 
     monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")
     torch.manual_seed(0)
@@ -241,11 +239,7 @@ def test_compiled_per_layer_padding_free_batches_of_three_lengths_compile_once(m
     torch._dynamo.reset()
     counters.clear()
     compile_layers(model, verbose=False)
-    g = torch.Generator().manual_seed(0)
-    for lengths in ([50, 70], [100, 120, 30], [300, 40]):
-        rows = [{"tokens": torch.randint(1, 272, (n,), generator=g), "labels": torch.randint(1, 272, (n,), generator=g)}
-                for n in lengths]
-        batch = to_device(padding_free_collate(rows, spans=True), torch.device("cpu"))
+    for batch in padding_free_batches("cpu"):
         args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
         out = model(batch["tokens"], **args)  # with autograd on, as in training
         out.square().mean().backward()
