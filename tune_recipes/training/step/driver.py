@@ -27,6 +27,7 @@ dataloader state). A driver built with ``first_step_in_epoch`` (a run resumed fr
 checkpoint, its dataloader already loaded) starts its first epoch at that step.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
 
@@ -312,26 +313,30 @@ class Step:
         return (self.finished and n is not None and d.global_step % n == 0
                 and self.index + 1 < d.steps_per_epoch)
 
+    @contextlib.contextmanager
+    def _bar_closed_on_config_error(self):
+        """A data problem found mid-step (no label token) prints one line: the waiting row
+        written and the progress bar closed first, so the line stands on its own."""
+        try:
+            yield
+        except ConfigError:
+            self.driver.reporter.stop_for_error()
+            raise
+
     @property
     def loss_scaling(self) -> float:
         """The factor ``backward`` will multiply this micro-batch's mean loss by; a loss that
         pre-computes its gradients in forward (the fused loss) takes it as ``scaling``."""
-        try:
+        with self._bar_closed_on_config_error():  # no rank had a label token (pre-forward)
             return self.driver.normalizer.backward_factor(self.num_tokens, where=self._where)
-        except ConfigError:  # no rank had a label token (the pre-forward count)
-            self.driver.reporter.stop_for_error()
-            raise
 
     def backward(self, mean_loss: torch.Tensor, extras: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Backward this micro-batch's mean loss with the factor its path needs. ``extras``:
         other per-token means to log with the step (e.g. distillation's loss terms)."""
         d = self.driver
-        try:
+        with self._bar_closed_on_config_error():
             to_backward = d.normalizer.loss_to_backward(mean_loss, self.num_tokens,
                                                         where=self._where, extras=extras)
-        except ConfigError:
-            d.reporter.stop_for_error()
-            raise
         to_backward.backward()
         d.reporter.add_tokens(self.num_tokens)
         self._pending_backward = False
@@ -343,13 +348,10 @@ class Step:
         last = self._first_batch + d.gradient_accumulation_steps - 1
         batches = f"batch {last}" if last == self._first_batch else f"batches {self._first_batch}-{last}"
         where = f"epoch {self.epoch}, step {number} ({batches} of the epoch)"
-        try:
+        with self._bar_closed_on_config_error():  # a step with nothing to train on
             loss, grad_norm, lr = complete_optimizer_step(
                 d.normalizer, d.parameters, d.optimizer, d.lr_schedule, d.clip_grad_norm,
                 guard=d.guard, step=number, where=where)
-        except ConfigError:  # a step with nothing to train on (normalization)
-            d.reporter.stop_for_error()
-            raise
         d.global_step += 1
         d.state.skipped_steps = d.guard.skipped_steps  # a running total, checkpointed
         run_status.step_finished(d.global_step)

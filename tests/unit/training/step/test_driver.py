@@ -323,3 +323,21 @@ def test_skip_is_refused_wherever_the_optimizer_steps_in_backward(distributed):
     assert normalizer.path.steps_in_backward
     with pytest.raises(ConfigError, match="on_nonfinite=skip needs to drop a step"):
         _driver(batch_size=2, ga=1, steps_per_epoch=1, on_nonfinite="skip", normalizer=normalizer)
+
+
+@pytest.mark.parametrize("ga", [1, 2], ids=["skip", "rescale"])
+def test_a_step_without_label_tokens_closes_the_bar_before_its_one_line(ga):
+    """The error is raised at the micro-batch (skip) or at the step boundary (rescale); on both
+    the reporter is stopped first, so the line does not land on the progress bar's."""
+    stopped = []
+
+    def reporter(logger):
+        rep = StepReporter(logger)
+        rep.stop_for_error = lambda: stopped.append(True)
+        return rep
+
+    d, model, _ = _driver(batch_size=2, ga=ga, steps_per_epoch=2, reporter=reporter)
+    d.dataloader.dataset.labels[:] = IGNORE  # every example cut before its response
+    with pytest.raises(ConfigError, match="no unmasked label token"):
+        _train(d, model)
+    assert stopped == [True]
