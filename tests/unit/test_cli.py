@@ -130,6 +130,32 @@ def test_every_shipped_configs_header_runs_it_with_the_recipe_its_name_maps_to()
         assert registry.recipe_named_in_header(path) == registry.recipe_for_config(name), name
 
 
+def test_every_torchtune_config_of_a_recipe_we_ship_finds_torchtunes_recipe():
+    # What `tune validate <torchtune config>` checks it against: torchtune's own registry says
+    # which recipe each of its configs is for (8B_to_1B_KD_lora_single_device is distillation,
+    # not LoRA). The name decides, else the header; neither may name another recipe.
+    from torchtune._recipe_registry import get_all_recipes
+
+    ours, stock_configs = set(registry.list_recipes()), registry._stock()[1] / "configs"
+    checked = 0
+    for recipe in get_all_recipes():
+        if recipe.name not in ours:
+            continue
+        for config in recipe.configs:
+            found = (registry.recipe_for_config(config.name)
+                     or registry.recipe_named_in_header(stock_configs / config.file_path))
+            # llama3_3/70B_full_multinode: neither its name nor its header (a SLURM script)
+            # says; validate then checks the components only and says so.
+            assert found in (recipe.name, None), (config.name, found, recipe.name)
+            checked += found is not None
+    assert checked > 100
+
+
+def test_validate_checks_torchtunes_distillation_config_against_the_distillation_recipe(capsys):
+    rc, out, err = _run(capsys, "validate", "llama3_2/8B_to_1B_KD_lora_single_device", "--portable")
+    assert rc == 0 and "config is valid" in out, (out, err)
+
+
 def test_validate_finds_the_recipe_of_a_renamed_copy_from_its_header(capsys, tmp_path):
     shipped = Path(registry.resolve_config("tiny/lora_single_device").path)
     copy = tmp_path / "my_run.yaml"
@@ -259,6 +285,14 @@ def test_cp_into_a_directory_keeps_the_file_name(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "mine.yaml").is_file()
     rc, _, err = _run(capsys, "cp", "tiny/lora_single_device", str(tmp_path) + "/")
     assert rc == 2 and "already exists" in err
+
+
+def test_cp_takes_torchtunes_make_parents_flag(tmp_path, capsys):
+    # torchtune 0.6.1's spelling of "create the missing folders" (ours always creates them).
+    dest = tmp_path / "a" / "b" / "mine.yaml"
+    rc, out, err = _run(capsys, "cp", "--make-parents", "llama3_2/1B_lora_single_device", str(dest))
+    assert rc == 0 and not err, err
+    assert dest.read_text() == Path(registry.resolve_config("llama3_2/1B_lora_single_device").path).read_text()
 
 
 def test_distributed_config_error_is_caught_before_torchrun(capsys, monkeypatch):

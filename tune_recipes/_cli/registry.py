@@ -22,6 +22,9 @@ CONFIG_SUFFIX_TO_RECIPE: Dict[str, str] = {
     "qat_lora_distributed": "qat_lora_finetune_distributed",
     "kd_distributed": "knowledge_distillation_distributed",
     "kd_single_device": "knowledge_distillation_single_device",
+    # torchtune's distillation configs (8B_to_1B_KD_lora_single_device): before lora_*.
+    "KD_lora_distributed": "knowledge_distillation_distributed",
+    "KD_lora_single_device": "knowledge_distillation_single_device",
 }
 
 
