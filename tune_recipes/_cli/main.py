@@ -404,6 +404,10 @@ examples:
                          "(existing, or written with a trailing /) to copy into under the "
                          "source's file name")
     cp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    # torchtune's `tune cp` creates missing folders only with this flag; ours always does, and
+    # accepts the flag so torchtune users' commands run unchanged.
+    cp.add_argument("--make-parents", action="store_true",
+                    help="accepted as torchtune's; missing parent folders are always created")
     cp.set_defaults(fn=cmd_cp)
     val = sub.add_parser(
         "validate", help="check a config: components resolve and kwargs bind",
