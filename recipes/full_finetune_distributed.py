@@ -55,6 +55,7 @@ CONFIG_KEYS = {
     "save_every_n_steps", "keep_last_n_checkpoints",
     "enable_fp8_training", "fp8_recipe_name", "fp8_fast_accum_backward",
     "tensor_parallel_dim", "tensor_parallel_plan",
+    "cudnn_deterministic_mode",
 }
 
 

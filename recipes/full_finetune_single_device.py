@@ -73,6 +73,7 @@ CONFIG_KEYS = {
     "enable_activation_offloading", "enable_fp8_training", "fp8_recipe_name",
     "fp8_fast_accum_backward", "fp8_mlp_activations", "fp8_mlp_layers", "save_every_n_steps",
     "keep_last_n_checkpoints",
+    "cudnn_deterministic_mode",
 }
 
 

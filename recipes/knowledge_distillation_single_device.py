@@ -58,6 +58,7 @@ CONFIG_KEYS = {
     "batch_size_val", "run_val_every_n_steps", "on_nonfinite", "profiler",
     "enable_activation_offloading",
     "save_every_n_steps", "keep_last_n_checkpoints",
+    "cudnn_deterministic_mode",
 }
 
 

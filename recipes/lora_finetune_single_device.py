@@ -68,6 +68,7 @@ CONFIG_KEYS = {
     "save_every_n_steps", "keep_last_n_checkpoints", "enable_fp8_training", "fp8_recipe_name",
     "embedding_on_cpu", "fp8_mlp_activations", "fp8_mlp_layers", "fp8_adapter_inputs",
     "fp8_transposed_weight_layers",
+    "cudnn_deterministic_mode",
 }
 
 

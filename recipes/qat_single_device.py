@@ -60,6 +60,7 @@ CONFIG_KEYS = {
     "quantizer", "fake_quant_after_n_steps", "log_level", "dataset_val", "batch_size_val",
     "run_val_every_n_steps", "on_nonfinite", "profiler",
     "save_every_n_steps", "keep_last_n_checkpoints",
+    "cudnn_deterministic_mode",
 }
 
 

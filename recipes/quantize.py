@@ -36,7 +36,8 @@ from tune_recipes.training.setup.qat import (
 )
 from tune_recipes.training.setup.recipe import read_checkpoint
 
-CONFIG_KEYS = {"output_dir", "model", "checkpointer", "quantizer", "device", "dtype", "seed"}
+CONFIG_KEYS = {"output_dir", "model", "checkpointer", "quantizer", "device", "dtype", "seed",
+               "cudnn_deterministic_mode"}
 
 
 def quantize_model(model: torch.nn.Module, quantizer, mode: str) -> torch.nn.Module:
@@ -84,7 +85,7 @@ class QuantizationRecipe:
         self._quantizer, self._mode = build_quantizer(cfg.get("quantizer"), self._dtype,
                                                       require_qat=False)
         self._output_dir = Path(cfg.output_dir)
-        training.set_seed(seed=cfg.get("seed", 0))
+        training.set_seed(seed=cfg.get("seed", 0), debug_mode=cfg.get("cudnn_deterministic_mode", None))
 
     @property
     def _saved_mode(self) -> str:

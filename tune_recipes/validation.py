@@ -92,6 +92,17 @@ def one_of(*choices: str, hint: str = "") -> Check:
         f"expected one of {', '.join(choices)}" + (f" ({hint})" if hint else ""))
 
 
+# torch.set_deterministic_debug_mode's values, as torchtune's set_seed hands them over (a bool is
+# an int there: False is 0, "default", which also turns cuDNN benchmark on).
+DETERMINISTIC_MODES = ("default", "warn", "error")
+
+
+def deterministic_mode(v) -> Optional[str]:
+    if v in DETERMINISTIC_MODES or (isinstance(v, int) and 0 <= v <= 2):
+        return None
+    return "expected null, default, warn, error, 0, 1 or 2 (torch.set_deterministic_debug_mode)"
+
+
 def optional(check: Check) -> Check:
     return lambda v: None if v is None else check(v)
 
@@ -329,6 +340,7 @@ SCHEMA: List[Rule] = [
     Rule("tensor_parallel_dim", integer(1)),
     Rule("tensor_parallel_plan", optional(component)),
     Rule("low_cpu_ram", boolean),
+    Rule("cudnn_deterministic_mode", optional(deterministic_mode)),
     Rule("metric_logger", component),
     Rule("model", component),
     Rule("teacher_model", component),
@@ -1112,14 +1124,6 @@ TORCHTUNE_KEYS = {
         "a tensor parallel plan (only used with tensor_parallel_dim > 1)", lambda v: False),
     "optimizer_in_bwd": StockKey("the optimizer step inside backward", _true),
     "enable_async_checkpointing": StockKey("asynchronous checkpointing", _true),
-    # NOTE: False is not off. torchtune 0.6.1 hands any non-null value to
-    # torch.set_deterministic_debug_mode via training.set_seed; False is 0 ("default"), which
-    # also sets torch.backends.cudnn.benchmark = True (cuDNN autotuning, non-deterministic
-    # kernels). Only null leaves torch's settings alone, so only null is accepted here.
-    "cudnn_deterministic_mode": StockKey(
-        "cuDNN deterministic mode", lambda v: v is not None, off="null",
-        why="torchtune passes any other value to torch.set_deterministic_debug_mode, and "
-            "False is its mode 0, which also turns cuDNN benchmark on"),
     "profile_memory": StockKey("memory profiling (profile_memory)", _true),
 }
 

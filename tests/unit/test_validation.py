@@ -208,11 +208,11 @@ CASES = [
     ("tiny/qat_lora_distributed", ["fsdp.cpu_offload=1"], "fsdp.cpu_offload=1: expected True or False"),
     ("tiny/lora_distributed", ["fsdp.cpu_offload=False", "fsdp_cpu_offload=True"],
      "fsdp_cpu_offload=True contradicts fsdp.cpu_offload=False"),
-    # a stock key whose only off value is null says so (False looks off but is not)
-    ("tiny/full_single_device", ["cudnn_deterministic_mode=False"],
-     "cudnn_deterministic_mode=False: cuDNN deterministic mode is not implemented by "
-     "full_finetune_single_device (a torchtune 0.6.1 key; set cudnn_deterministic_mode=null or "
-     "remove cudnn_deterministic_mode;"),
+    # torch.set_deterministic_debug_mode's values only
+    ("tiny/full_single_device", ["cudnn_deterministic_mode=strict"],
+     "cudnn_deterministic_mode=strict: expected null, default, warn, error, 0, 1 or 2"),
+    ("tiny/kd_distributed", ["cudnn_deterministic_mode=3"],
+     "cudnn_deterministic_mode=3: expected null, default, warn, error, 0, 1 or 2"),
     # selective activation checkpointing (ac_mode/ac_option, every training recipe)
     ("tiny/qat_distributed", ["ac_mode=False"], "ac_mode=False: expected one of none, full, selective"),
     ("tiny/full_single_device", ["ac_mode=Selective"], "ac_mode=Selective: expected one of none, full, selective"),
@@ -703,8 +703,6 @@ def test_every_recipe_with_activation_checkpointing_reads_ac_mode():
      {"enabled": False}),
     ("low_cpu_ram", True, "set low_cpu_ram=False or remove low_cpu_ram", False),
     ("tensor_parallel_dim", 2, "set tensor_parallel_dim=1 or remove tensor_parallel_dim", 1),
-    ("cudnn_deterministic_mode", True, "set cudnn_deterministic_mode=null or remove", None),
-    ("cudnn_deterministic_mode", False, "set cudnn_deterministic_mode=null or remove", None),
     ("fsdp", {"cpu_offload": True}, "set fsdp.cpu_offload=False or remove fsdp",
      {"cpu_offload": False}),
 ])
@@ -727,22 +725,30 @@ def test_the_error_names_the_value_that_is_accepted(key, on, fix, off, capsys, m
 
 
 @pytest.mark.unit
-def test_cudnn_deterministic_mode_false_is_not_off_in_torchtune():
-    # Why only null is accepted: torchtune 0.6.1's set_seed hands False to torch as debug mode 0,
-    # which turns cuDNN benchmark on (a change of behaviour, not "nothing").
-    from torchtune import training
+@pytest.mark.parametrize("value,mode,benchmark", [(None, 0, False), ("error", 2, False), ("warn", 1, False),
+                                                  (False, 0, True), (2, 2, False)])
+def test_cudnn_deterministic_mode_sets_torchs_mode_as_torchtune_does(value, mode, benchmark):
+    # Every training recipe seeds through RecipeState.from_config: torchtune's recipes hand any
+    # value but null to torch.set_deterministic_debug_mode; False is its mode 0, which also
+    # turns cuDNN benchmark on; null leaves torch's settings alone.
+    from omegaconf import OmegaConf
 
-    before = (torch.backends.cudnn.benchmark, torch.get_deterministic_debug_mode())
+    from tune_recipes.training.checkpointing.state import RecipeState
+
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+              torch.get_deterministic_debug_mode())
     try:
         torch.backends.cudnn.benchmark = False
-        training.set_seed(0, debug_mode=False)
-        assert torch.backends.cudnn.benchmark is True
-        torch.backends.cudnn.benchmark = False
-        training.set_seed(0, debug_mode=None)
-        assert torch.backends.cudnn.benchmark is False
+        torch.set_deterministic_debug_mode(0)
+        cfg = OmegaConf.create({"seed": 7, "epochs": 1, "cudnn_deterministic_mode": value,
+                                "optimizer": {"_component_": "torch.optim.AdamW"}})
+        assert RecipeState.from_config(cfg).seed == 7
+        assert torch.get_deterministic_debug_mode() == mode
+        assert torch.backends.cudnn.benchmark is benchmark
+        assert torch.are_deterministic_algorithms_enabled() is (mode > 0)
     finally:
-        torch.backends.cudnn.benchmark = before[0]
-        torch.set_deterministic_debug_mode(before[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[:2]
+        torch.set_deterministic_debug_mode(before[2])
 
 
 @pytest.mark.unit

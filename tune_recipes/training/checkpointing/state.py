@@ -138,10 +138,14 @@ class RecipeState:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
-        """Seeds every RNG (``seed``) and reads ``epochs``, ``max_steps_per_epoch`` and
+        """Seeds every RNG (``seed``), sets torch's deterministic mode
+        (``cudnn_deterministic_mode``) and reads ``epochs``, ``max_steps_per_epoch`` and
         ``optimizer._component_``."""
         component, in_bwd = optimizer_identity(cfg)
-        return cls(seed=training.set_seed(seed=cfg.seed), total_epochs=cfg.epochs,
+        # cudnn_deterministic_mode: as torchtune's recipes, any value but null goes to
+        # torch.set_deterministic_debug_mode (False is its mode 0, which turns cuDNN benchmark on).
+        seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
+        return cls(seed=seed, total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
                    optimizer_component=component, optimizer_in_bwd=in_bwd)
 
