@@ -64,8 +64,15 @@ class OutputDirLock:
                     f"cannot write to output_dir {self.path.parent}: {e.strerror or e} "
                     f"({self.path})"
                 ) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except OSError as e:  # a full disk: the file exists, its bytes did not fit
+                self.path.unlink(missing_ok=True)
+                raise ConfigError(
+                    f"cannot write to output_dir {self.path.parent}: {e.strerror or e} "
+                    f"({self.path})"
+                ) from None
             self.held = True
             atexit.register(self.release)
             return self

@@ -1,6 +1,7 @@
 """Every recipe's ``save_checkpoint``: full or LoRA-type, one device or FSDP, in one place."""
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -53,6 +54,28 @@ from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.nonfinite import NonFiniteError
 
+
+
+# torch.save's zip writer (PytorchStreamWriter) raises RuntimeError, not OSError, when a write
+# fails: "[enforce fail at inline_container.cc:...] . unexpected pos ..." on a full disk, or
+# "PytorchStreamWriter failed writing file ...".
+_TORCH_SAVE_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed")
+
+
+def torch_save_write_failure(e: RuntimeError) -> bool:
+    return any(marker in str(e) for marker in _TORCH_SAVE_WRITE_FAILURES)
+
+
+def free_space_note(path: Path, error: Exception) -> str:
+    """``; 12.0 MiB free on that disk`` where the failure may be a full disk (ENOSPC, or an
+    error that carries no errno) and the disk can be asked; else nothing."""
+    if isinstance(error, OSError) and error.errno not in (None, errno.ENOSPC, errno.EDQUOT):
+        return ""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; {free / 2**20:.1f} MiB free on that disk"
 
 class _DropInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -241,13 +264,17 @@ class CheckpointWriter:
                 # older-layout resume check reads it as the state after an epoch.
                 replace_file_atomically(out / name / EPOCH_STATE_FILE, out / RECIPE_STATE_FILE)
             shutil.rmtree(staging, ignore_errors=True)
-        except (OSError, SafetensorError) as e:
-            # NOTE: safetensors reports a full disk as its own error, not an OSError.
+        except (OSError, SafetensorError, RuntimeError) as e:
+            # NOTE: safetensors reports a full disk as its own error, and torch.save as a
+            # RuntimeError of its zip writer; any other RuntimeError is not a write failure.
+            if isinstance(e, RuntimeError) and not torch_save_write_failure(e):
+                raise
             where = getattr(e, "filename", None) or staging
             # The partial files would hold the space a retry (or the disk's owner) needs.
             shutil.rmtree(staging, ignore_errors=True)
+            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1]
             raise CheckpointError(
-                f"cannot write {what}: {getattr(e, 'strerror', None) or e} ({where}); "
+                f"cannot write {what}: {reason} ({where}{free_space_note(out, e)}); "
                 f"earlier checkpoints in {out} are intact"
             ) from None
 
