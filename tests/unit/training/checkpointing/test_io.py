@@ -151,6 +151,13 @@ def test_a_truncated_recipe_state_names_the_file(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(CheckpointError, match=f"cannot read the recipe state {path}"):
         load_recipe_state(path)
+    # A file cut short: torch's first sentence, not its four cut at a fixed width.
+    torch.save({"a": torch.zeros(1000)}, path)
+    path.write_bytes(path.read_bytes()[:600])
+    with pytest.raises(CheckpointError) as e:
+        load_recipe_state(path)
+    assert str(e.value).startswith(f"cannot read the recipe state {path}: RuntimeError: ") and \
+        "high likelihood" not in str(e.value), str(e.value)
     # What the recipes save (tensors, numbers, None, nested dicts) loads with weights_only.
     state = {"seed": 1, "epochs_run": 1, "max_steps_per_epoch": None, "rng_state": torch.get_rng_state(),
              "optimizer": torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).state_dict()}
@@ -231,6 +238,12 @@ def test_resume_from_a_folder_missing_its_weights_names_them(tmp_path):
         json.dumps({"weight_map": {"tok_embeddings.weight": "model-00001-of-00001.safetensors"}}))
     with pytest.raises(ConfigError, match=r"model-00001-of-00001.safetensors \(named by its index\) is missing"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
+    # An index emptied or cut short (a kill or a full disk): one line naming it, not a traceback.
+    for broken in ("", '{"weight_map": {"tok_', '{"metadata": {}}', "[]"):
+        (step / "model.safetensors.index.json").write_text(broken)
+        with pytest.raises(ConfigError, match=rf"cannot read {step}/model.safetensors.index.json: "
+                                              rf".*; restore it, or remove {step} to resume"):
+            checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
 
 
 def test_a_finished_runs_folder_says_so_for_resume_and_for_a_fresh_run(tmp_path):
