@@ -283,3 +283,20 @@ def test_a_resume_with_another_optimizer_is_refused_by_name_and_keeps_the_runs_r
     # nothing the first run wrote is replaced: its config (what the checkpoint needs) and weights
     assert (out / "config.yaml").read_text() == recorded and not (out / "config.1.yaml").exists()
     assert (out / "epoch_0" / "model-00001-of-00001.safetensors").is_file()
+
+
+@pytest.mark.integration
+def test_a_resume_with_another_lora_rank_is_one_line_naming_the_key(tmp_path):
+    # The adapter's tensors are of the checkpoint's rank: torch's size-mismatch list would be a
+    # traceback on every rank; the line names the first tensor and model.lora_rank.
+    lora = ("lora_finetune_single_device", "tiny/lora_single_device")
+    out = tmp_path / "run"
+    run_recipe(*lora, out, TWO_EPOCHS)
+    shutil.rmtree(out / "epoch_1")
+    proc = run_recipe(*lora, out, [*TWO_EPOCHS, "model.lora_rank=4", "resume_from_checkpoint=True"],
+                      check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "the adapter being resumed does not fit this run's LoRA settings (layers.0." in last
+    assert "in the checkpoint" in last and "model.lora_rank" in last, last
+    assert (out / "epoch_0" / "adapter_model.safetensors").is_file()

@@ -19,7 +19,7 @@ from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_
 from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
-from tune_recipes.training.setup.model import build_model, check_lora_keys
+from tune_recipes.training.setup.model import build_model, check_lora_keys, check_resumed_adapter_shapes
 
 log = get_logger("INFO")
 
@@ -170,6 +170,8 @@ def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.de
         if not params:
             raise ConfigError(f"model: {cfg_model._component_} has no LoRA adapters")
         set_trainable_params(meta_model, params)
+        if adapter_state_dict is not None:
+            check_resumed_adapter_shapes(meta_model, adapter_state_dict)
         if extra_before_shard is not None:
             extra_before_shard(meta_model)
 

@@ -89,6 +89,24 @@ def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
                           f"({type(e).__name__}: {first})") from None
 
 
+_LORA_SETTINGS_MUST_MATCH = (
+    "model.lora_rank, lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output and use_dora "
+    "must be the checkpoint's (see the run's config.yaml)")
+
+
+def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str, Any]) -> None:
+    """A resumed adapter's tensors against the freshly built model's (a meta model's too):
+    another ``lora_rank`` is one line naming the first that differs, not torch's size-mismatch
+    list. Keys the model lacks are left to ``check_lora_keys``."""
+    own = model.state_dict()
+    for key, value in adapter_state_dict.items():
+        if key in own and tuple(own[key].shape) != tuple(value.shape):
+            raise ConfigError(
+                f"model: the adapter being resumed does not fit this run's LoRA settings ({key} "
+                f"is {list(value.shape)} in the checkpoint, {list(own[key].shape)} in this "
+                f"run's model); {_LORA_SETTINGS_MUST_MATCH}")
+
+
 def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, lora_missing,
                     lora_unexpected) -> None:
     """torchtune's check that only the LoRA ``lora`` spec's adapters lack base weights (and
@@ -106,10 +124,8 @@ def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, 
         reason = str(e).strip()[:300]
         if "loading adapter" in reason or "from adapter state dict" in reason:
             # Only a resumed run loads an adapter: one trained with other LoRA settings.
-            raise ConfigError(
-                f"model: the adapter being resumed does not fit this run's LoRA settings "
-                f"({reason}); model.lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output "
-                "and use_dora must be the checkpoint's (see the run's config.yaml)") from None
+            raise ConfigError(f"model: the adapter being resumed does not fit this run's LoRA "
+                              f"settings ({reason}); {_LORA_SETTINGS_MUST_MATCH}") from None
         raise ConfigError(
             f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
             f"({reason}); check model._component_ and checkpointer._component_ against "
@@ -233,6 +249,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
 
     resuming = bool(lora_state_dict)
     model = build_model(cfg_model, dtype, device)
+    if resuming:
+        check_resumed_adapter_shapes(model, lora_state_dict)
     adapter_params = get_adapter_params(model)
     if not adapter_params:
         raise ConfigError(
