@@ -115,3 +115,45 @@ def test_ctrl_c_under_torchrun_is_one_line_with_the_launch_to_resume(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("tune: stopped by SIGINT; newest checkpoint "), err
     assert "resume with: tune run --nproc_per_node 2 full_finetune_distributed" in lines[0]
     assert "Traceback" not in err and not (out / ".lock").exists()
+
+
+def _ranks_of(out):
+    """PIDs of the processes whose command line names ``out`` (the ranks, and `tune`)."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(out) in cmdline and "tune_recipes._cli.launch" in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def test_the_ranks_end_when_tune_is_killed(tmp_path):
+    """SIGKILL of `tune` (torchrun's agent; an OOM killer, a scheduler) runs no handler, and
+    torchrun starts each rank in a session of its own: the ranks must not train on without it."""
+    import os
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*tune_cmd(), "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config",
+         "tiny/full_distributed", f"output_dir={out}", "epochs=1000", "save_every_n_steps=2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None and not (out / "step_2").is_dir():
+        time.sleep(0.05)
+    ranks = _ranks_of(out)
+    assert proc.poll() is None and len(ranks) == 2, ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30  # (a rank ends within a second; the epochs take minutes)
+    while time.monotonic() < deadline and _ranks_of(out):
+        time.sleep(0.1)
+    left = _ranks_of(out)
+    for pid in left:  # never leave them behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} still ran 30 s after tune was killed"

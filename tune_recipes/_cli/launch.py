@@ -121,6 +121,28 @@ def peer_gone(e: BaseException) -> bool:
             and any(words in str(e) for words in _PEER_GONE))
 
 
+def die_with_launcher() -> None:
+    """A torchrun rank ends (SIGTERM, whose default ends it at once) when its agent dies,
+    whatever killed the agent: torchrun starts each rank in a session of its own, so a SIGKILL
+    of `tune` (an OOM killer, a job scheduler) would otherwise leave the ranks training, holding
+    output_dir and the GPUs. Linux's parent-death signal; elsewhere nothing. Checkpoints are
+    written crash-safe, so ending mid-step loses only the steps since the last one."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the agent died before the signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 # ------------------------------------------------------------------ launching
 def run_script(path: Path, args: List[str]) -> None:
     """Execute ``path`` as ``__main__`` with ``sys.argv = [path, *args]``; like ``python path``,
@@ -391,6 +413,7 @@ if __name__ == "__main__":
     # A torchrun rank: SIGTERM from the agent ends it by default; a Ctrl-C swallowed by a
     # callback is sent again, as in `tune`.
     sys.unraisablehook = redeliver_swallowed_interrupt
+    die_with_launcher()
     separate_restart_rounds()
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tune_recipes._cli.launch <recipe.py> [args ...]")
