@@ -230,10 +230,11 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
     # SYNC_LOGGING_ENV=1: every logged step waits for the device (no one-step lag on CUDA); for
     # measuring what the lag buys (bench_recipes.py --env TUNE_RECIPES_SYNC_LOGGING=1), not a setting.
     lag = False if os.environ.get(SYNC_LOGGING_ENV) == "1" else None
-    # The picture is drawn from the file the logger writes (its log_dir and filename), beside it.
+    # The picture is drawn from the file the logger writes (its log_dir and filename), beside it;
+    # a logger that writes no metrics.jsonl (torchtune's DiskLogger, TensorBoard, W&B) gets none,
+    # and no note saying so at the end of a run that logged as asked.
     metrics_file = getattr(metric_logger, "path", None)
-    plot_from = (str(metrics_file) if metrics_file is not None
-                 else str(cfg.output_dir) if "output_dir" in cfg else None)
+    plot_from = str(metrics_file) if metrics_file is not None else None
     return StepReporter(metric_logger, cfg.get("log_every_n_steps", 1), device,
                         cfg.get("log_peak_memory_stats", False), is_main=is_main,
                         show_progress=False if quiet else None, plot_from=plot_from, lag=lag)

@@ -263,6 +263,25 @@ def test_the_picture_is_drawn_from_the_file_the_logger_writes(tmp_path):
     assert (tmp_path / "logs" / "metrics.png").is_file()
 
 
+def test_a_logger_that_writes_no_jsonl_gets_no_picture_and_no_note(tmp_path, capsys):
+    """torchtune's own DiskLogger (a stock config's) logs as asked: the end of the run says
+    nothing about a metrics.png it could not draw."""
+    from omegaconf import OmegaConf
+
+    from tune_recipes.training.setup.recipe import build_reporter
+
+    cfg = OmegaConf.create({
+        "output_dir": str(tmp_path), "log_level": "WARNING",
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger",
+                          "log_dir": str(tmp_path / "logs")}})
+    rep = build_reporter(cfg, torch.device("cpu"))
+    assert rep.plot_from is None
+    _steps(rep)
+    rep.close()
+    assert "metrics.png" not in capsys.readouterr().err
+    assert not (tmp_path / "metrics.png").exists() and list((tmp_path / "logs").glob("log_*.txt"))
+
+
 def test_close_draws_metrics_png_from_the_run_log(tmp_path):
     from tune_recipes.training.metrics import JsonlMetricLogger
 
