@@ -300,3 +300,18 @@ def test_a_resume_with_another_lora_rank_is_one_line_naming_the_key(tmp_path):
     assert "the adapter being resumed does not fit this run's LoRA settings (layers.0." in last
     assert "in the checkpoint" in last and "model.lora_rank" in last, last
     assert (out / "epoch_0" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.integration
+def test_a_resumed_checkpoints_file_cut_short_is_named_with_its_folder(tmp_path):
+    # The line names the folder being resumed (not the base checkpoint_dir) and the way on.
+    out = tmp_path / "run"
+    run_recipe(*FULL, out, TWO_EPOCHS)
+    shutil.rmtree(out / "epoch_1")
+    weights_file = out / "epoch_0" / "model-00001-of-00001.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    proc = run_recipe(*FULL, out, [*TWO_EPOCHS, "resume_from_checkpoint=True"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"could not load the checkpoint being resumed, {out / 'epoch_0'}:" in last, last
+    assert f"remove {out / 'epoch_0'} to resume from the checkpoint before it" in last, last

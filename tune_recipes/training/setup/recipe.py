@@ -103,7 +103,9 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
         state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
         print(f"resuming from {state_file.parent}", file=sys.stderr)
     checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
-    ckpt = read_checkpoint(checkpointer, cfg_checkpointer)
+    ckpt = read_checkpoint(checkpointer, cfg_checkpointer,
+                           resuming_from=(Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint).parent,
+                           base_too=adapter)
     if adapter and training.ADAPTER_KEY not in ckpt:
         raise ConfigError(
             f"resume_from_checkpoint={setting} but no adapter checkpoint was found under "
@@ -117,21 +119,30 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
-                    key: str = "checkpointer") -> Dict[str, Any]:
+                    key: str = "checkpointer", resuming_from: Optional[Path] = None,
+                    base_too: bool = False) -> Dict[str, Any]:
     """``checkpointer.load_checkpoint()``, with a failure of the files to load (torchtune's
     converters raise bare Exceptions, KeyErrors and ValueErrors: a Meta checkpointer on HF files,
-    a model_type that does not fit the weights) as one line naming the checkpointer (config
-    ``key``) and where it read."""
+    a model_type that does not fit the weights; a file cut short) as one line naming the
+    checkpointer (config ``key``) and where it read: ``resuming_from``, the checkpoint folder a
+    resume reads (and, ``base_too``, the base weights a LoRA resume reads beside it), else
+    ``checkpoint_dir``."""
     try:
         return checkpointer.load_checkpoint()
     except ConfigError:
         raise
     except Exception as e:  # every converter failure, whatever its class
         first = (str(e).strip().splitlines() or [""])[0][:300]
+        base = f"{cfg_checkpointer.get('checkpoint_dir')} (model_type={cfg_checkpointer.get('model_type')})"
+        where, way_on = base, ""
+        if resuming_from is not None:
+            where = f"{base} and the checkpoint being resumed, {resuming_from}" if base_too \
+                else f"the checkpoint being resumed, {resuming_from}"
+            way_on = (f"; if a file there was cut short, restore it, or remove {resuming_from} "
+                      "to resume from the checkpoint before it")
         raise ConfigError(
-            f"{key}: {cfg_checkpointer.get('_component_')} could not load "
-            f"{cfg_checkpointer.get('checkpoint_dir')} (model_type="
-            f"{cfg_checkpointer.get('model_type')}): {type(e).__name__}: {first}") from None
+            f"{key}: {cfg_checkpointer.get('_component_')} could not load {where}: "
+            f"{type(e).__name__}: {first}{way_on}") from None
 
 
 def finished_run_record(final_checkpoint: Path, output_dir: Path) -> Dict[str, Any]:
