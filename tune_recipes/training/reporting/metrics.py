@@ -176,7 +176,7 @@ def keep_a_different_config(out: Path, text: str) -> Optional[Path]:
     if not out.is_file():
         return None
     earlier = out.read_text()
-    if earlier == text:
+    if earlier == text or _same_settings(earlier, text):
         return None
     k = 1
     while (out.parent / f"config.{k}.yaml").exists():
@@ -184,6 +184,24 @@ def keep_a_different_config(out: Path, text: str) -> Optional[Path]:
     kept = out.parent / f"config.{k}.yaml"
     kept.write_text(earlier)
     return kept
+
+
+# Keys whose value says how a run started, not what it trains: a resume of a run started
+# without them is the same run (no copy of its config.yaml is kept for it).
+_HOW_STARTED = ("resume_from_checkpoint",)
+
+
+def _same_settings(earlier: str, text: str) -> bool:
+    import yaml
+
+    try:
+        a, b = yaml.safe_load(earlier), yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    return ({k: v for k, v in a.items() if k not in _HOW_STARTED}
+            == {k: v for k, v in b.items() if k not in _HOW_STARTED})
 
 
 def time_stamp(seconds: float) -> str:

@@ -145,11 +145,18 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config(tmp_path):
     same.drop_rows_after(1)
     same.close()
     assert not list(tmp_path.glob("config.*.yaml"))
+    # ... nor does one that differs only in how it started (resume_from_checkpoint)
+    for setting in (True, "auto", False):
+        resumed = JsonlMetricLogger(tmp_path)
+        resumed.log_config(OmegaConf.create({"weight_decay": 0.0, "resume_from_checkpoint": setting}))
+        resumed.drop_rows_after(1)
+        resumed.close()
+    assert not list(tmp_path.glob("config.*.yaml"))
     other = JsonlMetricLogger(tmp_path)
     other.log_config(OmegaConf.create({"weight_decay": 0.5}))
     other.drop_rows_after(1)
     other.log_dict({"loss": 0.5}, step=2)
     other.close()
     assert (tmp_path / "config.yaml").read_text().strip() == "weight_decay: 0.5"
-    assert (tmp_path / "config.1.yaml").read_text().strip() == "weight_decay: 0.0"
+    assert OmegaConf.load(tmp_path / "config.1.yaml").weight_decay == 0.0
     assert read_metrics(tmp_path / "metrics.jsonl", "loss") == [1.0, 0.5]
