@@ -27,6 +27,7 @@ from torchtune import config as tt_config, training, utils
 
 from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.io import move_into_new_folder
+from tune_recipes.training.checkpointing.state import seed_everything
 from tune_recipes.training.reporting.metrics import time_stamp
 from tune_recipes.training.setup.model import load_weights
 from tune_recipes.training.setup.qat import (
@@ -85,7 +86,7 @@ class QuantizationRecipe:
         self._quantizer, self._mode = build_quantizer(cfg.get("quantizer"), self._dtype,
                                                       require_qat=False)
         self._output_dir = Path(cfg.output_dir)
-        training.set_seed(seed=cfg.get("seed", 0), debug_mode=cfg.get("cudnn_deterministic_mode", None))
+        seed_everything(cfg.get("seed", 0), cfg)
 
     @property
     def _saved_mode(self) -> str:

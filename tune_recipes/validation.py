@@ -43,6 +43,17 @@ class ConfigError(ValueError):
     one layer under the loader that calls it."""
 
 
+def brief(e: BaseException, limit: int = 300) -> str:
+    """An exception's message for a one-line error: its first line; past ``limit`` characters,
+    its first sentence (torch's read errors go on for three more), cut with an ellipsis if
+    still longer."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    if len(text) > limit:
+        text = text.split(". ", 1)[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 Check = Callable[[Any], Optional[str]]  # value -> what is wrong with it, or None
 
 
@@ -100,7 +111,9 @@ DETERMINISTIC_MODES = ("default", "warn", "error")
 def deterministic_mode(v) -> Optional[str]:
     if v in DETERMINISTIC_MODES or (isinstance(v, int) and 0 <= v <= 2):
         return None
-    return "expected null, default, warn, error, 0, 1 or 2 (torch.set_deterministic_debug_mode)"
+    quoted = f" (the string '{v}': write it unquoted)" if isinstance(v, str) and v.strip().isdigit() else ""
+    return ("expected null, default, warn, error, 0, 1 or 2 (torch.set_deterministic_debug_mode)"
+            + quoted)
 
 
 def optional(check: Check) -> Check:
@@ -1090,7 +1103,6 @@ class StockKey:
     # The value that leaves the feature off, for the error's "set it to ...": the one value
     # ``asks`` accepts, said exactly (False is not "off" for a key that only takes null).
     off: str = "False"
-    why: str = ""  # why a value that looks off is not (appended to the error)
 
 
 def _true(v) -> bool:
@@ -1174,13 +1186,11 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
         if spec.field and isinstance(value, dict) and spec.field in value:
             shown = f"{k}.{spec.field}={_show(value.get(spec.field))}"
         if spec.asks(value):
-            # Name the one accepted value: "turn it off" read as False for keys whose only
-            # off value is null (cudnn_deterministic_mode=False is refused).
+            # Name the one accepted value, exactly (tensor_parallel_dim's off value is 1, not False).
             target = f"{k}.{spec.field}" if spec.field else k
-            why = f"; {spec.why}" if spec.why else ""
             raise ConfigError(
                 f"{shown}: {spec.feature} is not implemented by {recipe} "
-                f"(a torchtune 0.6.1 key; set {target}={spec.off} or remove {k}{why}; "
+                f"(a torchtune 0.6.1 key; set {target}={spec.off} or remove {k}; "
                 "docs/migrating.md)")
         _warn(f"{recipe} ignores {shown} ({spec.feature} is not implemented; "
               "this value leaves it off)")

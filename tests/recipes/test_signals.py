@@ -157,3 +157,24 @@ def test_the_ranks_end_when_tune_is_killed(tmp_path):
     for pid in left:  # never leave them behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} still ran 30 s after tune was killed"
+
+
+def test_a_rank_whose_launcher_died_while_it_started_ends_at_once(tmp_path):
+    """The race die_with_launcher closes: `tune` killed while a rank's interpreter starts. The
+    rank reads the launcher PID `tune` exported, not its parent as it finds it then (init)."""
+    import os
+    import sys
+
+    from tune_recipes._cli.launch import LAUNCHER_PID_ENV
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a PID that was the launcher's and is no more
+    code = ("import time; from tune_recipes._cli.launch import die_with_launcher; "
+            "die_with_launcher(); time.sleep(30); print('still running')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**_env(), LAUNCHER_PID_ENV: str(gone.pid)})
+    assert proc.returncode == -signal.SIGTERM and "still running" not in proc.stdout, proc
+    # Its launcher alive (this test's process): it runs on.
+    proc = subprocess.run([sys.executable, "-c", code.replace("30", "0")], capture_output=True,
+                          text=True, timeout=60, env={**_env(), LAUNCHER_PID_ENV: str(os.getpid())})
+    assert proc.returncode == 0 and "still running" in proc.stdout, proc

@@ -121,6 +121,10 @@ def peer_gone(e: BaseException) -> bool:
             and any(words in str(e) for words in _PEER_GONE))
 
 
+# Set by `tune` before torchrun starts the ranks: its PID, the parent each rank must find alive.
+LAUNCHER_PID_ENV = "TUNE_RECIPES_LAUNCHER_PID"
+
+
 def die_with_launcher() -> None:
     """A torchrun rank ends (SIGTERM, whose default ends it at once) when its agent dies,
     whatever killed the agent: torchrun starts each rank in a session of its own, so a SIGKILL
@@ -131,7 +135,12 @@ def die_with_launcher() -> None:
         return
     import ctypes
 
-    parent = os.getppid()
+    # NOTE: the PID `tune` exported, not os.getppid() read now: a launcher that died while this
+    # interpreter started (imports take a fraction of a second) has already left it orphaned.
+    try:
+        parent = int(os.environ[LAUNCHER_PID_ENV])
+    except (KeyError, ValueError):  # started by torchrun directly
+        parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1  # <linux/prctl.h>
@@ -139,7 +148,7 @@ def die_with_launcher() -> None:
             return
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the agent died before the signal was set
+    if os.getppid() != parent:  # the launcher died before the signal was set
         os.kill(os.getpid(), signal.SIGTERM)
 
 

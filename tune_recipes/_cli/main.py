@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from tune_recipes._cli import registry
 from tune_recipes._cli.launch import (
+    LAUNCHER_PID_ENV,
     Launch,
     add_launcher_arguments,
     exit_code,
@@ -86,6 +87,7 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
     from torch.distributed.run import main as torchrun_main
 
     os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' parent: see die_with_launcher
     where = "" if launch.max_nodes == 1 else " on this node"
     # Each process starts in our launcher, which imports tune_recipes (its noise filters)
     # before the recipe imports torchtune, then runs the script as __main__.

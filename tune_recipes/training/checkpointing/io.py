@@ -15,6 +15,7 @@ from torchtune import training
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import brief
 
 log = get_logger("INFO")
 
@@ -63,16 +64,9 @@ def load_recipe_state(path: Path) -> Dict[str, object]:
         way_on = (f"; restore it, or remove {folder} to resume from the checkpoint before it"
                   if STEP_DIR.match(folder.name) or _EPOCH_DIR.match(folder.name) else "")
         raise CheckpointError(
-            f"cannot read the recipe state {path}: {type(e).__name__}: {short_reason(e)}{way_on}"
+            f"cannot read the recipe state {path}: {type(e).__name__}: {brief(e)}{way_on}"
         ) from None
 
-
-def short_reason(e: Exception, limit: int = 200) -> str:
-    """An exception's first sentence on one line (torch's read errors go on for three more),
-    cut at ``limit`` characters with an ellipsis."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    first = text.split(". ", 1)[0]
-    return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
 def _numbered_dirs(output_dir: Path, pattern: "re.Pattern") -> List[Tuple[int, Path]]:
@@ -139,7 +133,7 @@ def _model_files(epoch_dir: Path):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             # Emptied or cut short by a kill or a full disk (our writer never publishes one so).
             raise CheckpointError(
-                f"cannot read {index}: {type(e).__name__}: {short_reason(e)}; restore it, or "
+                f"cannot read {index}: {type(e).__name__}: {brief(e)}; restore it, or "
                 f"remove {epoch_dir} to resume from the checkpoint before it") from None
     files = sorted(p.name for p in epoch_dir.glob("*.safetensors") if not p.name.startswith("adapter"))
     return files or sorted(p.name for p in epoch_dir.glob("*.bin"))

@@ -60,23 +60,21 @@ class OutputDirLock:
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 continue
             except OSError as e:
-                raise ConfigError(
-                    f"cannot write to output_dir {self.path.parent}: {e.strerror or e} "
-                    f"({self.path})"
-                ) from None
+                raise self._unwritable(e) from None
             try:
                 with os.fdopen(fd, "w") as f:
                     json.dump(me, f)
             except OSError as e:  # a full disk: the file exists, its bytes did not fit
                 self.path.unlink(missing_ok=True)
-                raise ConfigError(
-                    f"cannot write to output_dir {self.path.parent}: {e.strerror or e} "
-                    f"({self.path})"
-                ) from None
+                raise self._unwritable(e) from None
             self.held = True
             atexit.register(self.release)
             return self
         raise ConfigError(f"cannot take the lock {self.path}; delete it if no run uses it")
+
+    def _unwritable(self, e: OSError) -> ConfigError:
+        return ConfigError(f"cannot write to output_dir {self.path.parent}: {e.strerror or e} "
+                           f"({self.path})")
 
     def refuse_if_in_use(self) -> None:
         """ConfigError naming the live run that holds the lock, if one does (a stale lock, or

@@ -32,6 +32,13 @@ def optimizer_identity(cfg: DictConfig) -> Tuple[Optional[str], bool]:
             bool(cfg.get("optimizer_in_bwd", False)))
 
 
+def seed_everything(seed: Optional[int], cfg: DictConfig) -> int:
+    """torchtune's ``set_seed`` (every RNG; ``None`` picks one), with ``cudnn_deterministic_mode``
+    as torchtune's recipes pass it: any value but null goes to torch.set_deterministic_debug_mode
+    (False is its mode 0, which turns cuDNN benchmark on). Returns the seed."""
+    return training.set_seed(seed=seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
+
+
 @dataclass
 class SavedState:
     """The recipe state a checkpoint holds (torchtune's key names, so stock tooling reads it)."""
@@ -142,10 +149,7 @@ class RecipeState:
         (``cudnn_deterministic_mode``) and reads ``epochs``, ``max_steps_per_epoch`` and
         ``optimizer._component_``."""
         component, in_bwd = optimizer_identity(cfg)
-        # cudnn_deterministic_mode: as torchtune's recipes, any value but null goes to
-        # torch.set_deterministic_debug_mode (False is its mode 0, which turns cuDNN benchmark on).
-        seed = training.set_seed(seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None))
-        return cls(seed=seed, total_epochs=cfg.epochs,
+        return cls(seed=seed_everything(cfg.seed, cfg), total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
                    optimizer_component=component, optimizer_in_bwd=in_bwd)
 

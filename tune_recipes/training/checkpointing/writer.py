@@ -17,6 +17,7 @@ from torch import nn
 from torchtune import training
 
 from tune_recipes.config import positive_int_or_none
+from tune_recipes.validation import brief
 from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
 from tune_recipes.training.checkpointing.io import (
     EPOCH_STATE_FILE,
@@ -57,9 +58,11 @@ from tune_recipes.training.step.nonfinite import NonFiniteError
 
 
 # torch.save's zip writer (PytorchStreamWriter) raises RuntimeError, not OSError, when a write
-# fails: "[enforce fail at inline_container.cc:...] . unexpected pos ..." on a full disk, or
-# "PytorchStreamWriter failed writing file ...".
-_TORCH_SAVE_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed")
+# fails: on a full disk "[enforce fail at inline_container.cc:...] . unexpected pos ..." (a
+# large file) or "basic_ios::clear: iostream error" (a small one), or "PytorchStreamWriter
+# failed writing file ...".
+_TORCH_SAVE_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed",
+                              "iostream error")
 
 
 def torch_save_write_failure(e: RuntimeError) -> bool:
@@ -272,7 +275,7 @@ class CheckpointWriter:
             where = getattr(e, "filename", None) or staging
             # The partial files would hold the space a retry (or the disk's owner) needs.
             shutil.rmtree(staging, ignore_errors=True)
-            reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1]
+            reason = getattr(e, "strerror", None) or brief(e)
             raise CheckpointError(
                 f"cannot write {what}: {reason} ({where}{free_space_note(out, e)}); "
                 f"earlier checkpoints in {out} are intact"

@@ -18,7 +18,7 @@ from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_m
 from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
 from tune_recipes.training.setup.fp8 import convert_to_fp8
-from tune_recipes.validation import activation_memory_budget_value
+from tune_recipes.validation import activation_memory_budget_value, brief
 
 log = get_logger("INFO")
 
@@ -84,9 +84,8 @@ def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
         with training.set_default_dtype(dtype), device:
             return tt_config.instantiate(cfg_model)
     except (ValueError, AssertionError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         raise ConfigError(f"{key}: {cfg_model.get('_component_')} refused its arguments "
-                          f"({type(e).__name__}: {first})") from None
+                          f"({type(e).__name__}: {brief(e)})") from None
 
 
 _LORA_SETTINGS_MUST_MATCH = (
@@ -97,8 +96,12 @@ _LORA_SETTINGS_MUST_MATCH = (
 def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str, Any]) -> None:
     """A resumed adapter's tensors against the freshly built model's (a meta model's too):
     another ``lora_rank`` is one line naming the first that differs, not torch's size-mismatch
-    list. Keys the model lacks are left to ``check_lora_keys``."""
-    own = model.state_dict()
+    list. Keys the model lacks are left to ``check_lora_keys``.
+
+    NOTE: the parameters, not ``model.state_dict()``: a QLoRA model's state-dict hook
+    dequantizes every NF4 base weight to a CPU copy (the whole model, on every resume), and
+    fails outright on the meta model the distributed recipes shard."""
+    own = dict(model.named_parameters())
     for key, value in adapter_state_dict.items():
         if key in own and tuple(own[key].shape) != tuple(value.shape):
             raise ConfigError(
@@ -121,7 +124,7 @@ def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, 
             base_unexpected=base_unexpected, lora_missing=lora_missing,
             lora_unexpected=lora_unexpected)
     except AssertionError as e:
-        reason = str(e).strip()[:300]
+        reason = brief(e)
         if "loading adapter" in reason or "from adapter state dict" in reason:
             # Only a resumed run loads an adapter: one trained with other LoRA settings.
             raise ConfigError(f"model: the adapter being resumed does not fit this run's LoRA "
@@ -144,7 +147,7 @@ def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictCo
         if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
             raise
         mismatches = [line for line in lines[1:] if line.startswith("size mismatch")]
-        first = (mismatches or lines[1:] or [""])[0][:300]
+        first = brief((mismatches or lines[1:] or [""])[0])
         raise ConfigError(
             f"{key}: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
             f"({first}); check {key}._component_ against "

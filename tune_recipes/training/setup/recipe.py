@@ -51,7 +51,7 @@ from tune_recipes.training.step.driver import (
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward
 from tune_recipes.training.step.validation import Validator
-from tune_recipes.validation import warmup_problem
+from tune_recipes.validation import brief, warmup_problem
 
 
 def training_dtype(cfg: DictConfig, device) -> torch.dtype:
@@ -132,7 +132,6 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
     except ConfigError:
         raise
     except Exception as e:  # every converter failure, whatever its class
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         base = f"{cfg_checkpointer.get('checkpoint_dir')} (model_type={cfg_checkpointer.get('model_type')})"
         where, way_on = base, ""
         if resuming_from is not None:
@@ -142,7 +141,7 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
                       "to resume from the checkpoint before it")
         raise ConfigError(
             f"{key}: {cfg_checkpointer.get('_component_')} could not load {where}: "
-            f"{type(e).__name__}: {first}{way_on}") from None
+            f"{type(e).__name__}: {brief(e)}{way_on}") from None
 
 
 def finished_run_record(final_checkpoint: Path, output_dir: Path) -> Dict[str, Any]:

@@ -242,20 +242,25 @@ def test_a_full_disk_reported_by_safetensors_is_one_line_and_frees_the_staging_f
     assert not (tmp_path / ".saving").exists()  # the partial files are gone
 
 
-def test_a_full_disk_reported_by_torch_save_is_one_line_and_frees_the_staging_folder(tmp_path):
-    # torch.save's zip writer raises RuntimeError for a failed write (ENOSPC reads "unexpected
-    # pos"); a RuntimeError of anything else is not a write failure and goes through unchanged.
+@pytest.mark.parametrize("message", [
+    "[enforce fail at inline_container.cc:672] . unexpected pos 6345152 vs 6345044",  # a large file
+    "basic_ios::clear: iostream error"])  # a small one
+def test_a_full_disk_reported_by_torch_save_is_one_line_and_frees_the_staging_folder(tmp_path, message):
+    # torch.save's zip writer raises RuntimeError for a failed write (both messages are what it
+    # raises on a full disk); a RuntimeError of anything else is not a write failure and goes
+    # through unchanged.
+    import re
+
     from tune_recipes.training.checkpointing.io import CheckpointError
 
-    model, opt = tiny_llama3(), None
+    model = tiny_llama3()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = RecipeState(seed=3, total_epochs=1, max_steps_per_epoch=None)
-    ckpt = _Checkpointer(tmp_path, fail_with=RuntimeError(
-        "[enforce fail at inline_container.cc:672] . unexpected pos 6345152 vs 6345044"))
+    ckpt = _Checkpointer(tmp_path, fail_with=RuntimeError(message))
     writer = CheckpointWriter(ckpt, output_dir=str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"cannot write the epoch 0 checkpoint: .*unexpected pos "
-                                              r"6345152 vs 6345044 \(.*\.saving; [0-9.]+ MiB free on "
-                                              r"that disk\); earlier checkpoints"):
+    with pytest.raises(CheckpointError, match=rf"cannot write the epoch 0 checkpoint: {re.escape(message)} "
+                                              r"\(.*\.saving; [0-9.]+ MiB free on that disk\); "
+                                              r"earlier checkpoints"):
         writer.save(model, opt, state, epoch=0)
     assert not (tmp_path / ".saving").exists()
     ckpt.fail_with = RuntimeError("CUDA error: an illegal memory access was encountered")

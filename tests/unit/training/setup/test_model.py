@@ -266,3 +266,24 @@ def test_lora_key_mismatches_name_the_base_checkpoint_or_the_resumed_adapter():
     with pytest.raises(ConfigError, match=r"^model: the adapter being resumed does not fit this "
                                           r"run's LoRA settings \(Unexpected key loading adapter\)"):
         check_lora_keys(cfg, spec, [], [], [], ["layers.0.mlp.w1.lora_a.weight"])
+
+
+def test_resumed_adapter_shapes_are_checked_on_a_qlora_meta_model():
+    # The distributed recipes check on the meta model they shard; a QLoRA model's state-dict
+    # hook (NF4 -> bf16 on the CPU) cannot run there, so the check reads the parameters.
+    from torchtune.modules.peft import get_adapter_state_dict
+
+    from tune_recipes.models.tiny import lora_tiny_llama3
+    from tune_recipes.training.setup.model import check_resumed_adapter_shapes
+
+    saved = lora_tiny_llama3(["q_proj", "v_proj"], lora_rank=8, quantize_base=True)
+    adapter = {k: v.clone() for k, v in get_adapter_state_dict(saved.state_dict()).items()}
+    with torch.device("meta"):
+        same = lora_tiny_llama3(["q_proj", "v_proj"], lora_rank=8, quantize_base=True)
+        other = lora_tiny_llama3(["q_proj", "v_proj"], lora_rank=4, quantize_base=True)
+    check_resumed_adapter_shapes(same, adapter)
+    with pytest.raises(ConfigError, match=r"^model: the adapter being resumed does not fit this "
+                                          r"run's LoRA settings \(layers\.0\.attn\.q_proj\.lora_a\.weight "
+                                          r"is \[8, \d+\] in the checkpoint, \[4, \d+\] in this run's model\); "
+                                          r"model\.lora_rank"):
+        check_resumed_adapter_shapes(other, adapter)
