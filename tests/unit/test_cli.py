@@ -631,6 +631,27 @@ def test_a_failed_download_is_one_line_not_torchtunes_traceback_chain(monkeypatc
     assert err[0].endswith("(no network? the download needs huggingface.co or kaggle.com)")
 
 
+def test_an_offline_download_into_a_folder_with_files_fails_and_writes_nothing(tmp_path, capsys,
+                                                                              monkeypatch):
+    # huggingface_hub returns a non-empty local_dir untouched when the Hub cannot be reached;
+    # torchtune then printed "Successfully downloaded" and wrote its repo-id file there.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    folder = tmp_path / "dl"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("keep")
+    with pytest.raises(SystemExit) as exited:
+        main(["download", "Qwen/Qwen2.5-0.5B-Instruct", "--output-dir", str(folder)])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "the Hub could not be reached, so nothing was downloaded" in lines[0], err
+    assert "(no network?" in lines[0] and "Successfully" not in out + err and "patterns: None" not in out
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+
+
 @pytest.mark.parametrize("torchrun_rank", [True, False])
 def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, monkeypatch, capsys):
     """gloo's error in the surviving rank would bury the failed rank's own line under a

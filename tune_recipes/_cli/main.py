@@ -307,13 +307,56 @@ def cmd_download(args: argparse.Namespace, rest: List[str]) -> int:
 
     from torchtune._cli.tune import main as torchtune_main
 
+    import torchtune._cli.download as download
+
     sys.argv = ["tune", "download", *rest]
     # NOTE: torchtune's downloader reports a failed download through argparse's error() with
     # the whole traceback chain in the message (five chained tracebacks when offline); here it
     # is the one line of what failed.
-    with mock.patch.object(argparse.ArgumentParser, "error", _download_error):
+    with mock.patch.object(argparse.ArgumentParser, "error", _download_error), \
+            mock.patch.object(download, "snapshot_download",
+                              _downloaded_or_failed(download.snapshot_download)), \
+            mock.patch.object(download, "print", _without_no_patterns_line, create=True):
         torchtune_main()
     return 0
+
+
+def _downloaded_or_failed(snapshot_download):
+    """huggingface_hub's ``snapshot_download``, failing where it would return an existing
+    ``local_dir`` untouched because the Hub could not be reached (its warning, dropped here):
+    torchtune would then write its repo-id file into that folder and print "Successfully
+    downloaded" over whatever the folder held."""
+    import logging
+
+    def download(repo_id, *args, local_dir=None, **kwargs):
+        gave_up = []
+
+        def note(record) -> bool:
+            if "Returning existing local_dir" in record.getMessage():
+                gave_up.append(record)
+                return False
+            return True
+
+        hub_log = logging.getLogger("huggingface_hub._snapshot_download")
+        hub_log.addFilter(note)
+        try:
+            path = snapshot_download(repo_id, *args, local_dir=local_dir, **kwargs)
+        finally:
+            hub_log.removeFilter(note)
+        if gave_up:
+            raise ConnectionError(f"the Hub could not be reached, so nothing was downloaded; "
+                                  f"{local_dir} holds only what it held before")
+        return path
+
+    return download
+
+
+def _without_no_patterns_line(*args, **kwargs) -> None:
+    # torchtune announces "Ignoring files matching the following patterns: None" even when no
+    # pattern was given.
+    if args and str(args[0]).endswith("following patterns: None"):
+        return
+    print(*args, **kwargs)
 
 
 def _download_error(parser: argparse.ArgumentParser, message: str) -> None:
