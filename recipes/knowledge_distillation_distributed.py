@@ -94,7 +94,7 @@ class KDRecipeDistributed:
             cfg.teacher_model, dtype=self._dtype, device=self._runtime.device,
             world_size=self._runtime.world_size, full_state_dict=teacher_sd,
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
-            cpu_offload=fsdp_cpu_offload_requested(cfg),
+            cpu_offload=fsdp_cpu_offload_requested(cfg), key="teacher_model",
         )
         if cfg.get("compile", False):
             training.compile_model(self._model, verbose=self._runtime.is_main)

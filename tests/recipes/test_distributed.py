@@ -104,6 +104,28 @@ def test_one_ranks_data_error_is_its_line_not_a_traceback_of_the_other(tmp_path)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+_VOCAB_320 = ["model._component_=torchtune.models.llama3.llama3", "model.vocab_size=320",
+              "model.num_layers=2", "model.num_heads=8", "model.num_kv_heads=2", "model.embed_dim=256",
+              "model.intermediate_dim=512", "model.max_seq_len=512", "model.norm_eps=1e-5",
+              "model.rope_base=500000"]
+
+
+@pytest.mark.parametrize("recipe,config,prefix", [
+    ("full_finetune_distributed", "tiny/full_distributed", "model"),
+    ("knowledge_distillation_distributed", "tiny/kd_distributed", "teacher_model")])
+def test_weights_of_another_shape_are_one_line_naming_the_key(tmp_path, recipe, config, prefix):
+    # The sharded load's size mismatch was torch's list of every weight, a traceback a rank.
+    overrides = [o.replace("model.", f"{prefix}.", 1) for o in _VOCAB_320]
+    if prefix == "teacher_model":  # the check of the two vocabularies comes first otherwise
+        overrides = [o.replace("vocab_size=320", "vocab_size=272").replace("embed_dim=256", "embed_dim=512")
+                     for o in overrides]
+    proc = run_dist(2, recipe, config, tmp_path / "out", [*overrides, "max_steps_per_epoch=1"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "does not fit the checkpoint's weights" in line]
+    assert lines and all(line.startswith(f"tune: error: {prefix}: torchtune.models.llama3.llama3 does not fit "
+                                         "the checkpoint's weights (size mismatch for ") for line in lines), lines
+
+
 @pytest.mark.parametrize("ga", [1, 2])
 def test_lora_two_ranks_equal_one_rank_and_single_device(tmp_path, ga):
     common = [*STEPS, f"gradient_accumulation_steps={ga}", "optimizer.lr=3e-3"]

@@ -19,7 +19,12 @@ from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_
 from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
-from tune_recipes.training.setup.model import build_model, check_lora_keys, check_resumed_adapter_shapes
+from tune_recipes.training.setup.model import (
+    build_model,
+    check_lora_keys,
+    check_resumed_adapter_shapes,
+    weights_do_not_fit,
+)
 
 log = get_logger("INFO")
 
@@ -57,6 +62,7 @@ def shard_and_load(
     before_shard=None,
     device_mesh=None,
     tensor_parallel_plan: Optional[Dict[str, Any]] = None,
+    key: str = "model",
 ):
     """Build the model on the meta device, shard it with FSDP2 (each transformer layer, any
     ``custom_sharded_layers``, then the root) and load full state dicts shard by shard.
@@ -66,7 +72,8 @@ def shard_and_load(
     resumed adapter) or ``adapter_init_seed`` (fresh adapters from the seeded, build-independent
     init of tune_recipes.modules.peft): the base weights then load non-strictly and the
     result is ``(model, (base_missing, base_unexpected, adapter_missing, adapter_unexpected))``.
-    Otherwise loading is strict and the second element is None.
+    Otherwise loading is strict and the second element is None. ``key``: the config key that
+    builds it (``teacher_model``), named by a one-line error.
 
     ``cpu_offload`` (``fsdp_cpu_offload``): FSDP2's ``CPUOffloadPolicy`` through torchtune's
     ``shard_model``: sharded parameters, gradients and optimizer states live in pinned CPU
@@ -86,7 +93,7 @@ def shard_and_load(
             log.warning("fsdp_cpu_offload: the model runs on %s, where parameters already are in "
                         "CPU memory; nothing to offload, sharding as if off", device.type)
         cpu_offload = False
-    model = build_model(cfg_model, dtype, torch.device("meta"))
+    model = build_model(cfg_model, dtype, torch.device("meta"), key=key)
     if before_shard is not None:
         before_shard(model)
     route_document_attention(model)  # document-masked batches: see modules.document_attention
@@ -134,15 +141,21 @@ def shard_and_load(
             if hasattr(m, "rope_init"):
                 m.rope_init()
     keys = None
-    if adapter_state_dict is None:
-        training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True,
-                                                 cpu_offload=cpu_offload)
-    else:
-        a_missing, a_unexpected = training.load_from_full_model_state_dict(
-            model, adapter_state_dict, device, strict=False, cpu_offload=cpu_offload)
-        b_missing, b_unexpected = training.load_from_full_model_state_dict(
-            model, full_state_dict, device, strict=False, cpu_offload=cpu_offload)
-        keys = (b_missing, b_unexpected, a_missing, a_unexpected)
+    try:
+        if adapter_state_dict is None:
+            training.load_from_full_model_state_dict(model, full_state_dict, device, strict=True,
+                                                     cpu_offload=cpu_offload)
+        else:
+            a_missing, a_unexpected = training.load_from_full_model_state_dict(
+                model, adapter_state_dict, device, strict=False, cpu_offload=cpu_offload)
+            b_missing, b_unexpected = training.load_from_full_model_state_dict(
+                model, full_state_dict, device, strict=False, cpu_offload=cpu_offload)
+            keys = (b_missing, b_unexpected, a_missing, a_unexpected)
+    except RuntimeError as e:
+        error = weights_do_not_fit(e, cfg_model, key)
+        if error is None:
+            raise
+        raise error from None
     training.validate_no_params_on_meta_device(model)
     return model, keys
 

@@ -143,15 +143,25 @@ def load_weights(model: nn.Module, state_dict: Dict[str, Any], cfg_model: DictCo
     try:
         return model.load_state_dict(state_dict, strict=strict)
     except RuntimeError as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
+        error = weights_do_not_fit(e, cfg_model, key)
+        if error is None:
             raise
-        mismatches = [line for line in lines[1:] if line.startswith("size mismatch")]
-        first = brief((mismatches or lines[1:] or [""])[0])
-        raise ConfigError(
-            f"{key}: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
-            f"({first}); check {key}._component_ against "
-            f"{key.replace('model', 'checkpointer')}.checkpoint_dir") from None
+        raise error from None
+
+
+def weights_do_not_fit(e: RuntimeError, cfg_model: DictConfig, key: str = "model") -> Optional[ConfigError]:
+    """torch's "Error(s) in loading state_dict" (every mismatched weight, on every rank) as the
+    one-line ConfigError naming ``key``, its builder and the first mismatch; None for any other
+    RuntimeError."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
+        return None
+    mismatches = [line for line in lines[1:] if line.startswith("size mismatch")]
+    first = brief((mismatches or lines[1:] or [""])[0])
+    return ConfigError(
+        f"{key}: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
+        f"({first}); check {key}._component_ against "
+        f"{key.replace('model', 'checkpointer')}.checkpoint_dir")
 
 
 def set_activation_memory_budget(budget: Optional[float]) -> None:
