@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
 
-from tune_recipes.config import check_known_keys, parse
+from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training.checkpointing.io import move_into_new_folder
 from tune_recipes.training.checkpointing.state import seed_everything
 from tune_recipes.training.reporting.metrics import time_stamp
@@ -36,6 +36,7 @@ from tune_recipes.training.setup.qat import (
     check_quantizer_against_the_qat_run,
 )
 from tune_recipes.training.setup.recipe import read_checkpoint
+from tune_recipes.validation import brief
 
 CONFIG_KEYS = {"output_dir", "model", "checkpointer", "quantizer", "device", "dtype", "seed",
                "cudnn_deterministic_mode"}
@@ -85,6 +86,12 @@ class QuantizationRecipe:
         self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
         self._quantizer, self._mode = build_quantizer(cfg.get("quantizer"), self._dtype,
                                                       require_qat=False)
+        if self._mode.startswith("4w") and self._dtype != torch.bfloat16:
+            # Found by the smoke forward otherwise, after the conversion: a dtype traceback.
+            raise ConfigError(
+                f"dtype={cfg.get('dtype', 'bf16')}: quantizer._component_="
+                f"{cfg.quantizer._component_} (mode {self._mode}) converts the linears to int4 "
+                "weight-only kernels, which take bf16 only; set dtype=bf16")
         self._output_dir = Path(cfg.output_dir)
         seed_everything(cfg.get("seed", 0), cfg)
 
@@ -111,7 +118,15 @@ class QuantizationRecipe:
 
     def quantize(self) -> None:
         t0 = time.perf_counter()
-        self._model = quantize_model(self._model, self._quantizer, self._mode)
+        try:
+            self._model = quantize_model(self._model, self._quantizer, self._mode)
+        except ImportError as e:
+            # torchao 0.15's int4 weight-only conversion (Int4WeightOnlyQuantizer) imports
+            # fbgemm-gpu-genai, a CUDA package that is not among our dependencies.
+            raise ConfigError(
+                f"quantizer._component_={type(self._quantizer).__module__}."
+                f"{type(self._quantizer).__name__}: torchao cannot convert with it here "
+                f"({brief(e)}); install what it names, or use another quantizer") from None
         print(f"quantized ({self._mode}) in {time.perf_counter() - t0:.2f}s")
         # Smoke check: the quantized model runs and gives finite logits.
         with torch.no_grad():

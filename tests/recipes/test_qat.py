@@ -198,3 +198,34 @@ def test_bad_quantizer_is_named(tmp_path, override, fragment):
                 f"output_dir={tmp_path}", override, *extra, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_int4_weight_only_quantize_in_fp32_is_refused_in_one_line(tmp_path):
+    # int4 weight-only kernels take bf16 only: the converted model's smoke forward was a dtype
+    # traceback after the conversion.
+    proc = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path}",
+                "checkpointer.checkpoint_dir=${tiny_checkpoint:}",
+                "checkpointer.checkpoint_files=[model.safetensors]",
+                "quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQATQuantizer",
+                "dtype=fp32", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("dtype=fp32: quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQATQuantizer "
+            "(mode 4w-qat) converts the linears to int4 weight-only kernels, which take bf16 only; "
+            "set dtype=bf16") in proc.stderr
+    assert not list(tmp_path.glob("model-*.pt"))
+
+
+def test_a_quantizer_torchao_cannot_run_here_is_one_line(tmp_path):
+    # torchao 0.15's int4 weight-only conversion imports fbgemm-gpu-genai (not a dependency).
+    import importlib.util
+
+    if importlib.util.find_spec("fbgemm_gpu") is not None:
+        pytest.skip("fbgemm-gpu is installed: the conversion runs")
+    proc = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path}",
+                "checkpointer.checkpoint_dir=${tiny_checkpoint:}",
+                "checkpointer.checkpoint_files=[model.safetensors]",
+                "quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQuantizer",
+                "dtype=bf16", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQuantizer: torchao "
+            "cannot convert with it here (Requires fbgemm-gpu-genai") in proc.stderr
