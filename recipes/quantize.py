@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 from torchtune import config as tt_config, training, utils
+from torchtune.modules.peft import get_adapter_params
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
 from tune_recipes.training.checkpointing.io import move_into_new_folder
@@ -108,6 +109,11 @@ class QuantizationRecipe:
         ckpt = read_checkpoint(self._checkpointer, cfg.checkpointer)
         with training.set_default_dtype(self._dtype), self._device:
             model = tt_config.instantiate(cfg.model)
+        if get_adapter_params(model):
+            # A LoRA builder's adapters would be quantized (or fail the group size) as layers.
+            raise ConfigError(
+                f"model._component_={cfg.model._component_} builds LoRA adapters; quantize takes "
+                "the plain model's builder (a LoRA run's epoch_<n>/ holds the merged plain model)")
         check_group_size(model, self._quantizer)
         if "qat" in self._mode:
             model = self._quantizer.prepare(model)

@@ -124,7 +124,7 @@ def text(v) -> Optional[str]:
     return None if isinstance(v, str) and v.strip() else "expected a non-empty string"
 
 
-def list_of(item: Check, nonempty: bool = False) -> Check:
+def list_of(item: Check, nonempty: bool = False, unique: bool = False) -> Check:
     def check(v):
         if not isinstance(v, list) or (nonempty and not v):
             return "expected a " + ("non-empty " if nonempty else "") + "list"
@@ -132,6 +132,10 @@ def list_of(item: Check, nonempty: bool = False) -> Check:
             problem = item(x)
             if problem:
                 return f"item {x!r}: {problem}"
+        if unique:
+            twice = sorted({str(x) for x in v if v.count(x) > 1})
+            if twice:
+                return f"{', '.join(twice)} named more than once"
         return None
 
     return check
@@ -331,7 +335,7 @@ SCHEMA: List[Rule] = [
     Rule("model.lora_alpha", number(0, exclusive=True)),
     # 1.0 drops every adapter input: the adapters never train, silently.
     Rule("model.lora_dropout", number(0, maximum=1, below_maximum=True)),
-    Rule("model.lora_attn_modules", list_of(one_of(*_LORA_MODULES), nonempty=True)),
+    Rule("model.lora_attn_modules", list_of(one_of(*_LORA_MODULES), nonempty=True, unique=True)),
     Rule("model.apply_lora_to_mlp", boolean),
     Rule("model.apply_lora_to_output", boolean),
     Rule("model.use_dora", boolean),

@@ -229,3 +229,14 @@ def test_a_quantizer_torchao_cannot_run_here_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert ("quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQuantizer: torchao "
             "cannot convert with it here (Requires fbgemm-gpu-genai") in proc.stderr
+
+
+def test_quantize_with_a_lora_builder_says_it_takes_the_plain_one(tmp_path):
+    proc = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path}",
+                "checkpointer.checkpoint_dir=${tiny_checkpoint:}",
+                "checkpointer.checkpoint_files=[model.safetensors]",
+                "model._component_=tune_recipes.models.lora_tiny_llama3", "model.lora_attn_modules=[q_proj]",
+                check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("model._component_=tune_recipes.models.lora_tiny_llama3 builds LoRA adapters; quantize "
+            "takes the plain model's builder") in proc.stderr

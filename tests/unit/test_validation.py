@@ -150,6 +150,9 @@ CASES = [
     ("tiny/full_distributed", ["batch_size=-3"], "batch_size=-3"),
     ("tiny/full_distributed", ["enable_fp8_training=True", "device=cpu"], "enable_fp8_training=True with device=cpu"),
     ("tiny/lora_distributed", ["model.lora_attn_modules=[q_proj,foo]"], "item 'foo'"),
+    # the same projection twice (adapter_config.json listed it twice)
+    ("tiny/lora_single_device", ["model.lora_attn_modules=[q_proj,v_proj,q_proj]"],
+     "model.lora_attn_modules=['q_proj', 'v_proj', 'q_proj']: q_proj named more than once"),
     ("tiny/lora_distributed", ["epochs=abc"], "epochs=abc"),
     # tensor parallelism (full_finetune_distributed)
     ("tiny/full_distributed", ["tensor_parallel_dim=0"], "tensor_parallel_dim=0: expected an integer >= 1"),
