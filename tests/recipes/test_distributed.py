@@ -110,20 +110,37 @@ _VOCAB_320 = ["model._component_=torchtune.models.llama3.llama3", "model.vocab_s
               "model.rope_base=500000"]
 
 
-@pytest.mark.parametrize("recipe,config,prefix", [
-    ("full_finetune_distributed", "tiny/full_distributed", "model"),
-    ("knowledge_distillation_distributed", "tiny/kd_distributed", "teacher_model")])
-def test_weights_of_another_shape_are_one_line_naming_the_key(tmp_path, recipe, config, prefix):
-    # The sharded load's size mismatch was torch's list of every weight, a traceback a rank.
-    overrides = [o.replace("model.", f"{prefix}.", 1) for o in _VOCAB_320]
-    if prefix == "teacher_model":  # the check of the two vocabularies comes first otherwise
-        overrides = [o.replace("vocab_size=320", "vocab_size=272").replace("embed_dim=256", "embed_dim=512")
-                     for o in overrides]
+def _llama3(prefix: str, **changes) -> list:
+    args = {**dict(vocab_size=272, num_layers=2, num_heads=8, num_kv_heads=2, embed_dim=256,
+                   intermediate_dim=512, max_seq_len=512, norm_eps=1e-5, rope_base=500000), **changes}
+    return [f"{prefix}.{k}={v}" for k, v in args.items()]
+
+
+@pytest.mark.parametrize("recipe,config,overrides,prefix,detail", [
+    ("full_finetune_distributed", "tiny/full_distributed",
+     ["model._component_=torchtune.models.llama3.llama3", *_llama3("model", vocab_size=320)],
+     "model", "size mismatch for "),
+    # A checkpoint of more layers than the model: torchtune's sharded load fails on the key it
+    # cannot find (an AttributeError) before any size is compared.
+    ("full_finetune_distributed", "tiny/full_distributed",
+     ["model._component_=torchtune.models.llama3.llama3", *_llama3("model", num_layers=1)],
+     "model", 'Unexpected key(s) in state_dict: "layers.1.'),
+    ("lora_finetune_distributed", "tiny/lora_distributed",
+     ["model._component_=torchtune.models.llama3.lora_llama3", *_llama3("model", num_layers=1)],
+     "model", 'Unexpected key(s) in state_dict: "layers.1.'),
+    ("knowledge_distillation_distributed", "tiny/kd_distributed",
+     ["teacher_model._component_=torchtune.models.llama3.llama3", *_llama3("teacher_model", embed_dim=512)],
+     "teacher_model", "size mismatch for "),
+])
+def test_weights_of_another_shape_are_one_line_naming_the_key(tmp_path, recipe, config, overrides,
+                                                              prefix, detail):
+    # The sharded load's failure was torch's list of every weight, a traceback a rank.
     proc = run_dist(2, recipe, config, tmp_path / "out", [*overrides, "max_steps_per_epoch=1"], check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "does not fit the checkpoint's weights" in line]
-    assert lines and all(line.startswith(f"tune: error: {prefix}: torchtune.models.llama3.llama3 does not fit "
-                                         "the checkpoint's weights (size mismatch for ") for line in lines), lines
+    component = overrides[0].split("=", 1)[1]
+    assert lines and all(line.startswith(f"tune: error: {prefix}: {component} does not fit the "
+                                         f"checkpoint's weights ({detail}") for line in lines), lines
 
 
 @pytest.mark.parametrize("ga", [1, 2])

@@ -650,6 +650,25 @@ def test_an_offline_download_into_a_folder_with_files_fails_and_writes_nothing(t
     assert len(lines) == 1 and "the Hub could not be reached, so nothing was downloaded" in lines[0], err
     assert "(no network?" in lines[0] and "Successfully" not in out + err and "patterns: None" not in out
     assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+    # However quiet the Hub's loggers are kept (its warning is what tells the case apart).
+    import huggingface_hub.utils.logging as hub_logging
+
+    hub_logging.set_verbosity_error()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["download", "Qwen/Qwen2.5-0.5B-Instruct", "--output-dir", str(folder)])
+    finally:
+        hub_logging.set_verbosity_warning()
+    assert exited.value.code == 2 and "nothing was downloaded" in capsys.readouterr().err
+    # A folder holding an earlier download of this repo (torchtune's record of it) is used as
+    # it is, with a note: a download script re-run offline goes on.
+    import json
+
+    (folder / "original_repo_id.json").write_text(json.dumps({"repo_id": "Qwen/Qwen2.5-0.5B-Instruct"}))
+    assert main(["download", "Qwen/Qwen2.5-0.5B-Instruct", "--output-dir", str(folder)]) == 0
+    assert "holds an earlier download of Qwen/Qwen2.5-0.5B-Instruct, left as it was" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # ... of this repo only
+        main(["download", "Qwen/Qwen2.5-1.5B-Instruct", "--output-dir", str(folder)])
 
 
 @pytest.mark.parametrize("torchrun_rank", [True, False])

@@ -6,6 +6,7 @@ Names resolve to our recipes and configs first; a name we do not ship falls back
 """
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -338,17 +339,35 @@ def _downloaded_or_failed(snapshot_download):
             return True
 
         hub_log = logging.getLogger("huggingface_hub._snapshot_download")
+        # NOTE: its own level, so the warning is made (and dropped here) however quiet
+        # HF_HUB_VERBOSITY keeps the Hub's loggers.
+        level_before = hub_log.level
+        hub_log.setLevel(logging.WARNING)
         hub_log.addFilter(note)
         try:
             path = snapshot_download(repo_id, *args, local_dir=local_dir, **kwargs)
         finally:
             hub_log.removeFilter(note)
+            hub_log.setLevel(level_before)
         if gave_up:
+            if _earlier_download_of(local_dir) == repo_id:
+                print(f"note: the Hub could not be reached; {local_dir} holds an earlier download "
+                      f"of {repo_id}, left as it was", file=sys.stderr)
+                return path
             raise ConnectionError(f"the Hub could not be reached, so nothing was downloaded; "
                                   f"{local_dir} holds only what it held before")
         return path
 
     return download
+
+
+def _earlier_download_of(folder) -> Optional[str]:
+    """The repo id torchtune recorded in ``folder`` after a download that completed there
+    (``original_repo_id.json``), or None."""
+    try:
+        return json.loads((Path(folder) / "original_repo_id.json").read_text()).get("repo_id")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def _without_no_patterns_line(*args, **kwargs) -> None:

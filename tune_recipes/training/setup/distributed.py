@@ -20,9 +20,11 @@ from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
 from tune_recipes.training.setup.model import (
+    LORA_SETTINGS_MUST_MATCH,
     build_model,
     check_lora_keys,
     check_resumed_adapter_shapes,
+    does_not_fit,
     weights_do_not_fit,
 )
 
@@ -151,13 +153,34 @@ def shard_and_load(
             b_missing, b_unexpected = training.load_from_full_model_state_dict(
                 model, full_state_dict, device, strict=False, cpu_offload=cpu_offload)
             keys = (b_missing, b_unexpected, a_missing, a_unexpected)
-    except RuntimeError as e:
-        error = weights_do_not_fit(e, cfg_model, key)
+    except (RuntimeError, AttributeError) as e:
+        # NOTE: torchtune's sharded load looks every checkpoint key up in the model first: a
+        # key the model lacks (a checkpoint with more layers) is an AttributeError on None.
+        error = weights_do_not_fit(e, cfg_model, key) if isinstance(e, RuntimeError) \
+            else _keys_the_model_lacks(model, full_state_dict, adapter_state_dict, cfg_model, key)
         if error is None:
             raise
         raise error from None
     training.validate_no_params_on_meta_device(model)
     return model, keys
+
+
+def _keys_the_model_lacks(model: nn.Module, full_state_dict: Dict[str, Any],
+                          adapter_state_dict: Optional[Dict[str, Any]], cfg_model,
+                          key: str) -> Optional[ConfigError]:
+    """The one-line error for checkpoint keys ``model`` has no weight for (as a single-device
+    load names them); None when there are none (another failure)."""
+    own = set(model.state_dict())
+    for state_dict, what in ((full_state_dict, key), (adapter_state_dict or {}, "adapter")):
+        extra = [k for k in state_dict if k not in own]
+        if extra:
+            shown = ", ".join(f'"{k}"' for k in extra[:3]) + (", ..." if len(extra) > 3 else "")
+            detail = f"Unexpected key(s) in state_dict: {shown}"
+            if what == "adapter":
+                return ConfigError(f"model: the adapter being resumed does not fit this run's LoRA "
+                                   f"settings ({detail}); {LORA_SETTINGS_MUST_MATCH}")
+            return does_not_fit(cfg_model, key, detail)
+    return None
 
 
 def shard_and_load_lora(cfg_model, spec, *, dtype: torch.dtype, device: torch.device,

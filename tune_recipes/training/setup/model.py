@@ -88,7 +88,7 @@ def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
                           f"({type(e).__name__}: {brief(e)})") from None
 
 
-_LORA_SETTINGS_MUST_MATCH = (
+LORA_SETTINGS_MUST_MATCH = (
     "model.lora_rank, lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output and use_dora "
     "must be the checkpoint's (see the run's config.yaml)")
 
@@ -107,7 +107,7 @@ def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str,
             raise ConfigError(
                 f"model: the adapter being resumed does not fit this run's LoRA settings ({key} "
                 f"is {list(value.shape)} in the checkpoint, {list(own[key].shape)} in this "
-                f"run's model); {_LORA_SETTINGS_MUST_MATCH}")
+                f"run's model); {LORA_SETTINGS_MUST_MATCH}")
 
 
 def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, lora_missing,
@@ -128,7 +128,7 @@ def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, 
         if "loading adapter" in reason or "from adapter state dict" in reason:
             # Only a resumed run loads an adapter: one trained with other LoRA settings.
             raise ConfigError(f"model: the adapter being resumed does not fit this run's LoRA "
-                              f"settings ({reason}); {_LORA_SETTINGS_MUST_MATCH}") from None
+                              f"settings ({reason}); {LORA_SETTINGS_MUST_MATCH}") from None
         raise ConfigError(
             f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
             f"({reason}); check model._component_ and checkpointer._component_ against "
@@ -157,10 +157,14 @@ def weights_do_not_fit(e: RuntimeError, cfg_model: DictConfig, key: str = "model
     if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
         return None
     mismatches = [line for line in lines[1:] if line.startswith("size mismatch")]
-    first = brief((mismatches or lines[1:] or [""])[0])
+    return does_not_fit(cfg_model, key, brief((mismatches or lines[1:] or [""])[0]))
+
+
+def does_not_fit(cfg_model: DictConfig, key: str, detail: str) -> ConfigError:
+    """The one line for a checkpoint whose weights ``<key>._component_`` does not build."""
     return ConfigError(
         f"{key}: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
-        f"({first}); check {key}._component_ against "
+        f"({detail}); check {key}._component_ against "
         f"{key.replace('model', 'checkpointer')}.checkpoint_dir")
 
 
