@@ -143,6 +143,17 @@ def test_weights_of_another_shape_are_one_line_naming_the_key(tmp_path, recipe, 
                                          f"checkpoint's weights ({detail}") for line in lines), lines
 
 
+def test_a_qlora_base_that_cannot_be_split_among_the_ranks_is_one_line(tmp_path):
+    # The tiny model's k/v projections hold one NF4 quantization block of scales: torchao's
+    # split for FSDP2 asserted, a traceback a rank.
+    proc = run_dist(2, "lora_finetune_distributed", "tiny/lora_distributed", tmp_path / "out",
+                    ["model.quantize_base=True", "max_steps_per_epoch=1"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("tune: error: model: tune_recipes.models.lora_tiny_llama3 with a quantized (NF4) base "
+            "cannot be sharded over 2 ranks (") in proc.stderr
+    assert "set quantize_base=False" in proc.stderr
+
+
 @pytest.mark.parametrize("ga", [1, 2])
 def test_lora_two_ranks_equal_one_rank_and_single_device(tmp_path, ga):
     common = [*STEPS, f"gradient_accumulation_steps={ga}", "optimizer.lr=3e-3"]

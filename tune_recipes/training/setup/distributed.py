@@ -15,7 +15,7 @@ from torchtune import config as tt_config, training
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
-from tune_recipes.validation import fsdp_offload_problem, tensor_parallel_model_problem
+from tune_recipes.validation import brief, fsdp_offload_problem, tensor_parallel_model_problem
 from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
@@ -135,8 +135,19 @@ def shard_and_load(
         conditions = [
             lambda n, m: training.get_shard_conditions(n, m, names_to_match=custom_sharded_layers)
         ]
-        training.shard_model(model, conditions, cpu_offload=cpu_offload,
-                             reshard_after_forward=reshard_after_forward, dp_mesh=dp_mesh)
+        try:
+            training.shard_model(model, conditions, cpu_offload=cpu_offload,
+                                 reshard_after_forward=reshard_after_forward, dp_mesh=dp_mesh)
+        except AssertionError as e:
+            # torchao's NF4 split (QLoRA): each base weight's quantization blocks must divide
+            # evenly among the ranks; real model sizes do, small ones may not.
+            if "not divisible by" not in str(e):
+                raise
+            raise ConfigError(
+                f"{key}: {cfg_model.get('_component_')} with a quantized (NF4) base cannot be "
+                f"sharded over {dp_mesh.size()} ranks ({brief(e)}: a base weight has fewer "
+                "quantization blocks than ranks, or not a multiple of them); use fewer ranks or "
+                "a larger model, or set quantize_base=False") from None
     with training.set_default_dtype(dtype), device:
         for m in model.modules():
             # RoPE caches are buffers built at init; meta init left them empty.
