@@ -80,7 +80,9 @@ def _apply_override(cfg: DictConfig, item: str) -> DictConfig:
     ``checkpointer.checkpoint_files=[a.safetensors]`` over torchtune's
     ``{filename_format, max_filename}`` form, or ``some_list.0=x``, means to replace that node
     or item, so it is replaced and the result is validated like any other config."""
-    key = item.split("=", 1)[0]
+    key, _, value = item.partition("=")
+    if value == "None":  # as torchtune's parser reads it: null, not the string "None"
+        item = f"{key}=null"
     try:
         part = OmegaConf.from_dotlist([item])
     except (OmegaConfBaseException, ValueError) as e:

@@ -671,6 +671,28 @@ def test_an_offline_download_into_a_folder_with_files_fails_and_writes_nothing(t
         main(["download", "Qwen/Qwen2.5-1.5B-Instruct", "--output-dir", str(folder)])
 
 
+@pytest.mark.parametrize("ours", [True, False])
+def test_ctrl_c_in_a_torchtune_recipe_claims_no_step_or_checkpoint(ours, tmp_path, monkeypatch, capsys):
+    """Only our recipes report their steps and checkpoints to tune; a torchtune recipe stopped
+    after 250 steps and 80 checkpoints was told "at step 0; no checkpoint saved by this run"."""
+    from tune_recipes._cli.launch import run_script
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    script = tmp_path / "lora_dpo_single_device.py"
+    script.write_text(("import tune_recipes\n" if ours else "import torchtune\n") + "raise KeyboardInterrupt\n")
+    with pytest.raises(SystemExit) as stopped:
+        run_script(script, [])
+    assert stopped.value.code == 130
+    line = capsys.readouterr().err.strip()
+    if ours:
+        assert line.startswith("interrupted at step "), line
+    else:
+        assert line == ("interrupted: lora_dpo_single_device is torchtune's recipe, which reports no "
+                        "steps or checkpoints to tune (its output above says where it stood)"), line
+
+
 @pytest.mark.parametrize("torchrun_rank", [True, False])
 def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, monkeypatch, capsys):
     """gloo's error in the surviving rank would bury the failed rank's own line under a

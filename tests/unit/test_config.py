@@ -33,6 +33,15 @@ def test_overrides_set_and_delete(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_none_on_the_command_line_is_null_as_in_torchtune(tmp_path):
+    # torchtune's parser reads key=None as null; "None" as a string failed type checks
+    # (optimizer.fused=None: "expected True or False").
+    p = _yaml(tmp_path, "a: 1\nb:\n  c: 2\n")
+    cfg = load_config(p, ["a=None", "b.c=None", "d=None"])
+    assert cfg.a is None and cfg.b.c is None and cfg.d is None
+    assert load_config(p, ["a='None'"]).a == "None" and load_config(p, ["a=Nonesuch"]).a == "Nonesuch"
+
+
 def test_validation_binds_keys_to_the_component_signature():
     ok = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}})
     assert validate_config(ok) == ["optimizer"]

@@ -152,6 +152,16 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def reports_to_tune(script: Path) -> bool:
+    """Whether ``script`` is one of ours (or a copy of one): it trains through tune_recipes,
+    whose step driver and checkpoint writer record where the run stands. torchtune's recipes
+    never import it."""
+    try:
+        return "tune_recipes" in script.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 # ------------------------------------------------------------------ launching
 def run_script(path: Path, args: List[str]) -> None:
     """Execute ``path`` as ``__main__`` with ``sys.argv = [path, *args]``; like ``python path``,
@@ -169,8 +179,14 @@ def run_script(path: Path, args: List[str]) -> None:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             # A torchrun rank: `tune` (torchrun's agent) prints the one line for all of them.
             sys.exit(exit_code(e))
-        print(f"\n{interrupted_message(Path(path), list(args), how=how_stopped(e))}",
-              file=sys.stderr)
+        if reports_to_tune(Path(path)):
+            line = interrupted_message(Path(path), list(args), how=how_stopped(e))
+        else:
+            # torchtune's own recipe (a name we do not ship): its steps and checkpoints are not
+            # known here, and "at step 0; no checkpoint saved" would be false.
+            line = (f"{how_stopped(e)}: {Path(path).stem} is torchtune's recipe, which reports "
+                    "no steps or checkpoints to tune (its output above says where it stood)")
+        print(f"\n{line}", file=sys.stderr)
         sys.exit(exit_code(e))
     except RuntimeError as e:
         if not peer_gone(e):

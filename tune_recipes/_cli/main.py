@@ -391,7 +391,8 @@ def _download_error(parser: argparse.ArgumentParser, message: str) -> None:
 
 _OVERRIDES_HELP = """\
 overrides (any number, after the config):
-  key=value     set a value; dotted keys reach nested ones (optimizer.lr=1e-4); null is None
+  key=value     set a value; dotted keys reach nested ones (optimizer.lr=1e-4); null (or None,
+                as torchtune reads it) is None
   ~key          delete a key (~lr_scheduler: train without a schedule)
 Values parse as YAML (4 is an int, 1e-4 a float, [a,b] a list); keys a recipe does not read,
 unknown components and arguments they do not take are reported in one line before any work.
