@@ -325,6 +325,18 @@ def test_failed_child_processes_end_in_one_line_not_a_torchrun_traceback(capsys,
     assert "Traceback" not in err and "ChildFailedError" not in err
     assert err.strip().splitlines() == ["tune: error: 1 of 2 processes failed (exit code 3); their output is above"]
 
+    def fail_and_stop_the_other(argv):  # torchrun ends the other rank with SIGTERM: not a failure
+        raise ChildFailedError("tune_recipes._cli.launch", {
+            0: ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=""),
+            1: ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file="")})
+
+    monkeypatch.setattr(torchrun, "main", fail_and_stop_the_other)
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed")
+    assert rc == 1 and err.strip().splitlines() == [
+        "tune: error: 1 of 2 processes failed (exit code 1) and torchrun stopped 1 other(s); "
+        "their output is above"]
+
 
 def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_path):
     """launch.py ends a torchrun rank whose recipe finished with os._exit after the atexit

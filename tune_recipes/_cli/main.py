@@ -97,9 +97,14 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
     except ChildFailedError as e:
         # The failing process already printed its own error above; torchrun's traceback
         # and summary would only bury it.
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        print(f"tune: error: {len(e.failures)} of {launch.nproc_per_node} processes{where} "
-              f"failed (exit code {', '.join(map(str, codes))}); their output is above",
+        # A process torchrun itself stopped (SIGTERM, once another had failed) did not fail.
+        stopped = [f for f in e.failures.values() if f.exitcode == -signal.SIGTERM]
+        failed = [f for f in e.failures.values() if f.exitcode != -signal.SIGTERM] or stopped
+        codes = sorted({f.exitcode for f in failed})
+        also = (f" and torchrun stopped {len(stopped)} other(s)" if stopped and failed is not stopped
+                else "")
+        print(f"tune: error: {len(failed)} of {launch.nproc_per_node} processes{where} "
+              f"failed (exit code {', '.join(map(str, codes))}){also}; their output is above",
               file=sys.stderr)
         return codes[-1] if codes and codes[-1] > 0 else 1
     except SignalException as e:
