@@ -20,7 +20,7 @@ from tune_recipes.modules.document_attention import route_document_attention
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.setup import activations
 from tune_recipes.training.setup.model import (
-    LORA_SETTINGS_MUST_MATCH,
+    adapter_does_not_fit,
     build_model,
     check_lora_keys,
     check_resumed_adapter_shapes,
@@ -181,15 +181,17 @@ def _keys_the_model_lacks(model: nn.Module, full_state_dict: Dict[str, Any],
                           key: str) -> Optional[ConfigError]:
     """The one-line error for checkpoint keys ``model`` has no weight for (as a single-device
     load names them); None when there are none (another failure)."""
-    own = set(model.state_dict())
+    try:
+        own = set(model.state_dict())
+    except Exception:  # noqa: BLE001 - a state-dict hook that cannot run here: the original error stands
+        return None
     for state_dict, what in ((full_state_dict, key), (adapter_state_dict or {}, "adapter")):
         extra = [k for k in state_dict if k not in own]
         if extra:
             shown = ", ".join(f'"{k}"' for k in extra[:3]) + (", ..." if len(extra) > 3 else "")
             detail = f"Unexpected key(s) in state_dict: {shown}"
             if what == "adapter":
-                return ConfigError(f"model: the adapter being resumed does not fit this run's LoRA "
-                                   f"settings ({detail}); {LORA_SETTINGS_MUST_MATCH}")
+                return adapter_does_not_fit(detail)
             return does_not_fit(cfg_model, key, detail)
     return None
 

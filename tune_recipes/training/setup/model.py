@@ -88,9 +88,13 @@ def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
                           f"({type(e).__name__}: {brief(e)})") from None
 
 
-LORA_SETTINGS_MUST_MATCH = (
-    "model.lora_rank, lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output and use_dora "
-    "must be the checkpoint's (see the run's config.yaml)")
+def adapter_does_not_fit(detail: str) -> ConfigError:
+    """The one line for a resumed adapter trained with other LoRA settings (``detail``: what
+    differs), wherever it is found."""
+    return ConfigError(
+        f"model: the adapter being resumed does not fit this run's LoRA settings ({detail}); "
+        "model.lora_rank, lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output and "
+        "use_dora must be the checkpoint's (see the run's config.yaml)")
 
 
 def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str, Any]) -> None:
@@ -104,10 +108,8 @@ def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str,
     own = dict(model.named_parameters())
     for key, value in adapter_state_dict.items():
         if key in own and tuple(own[key].shape) != tuple(value.shape):
-            raise ConfigError(
-                f"model: the adapter being resumed does not fit this run's LoRA settings ({key} "
-                f"is {list(value.shape)} in the checkpoint, {list(own[key].shape)} in this "
-                f"run's model); {LORA_SETTINGS_MUST_MATCH}")
+            raise adapter_does_not_fit(f"{key} is {list(value.shape)} in the checkpoint, "
+                                       f"{list(own[key].shape)} in this run's model")
 
 
 def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, lora_missing,
@@ -127,8 +129,7 @@ def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, 
         reason = brief(e)
         if "loading adapter" in reason or "from adapter state dict" in reason:
             # Only a resumed run loads an adapter: one trained with other LoRA settings.
-            raise ConfigError(f"model: the adapter being resumed does not fit this run's LoRA "
-                              f"settings ({reason}); {LORA_SETTINGS_MUST_MATCH}") from None
+            raise adapter_does_not_fit(reason) from None
         raise ConfigError(
             f"model: {cfg_model.get('_component_')} does not fit the checkpoint's weights "
             f"({reason}); check model._component_ and checkpointer._component_ against "
