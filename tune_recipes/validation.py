@@ -1282,17 +1282,6 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
     # NOTE: padding_free=True with dataset.packed=True says nothing on purpose: the shipped
     # single-device configs set padding_free and the documented way to pack is dataset.packed=True
     # on top; packed batches have no padding to remove, so the pair simply packs.
-    if (keys is None or {"padding_free", "compile_scope"} <= keys) and cfg.get("padding_free", False) is True \
-            and cfg.get("compile", False) is True and cfg.get("compile_scope", None) == "model":
-        # Measured on an H200 (Llama-3.2-1B, flex attention, docs/benchmarks.md): the whole-model
-        # graph, compiled for the first batch length and again with dynamic shapes for the
-        # second, had not reached its fifth step after 160 s; compiled per layer, the whole
-        # 220-step run took 95 s. With document spans (bf16 on a GPU that runs flash attention)
-        # the graph compiles once, dynamic from the first batch: its time is not measured.
-        _warn("padding_free=True with compile_scope=model: batch lengths change, so the whole "
-              "model compiles for dynamic shapes (with flex attention on an H200, a 1B model "
-              "had not reached its fifth step after 160 s); compile_scope=layers compiles one "
-              "layer's graph instead")
     for needs, rule in CROSS_KEY:
         if keys is not None and not set(needs) <= keys:
             continue

@@ -123,13 +123,14 @@ def test_padding_free_conflicts_are_named(tmp_path, override, named):
     assert named in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_padding_free_with_the_whole_model_compiled_warns(tmp_path):
+def test_padding_free_with_the_whole_model_compiled_validates_without_a_warning(tmp_path):
+    """The README's unpacked command compiles the whole model over padding-free batches: with
+    flash attention's document spans it compiles once, so the config itself earns no warning
+    (the run warns where it would take flex attention: ``whole_model_dynamic_compile_warning``)."""
     proc = tune("validate", "tiny/full_single_device", "padding_free=True", "compile=True",
                 "compile_scope=model", check=False)
     said = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "padding_free=True with compile_scope=model" in said
-    quiet = tune("validate", "tiny/full_single_device", "padding_free=True", "compile=True", check=False)
-    assert "compile_scope=model" not in quiet.stdout + quiet.stderr
+    assert proc.returncode == 0 and "warning" not in said, said[-2000:]
 
 
 def test_packing_a_shipped_config_that_sets_padding_free_packs_without_a_warning(tmp_path):

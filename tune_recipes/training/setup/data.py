@@ -242,6 +242,33 @@ def document_spans_wanted(device, dtype, *models) -> bool:
             and flash_varlen_available() and flash_takes_heads(*models))
 
 
+def whole_model_dynamic_compile_warning(cfg: DictConfig, device, spans: bool) -> Optional[str]:
+    """The warning for a run whose padding-free batches (their length changes every batch) go
+    through the whole model compiled as one graph on a CUDA GPU *without* document spans
+    (``spans``: ``document_spans_wanted``), i.e. through flex attention's block mask; else None.
+
+    Measured on an H200 (Llama-3.2-1B, docs/benchmarks.md): with flex attention that graph,
+    compiled for the first length and again with dynamic shapes for the second, had not reached
+    its fifth step after 160 s, while compiled per layer the 220-step run took 95 s. With
+    document spans the graph compiles once, dynamic from the first batch, and is the fastest
+    unpacked setting there; packed batches all have one length."""
+    if not (cfg.get("padding_free", False) is True and cfg.get("compile", False) is True
+            and cfg.get("compile_scope", None) == "model"):
+        return None
+    dataset = cfg.get("dataset", None)
+    datasets = list(dataset) if isinstance(dataset, (list, ListConfig)) else [dataset]
+    if all(isinstance(d, (dict, DictConfig)) and d.get("packed", False) is True for d in datasets):
+        return None
+    if spans or device is None or torch.device(device).type != "cuda":
+        return None
+    return ("padding_free=True with compile_scope=model here runs flex attention (flash "
+            "attention's variable-length kernel needs bf16 or fp16, compute capability 8.0+ and "
+            "a head size that is a multiple of 8 up to 256): batch lengths change, so the whole "
+            "model compiles for dynamic shapes, which took minutes on an H200 (a 1B model had "
+            "not reached its fifth step after 160 s); compile_scope=layers compiles one layer's "
+            "graph instead")
+
+
 def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index: int,
                  padding_free: bool = False, max_seq_len: Optional[int] = None,
                  pad_to_multiple_of: int = 1, longest_row: Optional[int] = None,

@@ -38,6 +38,7 @@ from tune_recipes.training.setup.data import (
     build_validation_dataloader,
     document_spans_wanted,
     padded_batch_multiple,
+    whole_model_dynamic_compile_warning,
 )
 from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
@@ -395,6 +396,9 @@ def setup_step_driver(
     the same batch, and counting it once per rank would weight it tensor_parallel_dim times."""
     max_seq_len = longest_row_all_take(model, *also_fed)
     spans = document_spans_wanted(runtime.device, cfg.get("dtype", "bf16"), model, *also_fed)
+    compile_warning = whole_model_dynamic_compile_warning(cfg, runtime.device, spans)
+    if compile_warning and runtime.is_main:
+        print(f"warning: {compile_warning}", file=sys.stderr)
     plan = setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=ignore_index,
                                    resume=resume, world_size=runtime.dp_size, rank=runtime.dp_rank,
                                    max_seq_len=max_seq_len, is_main=runtime.is_main,

@@ -192,3 +192,26 @@ def test_document_spans_where_the_runs_device_and_dtype_run_flash_attention(monk
     assert isinstance(mask, DocumentSpans) and mask.cu_seqlens.tolist() == [0, 2, 5, 8]
     free = data.make_collate(rows, padding_free=True, **options)(rows)["mask"]
     assert isinstance(free, DocumentSpans) and free.cu_seqlens.tolist()[:4] == [0, 2, 5, 9]
+
+
+def test_the_whole_model_compiled_on_padding_free_batches_warns_only_without_document_spans():
+    """Padding-free batches change length every batch: through flex attention's block mask the
+    whole-model graph took minutes to compile for dynamic shapes, through document spans it
+    compiles once (the fastest unpacked setting). Only the first gets the warning."""
+    from tune_recipes.training.setup import data
+
+    def cfg(**over):
+        return OmegaConf.create({"padding_free": True, "compile": True, "compile_scope": "model",
+                                 "dataset": {"_component_": "x"}, **over})
+
+    line = data.whole_model_dynamic_compile_warning(cfg(), "cuda", spans=False)
+    assert line and "compile_scope=layers" in line and "flex attention" in line
+    assert data.whole_model_dynamic_compile_warning(cfg(), "cuda", spans=True) is None
+    assert data.whole_model_dynamic_compile_warning(cfg(), "cpu", spans=False) is None
+    assert data.whole_model_dynamic_compile_warning(cfg(compile_scope="layers"), "cuda", spans=False) is None
+    assert data.whole_model_dynamic_compile_warning(cfg(padding_free=False), "cuda", spans=False) is None
+    packed = cfg(dataset={"_component_": "x", "packed": True})
+    assert data.whole_model_dynamic_compile_warning(packed, "cuda", spans=False) is None
+    # a list of datasets packs only if each packs
+    mixed = cfg(dataset=[{"_component_": "x", "packed": True}, {"_component_": "y"}])
+    assert data.whole_model_dynamic_compile_warning(mixed, "cuda", spans=False)
