@@ -64,8 +64,9 @@ def test_the_other_distributed_recipes_take_padding_free(config):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def _on_cuda(launch, recipe, config, out, *overrides):
-    """A tiny config on the GPU in fp32 (unless overridden), 4 steps."""
+def _on_cuda(launch, recipe, config, out, *overrides, said=None):
+    """A tiny config on the GPU in fp32 (unless overridden), 4 steps (``said``: a list the run's
+    stderr is appended to)."""
     import subprocess
     import sys
 
@@ -73,6 +74,8 @@ def _on_cuda(launch, recipe, config, out, *overrides):
            f"output_dir={out}", "device=cuda", "dtype=fp32", *STEPS, *overrides]  # later keys win
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if said is not None:
+        said.append(proc.stderr)
     return losses(out)
 
 
@@ -95,16 +98,20 @@ def test_on_cuda_padding_free_trains_as_padded_in_the_sharded_model_and_the_teac
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("extra", [["compile=True"], ["compile=True", "compile_scope=model", "dataset.packed=True"]])
+@pytest.mark.parametrize("extra", [["compile=True"], ["compile=True", "compile_scope=model"],
+                                   ["compile=True", "compile_scope=model", "dataset.packed=True"]])
 def test_on_cuda_bf16_document_spans_train_as_padded(tmp_path, extra):
-    """bf16 on a GPU that runs flash attention: padding-free batches (compiled per layer) and
+    """bf16 on a GPU that runs flash attention: padding-free batches (compiled per layer, or the
+    whole model as the README's unpacked command: no warning, the graph compiles once) and
     packed ones (the whole model compiled) carry document spans, and attention runs flash
     attention's variable-length kernel; padding-free against padded batches (SDPA): the same
     losses within bf16's rounding (1e-2 relative), packed: a finite, falling loss."""
     padded = _on_cuda([], "full_finetune_single_device", "tiny/full_single_device", tmp_path / "padded",
                       "dtype=bf16", "compile=True")
+    said = []
     spans = _on_cuda([], "full_finetune_single_device", "tiny/full_single_device", tmp_path / "spans",
-                     "dtype=bf16", "padding_free=True", *extra)
+                     "dtype=bf16", "padding_free=True", *extra, said=said)
+    assert "compile_scope=layers" not in said[0]
     assert len(spans) == len(padded) == 4
     if "dataset.packed=True" in extra:
         assert all(map(math.isfinite, spans)) and spans[-1] < spans[0]

@@ -16,6 +16,7 @@ from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
 from tune_recipes.data.collate import FLEX_BLOCK, packed_collate, padded_to_a_multiple, padding_free_collate
 from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varlen_available
+from tune_recipes.validation import dataset_packed
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -255,9 +256,7 @@ def whole_model_dynamic_compile_warning(cfg: DictConfig, device, spans: bool) ->
     if not (cfg.get("padding_free", False) is True and cfg.get("compile", False) is True
             and cfg.get("compile_scope", None) == "model"):
         return None
-    dataset = cfg.get("dataset", None)
-    datasets = list(dataset) if isinstance(dataset, (list, ListConfig)) else [dataset]
-    if all(isinstance(d, (dict, DictConfig)) and d.get("packed", False) is True for d in datasets):
+    if dataset_packed(cfg.get("dataset", None)):
         return None
     if spans or device is None or torch.device(device).type != "cuda":
         return None

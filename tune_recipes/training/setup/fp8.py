@@ -82,12 +82,14 @@ def fp8_recipe_wanted(cfg: DictConfig, device: torch.device, is_main: bool = Tru
                     "batches one fixed length")
     elif has_compile_scope and is_main and dataset_packed(cfg.get("dataset", None)):
         # Measured on one H200 (Llama-3.2-1B full, packed instruction rows, docs/benchmarks.md):
-        # the README's FP8 settings ran 1.50x stock's compiled recipe against bf16's 1.21x, but
+        # the README's FP8 settings ran 1.50x stock's compiled recipe against bf16's 1.21x (both
+        # on flex attention, before flash attention's document spans), but
         # over 220 steps their loss ran up to 1.3% a step above stock's (0.46% over the last
         # 50), outside the 0.2% a step the benchmarks hold FP8 to: the packed-data config stays
         # bf16.
         log.warning("enable_fp8_training on packed data: faster than bf16 on an H200 (Llama-3.2-1B "
-                    "full, 1.50x against bf16's 1.21x torchtune's compiled recipe), but its loss "
+                    "full, 1.50x against bf16's 1.21x torchtune's compiled recipe, both on flex "
+                    "attention), but its loss "
                     "ran up to %s a step above torchtune's bf16 run over 220 steps; compare the loss curves "
                     "(tune plot) before relying on it, or set enable_fp8_training=False", "1.3%")
     return name
