@@ -23,7 +23,10 @@ batch request of the window to the next (``time.monotonic``, never synchronized,
 may still be working on earlier steps; the first interval starts and the last ends at the
 clock's synchronized reads, so they sum to the window's seconds). One long interval among
 short ones is a stall (a recompile, a host sync, a collection); a spread of two runs of the
-same config shows whether one step or every step got slower.
+same config shows whether one step or every step got slower. Beside them, ``batch_tokens`` (each
+window batch's tokens, the work a step's time goes with) and ``graphs_compiled`` (each window
+step whose interval saw torch.compile make new graphs, as [step, graphs]: a step's time
+changing with no new graph and no longer batch is neither a recompile nor the data).
 
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
@@ -48,6 +51,13 @@ def _sync_and_read_clock() -> float:
     return time.perf_counter()
 
 
+def _graphs_compiled() -> int:
+    """How many graphs torch.compile has made in this process so far (recompiles included)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class Clock:
     def __init__(self, path: str, warmup: int = 5, window: int = 20):
         if warmup < 0 or window < 1:
@@ -58,6 +68,7 @@ class Clock:
         self.start = self.seconds = None
         self.at_window_end = {}
         self.host_step_seconds, self._last_request, self._requested = [], None, -1
+        self.batch_tokens, self.graphs_compiled, self._graphs = [], [], 0
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
@@ -73,9 +84,12 @@ class Clock:
             self.seconds = _sync_and_read_clock() - self.start
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
+        graphs = _graphs_compiled()
         if self.warmup < self.fetched <= self.warmup + self.window:
             self.host_step_seconds.append(now - self._last_request)
-        self._last_request = now
+            if graphs > self._graphs:
+                self.graphs_compiled.append([len(self.host_step_seconds) - 1, graphs - self._graphs])
+        self._last_request, self._graphs = now, graphs
         if self.fetched == self.warmup + self.window:
             self.at_window_end = self._peaks("window_")  # training only: before the final save
             self.write()
@@ -83,6 +97,7 @@ class Clock:
     def count(self, batch) -> None:
         if self.warmup <= self.fetched < self.warmup + self.window:
             self.tokens += batch["tokens"].numel()
+            self.batch_tokens.append(batch["tokens"].numel())
             if "labels" in batch:
                 self.label_tokens += int((batch["labels"] != IGNORE_INDEX).sum())
         self.fetched += 1
@@ -94,7 +109,8 @@ class Clock:
             out.update(tokens=self.tokens, label_tokens=self.label_tokens, seconds=self.seconds,
                        tokens_per_s=self.tokens / self.seconds,
                        label_tokens_per_s=self.label_tokens / self.seconds,
-                       host_step_seconds=[round(t, 4) for t in self.host_step_seconds])
+                       host_step_seconds=[round(t, 4) for t in self.host_step_seconds],
+                       batch_tokens=self.batch_tokens, graphs_compiled=self.graphs_compiled)
         paged = paged_gib()
         return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 

@@ -88,6 +88,7 @@ def test_the_host_time_of_each_window_step_is_kept_in_order(monkeypatch, tmp_pat
             pass
     result = json.loads((tmp_path / "c.json").read_text())
     assert result["host_step_seconds"] == [0.5, 0.5, 3.0, 0.5, 0.5]  # batches 2..6
+    assert result["batch_tokens"] == [16] * 5 and result["graphs_compiled"] == []
     assert events[2:5] == ["sync", "clock", "host"] and events.count("clock") == 2
     # one host read per batch number asked for (0..9: the last finds the loader empty)
     assert result["seconds"] == 7.0 and events.count("host") == 10 and timer.fetched == 9
@@ -167,3 +168,23 @@ def test_each_rank_of_a_distributed_run_writes_its_own_file(monkeypatch):
     assert bench_clock.rank_path("/w/run.clock.json") == "/w/run.clock.json"
     monkeypatch.setenv("RANK", "3")
     assert bench_clock.rank_path("/w/run.clock.json") == "/w/run.clock.json.rank3"
+
+
+def test_the_window_steps_that_compiled_new_graphs_are_named(monkeypatch, tmp_path):
+    """``graphs_compiled``: [window step, graphs] for each step whose interval saw torch.compile
+    make graphs (here: a function compiled, then recompiled for a new length, inside the
+    window's steps 1 and 3), nothing for the others, none before the window."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
+    lengths = {0: 3, 3: 4, 5: 5}  # batch -> a length to compile for in its step
+    for k, _ in enumerate(bench_clock.ClockedIterator(iter(_batches(8)), timer)):
+        if k in lengths:
+            double(torch.ones(lengths[k]))
+    result = json.loads((tmp_path / "c.json").read_text())
+    # batch 3 is the window's step 1 (batches 2..6), batch 5 its step 3; batch 0 before it
+    assert result["graphs_compiled"] == [[1, 1], [3, 1]]
+    torch._dynamo.reset()
