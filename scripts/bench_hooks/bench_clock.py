@@ -25,8 +25,8 @@ clock's synchronized reads, so they sum to the window's seconds). One long inter
 short ones is a stall (a recompile, a host sync, a collection); a spread of two runs of the
 same config shows whether one step or every step got slower. Beside them, ``batch_tokens`` (each
 window batch's tokens, the work a step's time goes with) and ``graphs_compiled`` (each window
-step whose interval saw torch.compile make new graphs, as [step, graphs]: a step's time
-changing with no new graph and no longer batch is neither a recompile nor the data).
+step whose interval saw torch.compile's Dynamo capture new graphs, as [step, graphs]: a step's
+time changing with no new graph and no longer batch is not a Dynamo recompile nor the data).
 
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
@@ -52,7 +52,8 @@ def _sync_and_read_clock() -> float:
 
 
 def _graphs_compiled() -> int:
-    """How many graphs torch.compile has made in this process so far (recompiles included)."""
+    """How many graphs torch.compile's Dynamo has captured in this process so far (recompiles
+    included)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -68,7 +69,10 @@ class Clock:
         self.start = self.seconds = None
         self.at_window_end = {}
         self.host_step_seconds, self._last_request, self._requested = [], None, -1
-        self.batch_tokens, self.graphs_compiled, self._graphs = [], [], 0
+        self.batch_tokens, self.graphs_compiled = [], []
+        # NOTE: read once here: the first read imports torch._dynamo (~1 s), which must not land
+        # inside a timed step.
+        self._graphs = _graphs_compiled()
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
