@@ -37,6 +37,8 @@ OURS_1B_PADDED = dict(loss=_FUSED, compile=True, compile_scope="model", compile_
 # The same compiled per layer: padded rows (no document spans) change length too, and per layer
 # only a layer's graph compiles again.
 _PADDED_PER_LAYER = {**OURS_1B_PADDED, "compile_scope": "layers"}
+# The same on padded rows (no padding_free: 128-token multiples on a GPU).
+_PADDED_ROWS = {k: v for k, v in _PADDED_PER_LAYER.items() if k != "padding_free"}
 # 8B LoRA: the frozen base in FP8, the adapters' inputs in e4m3, the frozen embedding in CPU
 # memory; OURS_8B_LORA also keeps 20 layers' FP8 weights transposed (speed for memory).
 OURS_8B_FP8 = dict(loss=_FUSED, compile=True, enable_fp8_training=True, fp8_adapter_inputs=True,
@@ -156,9 +158,9 @@ CASES = {
         _v("ours_free_layers", "ours", "ours: padding-free, compiled per layer",
            **_PADDED_PER_LAYER),
         _v("ours_padded", "ours", "ours: compiled per layer on padded rows (128-token multiples)",
-           **{k: v for k, v in _PADDED_PER_LAYER.items() if k != "padding_free"}),
+           **_PADDED_ROWS),
         _v("ours_padded_longest", "ours", "ours: padded rows, to the longest row only (as stock)",
-           env={"BENCH_PAD_MULTIPLE": "1"}, **{k: v for k, v in _PADDED_PER_LAYER.items() if k != "padding_free"}),
+           env={"BENCH_PAD_MULTIPLE": "1"}, **_PADDED_ROWS),
         # Padded to the longest row, a new length most batches: host work per new shape (in
         # cuDNN attention in the profile). Stock padded to 128-token multiples as ours pads; both
         # padded to the longest without cuDNN attention.
@@ -167,7 +169,7 @@ CASES = {
         *[_v(f"{side}_no_cudnn", side, f"{side}: padded to the longest, SDPA without cuDNN",
              env={"BENCH_SDPA_NO_CUDNN": "1", "BENCH_PAD_MULTIPLE": "1"}, **cfg)
           for side, cfg in (("stock", STOCK_BEST),
-                            ("ours", {k: v for k, v in _PADDED_PER_LAYER.items() if k != "padding_free"}))],
+                            ("ours", _PADDED_ROWS))],
         _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,

@@ -102,7 +102,7 @@ def test_on_cuda_padding_free_trains_as_padded_in_the_sharded_model_and_the_teac
                                    ["compile=True", "compile_scope=model", "dataset.packed=True"]])
 def test_on_cuda_bf16_document_spans_train_as_padded(tmp_path, extra):
     """bf16 on a GPU that runs flash attention: padding-free batches (compiled per layer, or the
-    whole model as the README's unpacked command: no warning, the graph compiles once) and
+    whole model as the README's unpacked command: no warning) and
     packed ones (the whole model compiled) carry document spans, and attention runs flash
     attention's variable-length kernel; padding-free against padded batches (SDPA): the same
     losses within bf16's rounding (1e-2 relative), packed: a finite, falling loss."""
@@ -132,7 +132,8 @@ def test_padding_free_conflicts_are_named(tmp_path, override, named):
 
 def test_padding_free_with_the_whole_model_compiled_validates_without_a_warning(tmp_path):
     """The README's unpacked command compiles the whole model over padding-free batches: with
-    flash attention's document spans it compiles once, so the config itself earns no warning
+    flash attention's document spans it compiles dynamic from the first batch, so the config
+    itself earns no warning
     (the run warns where it would take flex attention: ``whole_model_dynamic_compile_warning``)."""
     proc = tune("validate", "tiny/full_single_device", "padding_free=True", "compile=True",
                 "compile_scope=model", check=False)

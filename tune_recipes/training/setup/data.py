@@ -251,8 +251,9 @@ def whole_model_dynamic_compile_warning(cfg: DictConfig, device, spans: bool) ->
     Measured on an H200 (Llama-3.2-1B, docs/benchmarks.md): with flex attention that graph,
     compiled for the first length and again with dynamic shapes for the second, had not reached
     its fifth step after 160 s, while compiled per layer the 220-step run took 95 s. With
-    document spans the graph compiles once, dynamic from the first batch, and is the fastest
-    unpacked setting there; packed batches all have one length."""
+    document spans the graph compiles dynamic from the first batch (Inductor may compile it once
+    more when a batch outgrows a length bound its code generation chose from the first batch)
+    and is the fastest unpacked setting there; packed batches all have one length."""
     if not (cfg.get("padding_free", False) is True and cfg.get("compile", False) is True
             and cfg.get("compile_scope", None) == "model"):
         return None

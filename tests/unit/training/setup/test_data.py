@@ -197,7 +197,7 @@ def test_document_spans_where_the_runs_device_and_dtype_run_flash_attention(monk
 def test_the_whole_model_compiled_on_padding_free_batches_warns_only_without_document_spans():
     """Padding-free batches change length every batch: through flex attention's block mask the
     whole-model graph took minutes to compile for dynamic shapes, through document spans it
-    compiles once (the fastest unpacked setting). Only the first gets the warning."""
+    compiles dynamic from the first batch (the fastest unpacked setting). Only the first gets the warning."""
     from tune_recipes.training.setup import data
 
     def cfg(**over):
