@@ -27,12 +27,20 @@ same config shows whether one step or every step got slower. Beside them, ``batc
 window batch's tokens, the work a step's time goes with) and ``graphs_compiled`` (each window
 step whose interval saw torch.compile's Dynamo capture new graphs, as [step, graphs]: a step's
 time changing with no new graph and no longer batch is not a Dynamo recompile nor the data).
+What else can stall or slow a step, read per window step where it happened: ``gc_pauses``
+([step, generation, seconds] for each of Python's full collections, and any other of at least
+``GC_PAUSE_S``: a full one walks every object the process holds, torch.compile's included),
+``allocator_events`` ([step, {counter: change}] where the CUDA caching allocator called
+cudaMalloc or cudaFree, or freed its cache to retry an allocation) and ``sm_clock_mhz`` (the
+GPU's SM clock at each step's end, through NVML where torch can reach it: a GPU slowed by its
+power or temperature limits shows here, else null).
 
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
 """
 
 import atexit
+import gc
 import json
 import os
 import time
@@ -41,12 +49,15 @@ import torch
 
 IGNORE_INDEX = -100  # torchtune's CROSS_ENTROPY_IGNORE_IDX
 GIB = 2**30
+GC_PAUSE_S = 0.005  # a young-generation collection this long is reported too
+# torch.cuda.memory_stats() counters that mean the caching allocator went to the driver
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
 def _sync_and_read_clock() -> float:
     # NOTE: the synchronize must come first: CUDA work is queued asynchronously, and a clock read
     # before it would time how fast Python queues work, not how fast the GPU does it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -57,6 +68,25 @@ def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _allocator_counts() -> dict:
+    if not _cuda_in_use():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTERS}
+
+
+def _sm_clock_mhz():
+    """The GPU's SM clock in MHz, or None where NVML (pynvml) is not there."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no pynvml, no NVML, a GPU it does not know: say nothing
+        return None
 
 
 class Clock:
@@ -70,9 +100,25 @@ class Clock:
         self.at_window_end = {}
         self.host_step_seconds, self._last_request, self._requested = [], None, -1
         self.batch_tokens, self.graphs_compiled = [], []
+        self.gc_pauses, self.allocator_events, self.sm_clock_mhz = [], [], []
+        self._step = None  # the window step whose interval is running, else None
+        self._gc_started = None
+        self._allocator = {}
+        self._reads_sm_clock = None  # decided at the window's first step
         # NOTE: read once here: the first read imports torch._dynamo (~1 s), which must not land
         # inside a timed step.
         self._graphs = _graphs_compiled()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        if self._step is None or self._gc_started is None:
+            return
+        seconds = time.perf_counter() - self._gc_started
+        if info["generation"] == 2 or seconds >= GC_PAUSE_S:
+            self.gc_pauses.append([self._step, info["generation"], round(seconds, 4)])
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
@@ -89,11 +135,24 @@ class Clock:
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
         graphs = _graphs_compiled()
+        allocator = _allocator_counts()
         if self.warmup < self.fetched <= self.warmup + self.window:
             self.host_step_seconds.append(now - self._last_request)
+            step = len(self.host_step_seconds) - 1
             if graphs > self._graphs:
-                self.graphs_compiled.append([len(self.host_step_seconds) - 1, graphs - self._graphs])
-        self._last_request, self._graphs = now, graphs
+                self.graphs_compiled.append([step, graphs - self._graphs])
+            changed = {k: v - self._allocator.get(k, 0) for k, v in allocator.items()
+                       if v != self._allocator.get(k, 0)}
+            if changed:
+                self.allocator_events.append([step, changed])
+            # NVML is tried at the window's first step; where it fails it is not tried again
+            mhz = _sm_clock_mhz() if self._reads_sm_clock is not False and _cuda_in_use() else None
+            self._reads_sm_clock = mhz is not None
+            self.sm_clock_mhz.append(mhz)
+        self._last_request, self._graphs, self._allocator = now, graphs, allocator
+        # the interval starting now: window step fetched - warmup, if inside the window
+        step = self.fetched - self.warmup
+        self._step = step if 0 <= step < self.window else None
         if self.fetched == self.warmup + self.window:
             self.at_window_end = self._peaks("window_")  # training only: before the final save
             self.write()
@@ -114,13 +173,15 @@ class Clock:
                        tokens_per_s=self.tokens / self.seconds,
                        label_tokens_per_s=self.label_tokens / self.seconds,
                        host_step_seconds=[round(t, 4) for t in self.host_step_seconds],
-                       batch_tokens=self.batch_tokens, graphs_compiled=self.graphs_compiled)
+                       batch_tokens=self.batch_tokens, graphs_compiled=self.graphs_compiled,
+                       gc_pauses=self.gc_pauses, allocator_events=self.allocator_events,
+                       sm_clock_mhz=self.sm_clock_mhz)
         paged = paged_gib()
         return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 
     @staticmethod
     def _peaks(prefix: str) -> dict:
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        if not _cuda_in_use():
             return {}
         return {f"{prefix}peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
                 f"{prefix}peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}

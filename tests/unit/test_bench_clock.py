@@ -2,6 +2,7 @@
 before each clock read, times exactly batches W .. W+N-1, counts every token and the label
 tokens of those batches, and reports the run's true peak memory (nobody can reset it)."""
 
+import gc
 import json
 import os
 import subprocess
@@ -13,6 +14,14 @@ from script_loader import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS / "bench_hooks"))
 import bench_clock  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _gc_callbacks_restored():
+    """Each Clock hooks Python's collector; a test's clocks leave with the test."""
+    before = list(gc.callbacks)
+    yield
+    gc.callbacks[:] = before
 
 
 def _batches(n, rows=2, seq=8):
@@ -188,3 +197,60 @@ def test_the_window_steps_that_compiled_new_graphs_are_named(monkeypatch, tmp_pa
     # batch 3 is the window's step 1 (batches 2..6), batch 5 its step 3; batch 0 before it
     assert result["graphs_compiled"] == [[1, 1], [3, 1]]
     torch._dynamo.reset()
+
+
+def test_full_collections_inside_the_window_are_named_by_step(tmp_path):
+    """``gc_pauses``: [window step, generation, seconds] for each full collection while a window
+    step runs (here one forced in the step of batch 4, the window's step 2, and one in the
+    dataloader's fetch of batch 6, which belongs to step 4), none before or after the window."""
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
+
+    def loader():
+        for k, batch in enumerate(_batches(9)):
+            if k in (0, 6, 8):
+                gc.collect()  # inside the fetch of batch k
+            yield batch
+
+    for k, _ in enumerate(bench_clock.ClockedIterator(loader(), timer)):
+        if k in (1, 4):
+            gc.collect()
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert [(step, gen) for step, gen, _ in result["gc_pauses"]] == [(2, 2), (4, 2)]
+    assert all(seconds > 0 for *_, seconds in result["gc_pauses"])
+
+
+def test_allocator_calls_and_the_sm_clock_are_read_per_window_step(monkeypatch, tmp_path):
+    """``allocator_events``: the steps in which the caching allocator went to the driver, with
+    the counters' changes; ``sm_clock_mhz``: the SM clock at each step's end (null without
+    NVML)."""
+    counts = {"num_device_alloc": 10, "num_device_free": 0, "num_alloc_retries": 0}
+    clocks = iter([1980, 1980, 1410, 1980, 1980])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(counts))
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda *a: next(clocks))
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
+    for k, _ in enumerate(bench_clock.ClockedIterator(iter(_batches(8)), timer)):
+        if k == 1:  # before the window
+            counts["num_device_alloc"] += 5
+        if k == 3:  # the window's step 1
+            counts["num_device_alloc"] += 2
+        if k == 5:  # step 3: the cache freed to retry an allocation
+            counts["num_device_free"] += 7
+            counts["num_alloc_retries"] += 1
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert result["allocator_events"] == [
+        [1, {"num_device_alloc": 2}], [3, {"num_device_free": 7, "num_alloc_retries": 1}]]
+    assert result["sm_clock_mhz"] == [1980, 1980, 1410, 1980, 1980]
+
+    def no_nvml(*a):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    timer = bench_clock.Clock(str(tmp_path / "d.json"), warmup=1, window=3)
+    for _ in bench_clock.ClockedIterator(iter(_batches(5)), timer):
+        pass
+    assert json.loads((tmp_path / "d.json").read_text())["sm_clock_mhz"] == [None] * 3
