@@ -66,6 +66,8 @@ def _on_a_smaller_gpu(gib: int, micro_batch: int, ours: dict) -> list:
             _v(f"ours_best_{gib}g", "ours", f"ours: fastest settings, {gib} GiB GPU", env=cap, **ours)]
 
 
+# torchao's 8-bit moments at the 1B cases' rate (tune_recipes.optim.AdamW8bit)
+_ADAMW8BIT = {"_component_": "tune_recipes.optim.AdamW8bit", "lr": 2e-5}
 _LORA = {"lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
          "lora_rank": 8, "lora_alpha": 16}
 _ADAMW = {"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True}
@@ -150,8 +152,10 @@ CASES = {
         # Optimizer states in 8 bits (torchtune's shipped 1B full config steps bitsandbytes'
         # 8-bit AdamW): 4.6 GiB of bf16 moments become ~2.3 (one byte each, and a scale a block).
         _v("ours_8bit", "ours", "ours: packed settings, AdamW8bit (torchao's states) after backward",
-           **{**OURS_1B_PACKED, "compile_optimizer_step": False},
-           optimizer={"_component_": "tune_recipes.optim.AdamW8bit", "lr": 2e-5})],
+           **{**OURS_1B_PACKED, "compile_optimizer_step": False}, optimizer=_ADAMW8BIT),
+        # the same with its step in one compiled graph (one call a step, not one a parameter)
+        _v("ours_8bit_compiled", "ours", "ours: packed settings, AdamW8bit stepped in one compiled graph",
+           **OURS_1B_PACKED, optimizer=_ADAMW8BIT)],
         warmup=20, window=40),
     "full_1b_padded": _case("1b", "padded", [
         _STOCK, _v("ours_best", "ours", "ours: padding-free, whole model compiled, fused CE (bf16)", **OURS_1B_PADDED),
@@ -170,7 +174,10 @@ CASES = {
              env={"BENCH_SDPA_NO_CUDNN": "1", "BENCH_PAD_MULTIPLE": "1"}, **cfg)
           for side, cfg in (("stock", STOCK_BEST),
                             ("ours", _PADDED_ROWS))],
-        _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS],
+        _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS,
+        # short steps: the optimizer step's fixed cost weighs more than packed
+        _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in one compiled graph",
+           **OURS_1B_PADDED, optimizer=_ADAMW8BIT)],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,
                                               *_on_a_smaller_gpu(24, 1, OURS_8B_FP8)]),

@@ -1,16 +1,23 @@
-"""Host time of an optimizer step taken one parameter at a time, as ``optimizer_in_bwd`` takes it.
+"""Host time of an optimizer step taken one parameter at a time, as ``optimizer_in_bwd`` takes it,
+or (``--after-backward``) of one optimizer over every parameter, as the recipes step it after
+backward.
 
 Stepped inside backward, each parameter's ``optimizer.step()`` is host work the GPU waits for
 between gradient kernels: an optimizer whose per-call host cost is high slows the whole step even
 when its kernels are fast. This builds the parameters of a torchtune model's real shapes (random
 bf16 values, random gradients), one optimizer per parameter, and times a pass over them: the host
-time of the pass (no synchronize inside it) and the pass synchronized at its end. Each optimizer
+time of the pass (no synchronize inside it) and the pass synchronized at its end. With
+``--after-backward`` one optimizer holds them all, built by the recipes' own ``build_optimizer``;
+``--compiled`` builds it as ``compile_optimizer_step: True`` does (torch's Adam/AdamW through
+``CompiledOptimizerStep``, ``tune_recipes.optim.AdamW8bit`` in one graph a step). Each optimizer
 runs ``--passes`` times, alternated, after ``--warmup`` untimed steps (torch.compile's first calls);
 the median of ``--steps`` timed steps is reported. The optimizers share one process, so one
 may find graphs another compiled in torch.compile's caches: the warm-up steps take that cost.
 
     python3 scripts/bench_optimizer_host.py --model torchtune.models.llama3_2.llama3_2_3b \
         --optimizers torchao.optim.AdamW8bit,tune_recipes.optim.AdamW8bit --device cuda
+    python3 scripts/bench_optimizer_host.py --model torchtune.models.llama3_2.llama3_2_1b \
+        --optimizers torch.optim.AdamW,tune_recipes.optim.AdamW8bit --after-backward --compiled
 
 Prints one line per optimizer and pass; ``--out FILE`` also writes them as JSON.
 """
@@ -47,8 +54,10 @@ def parameter_shapes(model_path: str) -> list:
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: float) -> dict:
-    """Time ``cls`` (an optimizer class, built as ``cls([param], lr=lr)``) over ``shapes``."""
+def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: float,
+                   after_backward: bool = False, compiled: bool = False) -> dict:
+    """Time ``cls`` (an optimizer class, built as ``cls([param], lr=lr)`` for each parameter, or
+    ``after_backward`` once over them all by ``build_optimizer``) over ``shapes``."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     params = []
     for shape in shapes:
@@ -57,7 +66,17 @@ def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: 
         p.grad = (torch.randn(shape, generator=generator) * 1e-3).to(device=device,
                                                                      dtype=torch.bfloat16)
         params.append(p)
-    optimizers = [cls([p], lr=lr) for p in params]  # one a parameter, as optimizer_in_bwd
+    if after_backward:
+        from omegaconf import OmegaConf
+
+        from tune_recipes.training.step.optim import build_optimizer
+
+        holder = torch.nn.Module()
+        holder.params = torch.nn.ParameterList(params)
+        cfg = OmegaConf.create({"_component_": f"{cls.__module__}.{cls.__qualname__}", "lr": lr})
+        optimizers = [build_optimizer(cfg, holder, compile_step=compiled)]
+    else:
+        optimizers = [cls([p], lr=lr) for p in params]  # one a parameter, as optimizer_in_bwd
 
     def synchronize():
         if device.startswith("cuda"):
@@ -80,6 +99,8 @@ def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: 
         host.append(launched - start)
         synchronized.append(done - start)
     return {"optimizer": f"{cls.__module__}.{cls.__qualname__}", "params": len(params),
+            "mode": ("after backward, compiled" if compiled else "after backward")
+            if after_backward else "in backward",
             "host_ms": round(statistics.median(host) * 1e3, 2),
             "synchronized_ms": round(statistics.median(synchronized) * 1e3, 2),
             "host_ms_per_param": round(statistics.median(host) * 1e3 / len(params), 4)}
@@ -98,8 +119,14 @@ def main(argv=None) -> list:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--after-backward", action="store_true",
+                        help="one optimizer over every parameter (the recipes' default), not one each")
+    parser.add_argument("--compiled", action="store_true",
+                        help="with --after-backward: built as compile_optimizer_step: True builds it")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
+    if args.compiled and not args.after_backward:
+        parser.error("--compiled: only with --after-backward (the in-backward step is not compiled)")
     for name in ("passes", "warmup", "steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name} {getattr(args, name)}: expected at least "
@@ -126,10 +153,14 @@ def main(argv=None) -> list:
     rows = []
     for pass_index in range(args.passes):
         for optimizer_path, cls in optimizers.items():
-            row = time_optimizer(cls, shapes, args.device, args.warmup, args.steps, args.lr)
+            try:
+                row = time_optimizer(cls, shapes, args.device, args.warmup, args.steps, args.lr,
+                                     args.after_backward, args.compiled)
+            except ConfigError as e:  # e.g. --compiled with an optimizer it does not compile
+                raise SystemExit(f"--optimizers {optimizer_path}: {e}") from None
             row["optimizer"], row["pass"] = optimizer_path, pass_index
             rows.append(row)
-            print(f"{optimizer_path}: {row['params']} parameters, host {row['host_ms']} ms a step "
+            print(f"{optimizer_path} ({row['mode']}): {row['params']} parameters, host {row['host_ms']} ms a step "
                   f"(median), synchronized {row['synchronized_ms']} ms, "
                   f"{row['host_ms_per_param']} ms a parameter", flush=True)
             if args.device.startswith("cuda"):

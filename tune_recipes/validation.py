@@ -449,9 +449,10 @@ def skip_in_backward_problem(on_nonfinite: Any, optimizer_in_bwd: bool) -> Optio
     return None
 
 
-# The optimizers whose step ``compile_optimizer_step`` compiles (their capturable foreach
-# implementation takes the learning rate as a tensor, so a changing rate does not recompile).
-COMPILED_STEP_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
+# The optimizers whose step ``compile_optimizer_step`` compiles, each taking the learning rate
+# as a tensor, so a changing rate does not recompile: torch's capturable foreach Adam/AdamW, and
+# our AdamW8bit (torchao keeps the rate a tensor) as one graph a param group.
+COMPILED_STEP_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW", "tune_recipes.optim.AdamW8bit")
 
 
 def compiled_step_problem(cfg: DictConfig) -> Optional[str]:
@@ -467,7 +468,7 @@ def compiled_step_problem(cfg: DictConfig) -> Optional[str]:
 def compiled_step_refusal(optimizer_in_bwd: bool, optimizer_component: Any) -> Optional[str]:
     """Why the optimizer step cannot be compiled, or None: the in-backward optimizer (one
     optimizer per parameter, stepped inside backward: there is no one step to compile) or an
-    optimizer other than torch's Adam/AdamW. The one check of the config rule above and of
+    optimizer other than torch's Adam/AdamW and our AdamW8bit. The one check of the config rule above and of
     ``training/step/optim.build_optimizer``."""
     if optimizer_in_bwd:
         return ("compile_optimizer_step=True with optimizer_in_bwd=True: the in-backward optimizer "
@@ -476,7 +477,8 @@ def compiled_step_refusal(optimizer_in_bwd: bool, optimizer_component: Any) -> O
     # By the class: torch.optim.adamw.AdamW is torch.optim.AdamW.
     if _resolves_to(optimizer_component) not in [_resolves_to(n) for n in COMPILED_STEP_OPTIMIZERS]:
         return (f"compile_optimizer_step=True with optimizer._component_={_show(optimizer_component)}: "
-                f"only {' and '.join(COMPILED_STEP_OPTIMIZERS)} are supported (their step takes "
+                f"only {', '.join(COMPILED_STEP_OPTIMIZERS[:-1])} and {COMPILED_STEP_OPTIMIZERS[-1]} "
+                "are supported (their step takes "
                 "the learning rate as a tensor); set compile_optimizer_step=False")
     return None
 

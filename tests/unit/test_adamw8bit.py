@@ -229,6 +229,56 @@ def test_compiled_as_shipped_equals_torchaos_compiled_step_bit_for_bit(device):
             assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_whole_step_in_one_graph_equals_torchaos_step_bit_for_bit(device, monkeypatch):
+    """``compile_whole_step`` (``compile_optimizer_step``): the parameters that step whole (the
+    4096 x 3 with 8-bit states, the bias with fp32 ones) update in one compiled call a step;
+    the large one still steps a slice a call. Parameters, states and step counts as torchao's
+    compiled step, bit for bit, with the learning rate changed between steps (filled in place,
+    as the schedulers do) and no graph compiled after the first step."""
+    import tune_recipes.optim as optim
+
+    init, grads = _shapes_and_grads(3)
+    init = [p.to(device) for p in init]
+    grads = [[g.to(device) for g in step] for step in grads]
+    rates = [1e-2, 5e-3, 2e-3]
+
+    def train(cls, **kwargs):
+        params = [torch.nn.Parameter(p.clone()) for p in init]
+        opt, graphs = cls(params, lr=rates[0], **kwargs), []
+        for step_grads, rate in zip(grads, rates):
+            opt.param_groups[0]["lr"].fill_(rate)
+            for p, grad in zip(params, step_grads):
+                p.grad = grad
+            opt.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+        return params, opt, graphs
+
+    theirs, their_opt, _ = train(TorchaoAdamW8bit)
+    calls = {"one": [], "each": []}
+    one, each = optim.compiled_update(), optim.compiled_update_each()
+    monkeypatch.setattr(optim, "compiled_update", lambda: lambda *a: calls["one"].append(tuple(a[0].shape)) or one(*a))
+    monkeypatch.setattr(optim, "compiled_update_each",
+                        lambda: lambda *a: calls["each"].append([tuple(p.shape) for p in a[0]]) or each(*a))
+    counters.clear()
+    ours, our_opt, graphs = train(AdamW8bit, chunk_numel=20_000, compile_whole_step=True)
+    assert calls["each"] == [[(4096, 3), (64,)]] * 3  # one call a step for both
+    assert calls["one"] == ([(304, 64)] * 3 + [(88, 64)]) * 3  # the 1000 x 64 in 4 slices
+    assert graphs[1] == graphs[2] == graphs[0], graphs  # compiled at the first step only
+    for a, b, start in zip(theirs, ours, init):
+        assert torch.equal(a, b)
+        assert not torch.equal(b, start)  # it trained
+        sa, sb = their_opt.state[a], our_opt.state[b]
+        assert sa["step"].item() == sb["step"].item() == 3
+        for key in ("exp_avg", "exp_avg_sq"):
+            if isinstance(sa[key], OptimState8bit):
+                assert torch.equal(sa[key].codes, sb[key].codes), key
+                assert torch.equal(sa[key].scale, sb[key].scale), key
+            else:
+                assert torch.equal(sa[key], sb[key]), key
+    assert isinstance(our_opt.state[ours[1]]["exp_avg"], OptimState8bit)  # 8-bit in the graph
+
+
 @pytest.mark.parametrize("block_size", [0, -4, "abc", 2.5])
 def test_a_block_size_that_is_not_a_positive_integer_is_refused_by_name(block_size):
     with pytest.raises(ValueError, match=f"block_size must be a positive integer.*{block_size!r}"):

@@ -520,6 +520,36 @@ def test_the_optimizer_host_bench_steps_every_parameter_with_an_optimizer_of_its
     assert json.loads(out.read_text())["rows"] == rows
 
 
+def test_the_optimizer_host_bench_after_backward_steps_one_optimizer_built_as_the_recipes_build_it(monkeypatch):
+    """``--after-backward``: one optimizer over every parameter, from the recipes' own
+    ``build_optimizer`` (``--compiled``: as ``compile_optimizer_step: True`` builds it), stepped
+    at every warm-up and timed step."""
+    import torch
+
+    import tune_recipes.training.step.optim as optim
+
+    bench = load_script("bench_optimizer_host")
+    shapes = bench.parameter_shapes("tune_recipes.models.tiny_llama3")
+    built, real_build = [], optim.build_optimizer
+
+    def spy(cfg, model, **kwargs):
+        opt = real_build(cfg, model, **kwargs)
+        built.append((kwargs, opt, [p.detach().clone() for p in model.parameters()]))
+        return opt
+
+    monkeypatch.setattr(optim, "build_optimizer", spy)
+    row = bench.time_optimizer(torch.optim.AdamW, shapes, "cpu", warmup=1, steps=2, lr=0.5,
+                               after_backward=True)
+    [(kwargs, opt, before)] = built
+    assert kwargs == {"compile_step": False} and row["mode"] == "after backward"
+    assert len(opt.param_groups[0]["params"]) == row["params"] == len(shapes)
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(opt.param_groups[0]["params"], before))
+    assert all(float(s["step"]) == 3 for s in opt.state.values())  # 1 warm-up + 2 timed steps
+    with pytest.raises(SystemExit, match="--optimizers torch.optim.SGD: compile_optimizer_step=True"):
+        bench.main(["--device", "cpu", "--model", "tune_recipes.models.tiny_llama3", "--optimizers",
+                    "torch.optim.SGD", "--after-backward", "--compiled"])
+
+
 @pytest.mark.parametrize("argv,named", [
     (["--optimizers", "torch.optim.NoSuchAdam"], "--optimizers torch.optim.NoSuchAdam: cannot import"),
     (["--optimizers", ","], "--optimizers ',': name at least one"),
@@ -530,6 +560,7 @@ def test_the_optimizer_host_bench_steps_every_parameter_with_an_optimizer_of_its
     (["--steps", "0"], "--steps 0: expected at least 1"),
     (["--device", "foo"], "--device foo:"),
     (["--out", "{tmp}/no_folder/x.json"], "its folder does not exist"),
+    (["--compiled"], "--compiled: only with --after-backward"),
 ])
 def test_the_optimizer_host_bench_names_a_bad_flag_before_measuring(argv, named, tmp_path, capsys):
     bench = load_script("bench_optimizer_host")

@@ -73,6 +73,10 @@ CASES = [
      "compile_optimizer_step=True with optimizer_in_bwd=True"),
     ("tiny/full_single_device", ["compile_optimizer_step=True", "optimizer._component_=torch.optim.SGD"],
      "compile_optimizer_step=True with optimizer._component_=torch.optim.SGD: only torch.optim.Adam"),
+    # torchao's own compiles one call a parameter; ours compiles the step in one graph
+    ("tiny/full_single_device", ["compile_optimizer_step=True", "optimizer._component_=torchao.optim.AdamW8bit"],
+     "optimizer._component_=torchao.optim.AdamW8bit: only torch.optim.Adam, torch.optim.AdamW and "
+     "tune_recipes.optim.AdamW8bit are supported"),
     ("tiny/full_single_device", ["lr_scheduler.num_warmup_steps=-5"], "lr_scheduler.num_warmup_steps=-5"),
     ("tiny/full_single_device", ["tokenizer.max_seq_len=0"], "tokenizer.max_seq_len=0"),
     ("tiny/full_single_device", ["checkpointer.checkpoint_dir=/no/such/dir"],
@@ -968,3 +972,12 @@ def test_data_files_are_checked_only_where_they_are_local_paths(tmp_path):
     assert problem(source=str(tmp_path), data_files="train.json") is None
     assert problem(source="json", data_files="https://example.com/x.json") is None
     assert problem(source="json", data_files=str(tmp_path / "*.json")) is None
+
+
+def test_the_compiled_step_takes_our_adamw8bit(capsys):
+    """compile_optimizer_step with tune_recipes.optim.AdamW8bit (its one-graph step) passes
+    validate, as torch's Adam and AdamW do."""
+    for optimizer in ("tune_recipes.optim.AdamW8bit", "torch.optim.Adam"):
+        assert main(["validate", "tiny/full_single_device", "compile_optimizer_step=True",
+                     f"optimizer._component_={optimizer}"]) in (0, None), capsys.readouterr().err
+        assert "config is valid" in capsys.readouterr().out

@@ -131,8 +131,9 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
 
     ``distributed``: the parameters are FSDP2 shards and ``state_dict`` is the full (gathered)
     state a distributed checkpoint holds; each rank loads its shard of it onto ``device``.
-    ``compile_step`` (``compile_optimizer_step``): its ``step()`` runs compiled
-    (``CompiledOptimizerStep``; torch's Adam/AdamW only, not with ``optimizer_in_bwd``).
+    ``compile_step`` (``compile_optimizer_step``): its ``step()`` runs compiled (torch's
+    Adam/AdamW through ``CompiledOptimizerStep``; ``tune_recipes.optim.AdamW8bit`` as one graph
+    a param group, its ``compile_whole_step``), not with ``optimizer_in_bwd``.
     """
     if compile_step:
         problem = compiled_step_refusal(optimizer_in_bwd, cfg_optimizer.get("_component_"))
@@ -143,13 +144,16 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         options = multi_tensor_options(cfg_optimizer, params)
-        if compile_step:
+        compiles_itself = compile_step and _is_adamw8bit(cfg_optimizer.get("_component_"))
+        if compiles_itself:
+            options.update(compile_whole_step=True)
+        elif compile_step:
             # The implementation torch.compile turns into a few fused kernels and that takes the
             # learning rate as a tensor (CompiledOptimizerStep); a fused=True in the config is
             # replaced, not an error: the compiled step is the faster one.
             options.update(fused=False, foreach=True, capturable=True)
         opt = tt_config.instantiate(cfg_optimizer, params, **options)
-        if compile_step:
+        if compile_step and not compiles_itself:
             CompiledOptimizerStep(opt).install()
     if state_dict is not None:
         if distributed and optimizer_in_bwd:
@@ -174,6 +178,15 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
                     "optimizer_in_bwd=True; resume with optimizer_in_bwd=True, as it was saved")
             load_keeping_implementation(opt, state_dict)
     return opt
+
+
+def _is_adamw8bit(component: Any) -> bool:
+    from tune_recipes.optim import AdamW8bit
+
+    try:
+        return resolve_component(component, "optimizer") is AdamW8bit
+    except ConfigError:
+        return False
 
 
 # The param-group entries that pick an optimizer's implementation, not its training settings.

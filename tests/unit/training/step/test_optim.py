@@ -264,8 +264,25 @@ def test_compiled_step_does_not_recompile_when_the_rate_changes(monkeypatch):
 def test_compiled_step_is_refused_with_in_backward_or_other_optimizers():
     with pytest.raises(ConfigError, match="optimizer_in_bwd=True"):
         build_optimizer(ADAMW, _mlp(), optimizer_in_bwd=True, compile_step=True)
-    with pytest.raises(ConfigError, match="torch.optim.SGD: only torch.optim.Adam and torch.optim.AdamW"):
+    with pytest.raises(ConfigError, match="torch.optim.SGD: only torch.optim.Adam, torch.optim.AdamW "
+                                          "and tune_recipes.optim.AdamW8bit are supported"):
         build_optimizer(SGD, _mlp(), compile_step=True)
+    torchaos = OmegaConf.create({"_component_": "torchao.optim.AdamW8bit", "lr": 1e-2})
+    with pytest.raises(ConfigError, match="torchao.optim.AdamW8bit: only"):
+        build_optimizer(torchaos, _mlp(), compile_step=True)  # its step compiles per parameter
+
+
+def test_compiled_step_of_adamw8bit_is_its_own_one_graph_step():
+    """compile_optimizer_step with our AdamW8bit: the optimizer steps its parameters in one
+    graph itself (``compile_whole_step``; tested against torchao's step in test_adamw8bit.py),
+    not through CompiledOptimizerStep, whose foreach/capturable options it does not take."""
+    from tune_recipes.optim import AdamW8bit
+
+    cfg = OmegaConf.create({"_component_": "tune_recipes.optim.AdamW8bit", "lr": 1e-2})
+    compiled, plain = build_optimizer(cfg, _mlp(), compile_step=True), build_optimizer(cfg, _mlp())
+    assert compiled.compile_whole_step and not plain.compile_whole_step
+    assert compiled.step.__func__ is AdamW8bit.step  # not replaced by CompiledOptimizerStep
+    assert "capturable" not in compiled.param_groups[0]
 
 
 # ---------------------------------------------------------------- torchao's 8-bit AdamW in backward
