@@ -27,11 +27,12 @@ def compiled_update():
 
 def _update_each(params, grads, steps, exp_avgs, exp_avg_sqs, lr, beta1, beta2, weight_decay,
                  eps, is_adamw, stochastic_rounds):
-    """torchao's one-parameter update for each of a list of parameters (their step counts
-    advanced here too): traced as one graph by ``compiled_update_each``."""
+    """torchao's one-parameter update for each of a list of parameters: traced as one graph by
+    ``compiled_update_each``.
+    NOTE: the step counts are advanced before the call, eagerly, as torchao does: they are CPU
+    tensors, and advancing them in the graph would compile a CPU kernel into a GPU step."""
     for p, grad, step, m, v, stochastic_round in zip(params, grads, steps, exp_avgs,
                                                      exp_avg_sqs, stochastic_rounds):
-        step += 1
         single_param_adam(p, grad, step, m, v, None, lr, beta1, beta2, weight_decay, eps,
                           is_adamw, stochastic_round)
 
@@ -141,6 +142,7 @@ class AdamW8bit(TorchaoAdamW8bit):
                         state["step"] = torch.tensor(0.0)
                         state["exp_avg"] = self._new_buffer(p, True)
                         state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
                     m, v = state["exp_avg"], state["exp_avg_sq"]
                     # NOTE: p.detach(): compiled with FSDP2's DTensors, p itself misbehaves
                     # (torchao does the same); the gradient is passed on its own.
@@ -155,7 +157,6 @@ class AdamW8bit(TorchaoAdamW8bit):
                             and not isinstance(param, DTensor)):
                         together.append((param, grad, state["step"], m, v, stochastic_round))
                         continue
-                    state["step"] += 1
                     for rows in slices:
                         update(cut(param, rows), cut(grad, rows), state["step"], cut(m, rows),
                                cut(v, rows), None, group["lr"], beta1, beta2,
