@@ -86,8 +86,13 @@ def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: 
         for optimizer in optimizers:
             optimizer.step()
 
-    for _ in range(warmup):
+    first_step_s = None
+    for i in range(warmup):
+        start = time.perf_counter()
         one_pass()
+        if i == 0:  # torch.compile's first call compiles: what a run pays once at its start
+            synchronize()
+            first_step_s = round(time.perf_counter() - start, 2)
     synchronize()
     host, synchronized = [], []
     for _ in range(steps):
@@ -103,7 +108,8 @@ def time_optimizer(cls, shapes: list, device: str, warmup: int, steps: int, lr: 
             if after_backward else "in backward",
             "host_ms": round(statistics.median(host) * 1e3, 2),
             "synchronized_ms": round(statistics.median(synchronized) * 1e3, 2),
-            "host_ms_per_param": round(statistics.median(host) * 1e3 / len(params), 4)}
+            "host_ms_per_param": round(statistics.median(host) * 1e3 / len(params), 4),
+            "first_step_s": first_step_s}
 
 
 def main(argv=None) -> list:
@@ -162,7 +168,8 @@ def main(argv=None) -> list:
             rows.append(row)
             print(f"{optimizer_path} ({row['mode']}): {row['params']} parameters, host {row['host_ms']} ms a step "
                   f"(median), synchronized {row['synchronized_ms']} ms, "
-                  f"{row['host_ms_per_param']} ms a parameter", flush=True)
+                  f"{row['host_ms_per_param']} ms a parameter; first step {row['first_step_s']} s",
+                  flush=True)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     if args.out:

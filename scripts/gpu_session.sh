@@ -36,6 +36,10 @@
 #              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config;
 #              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one)
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
+#   optim      the optimizer step alone at Llama-3.2-1B's shapes, after backward: torch's
+#              AdamW and our AdamW8bit as compile_optimizer_step builds them, then AdamW8bit
+#              uncompiled (one compiled call a parameter); host and synchronized ms a step and
+#              the first step (the compile)                                               ~4 min
 #   attention  attention alone on packed rows (scripts/bench_attention.py): flex on the block
 #              mask against flash over document spans, the 1B and a head-dim-128 shape   ~1 min
 #   accept     shipped-config acceptance, single device: Llama-3.2 1B/3B, Qwen2.5 0.5B/1.5B ~8 min
@@ -128,6 +132,12 @@ for step in "$@"; do
                  --out "$OUT/attention_hd128.json" 2>&1 | grep -v Skipping | tail -4 ;;
     fused)     timeout 540 python3 scripts/bench_fused_ce.py --out "$OUT/fused.json" > "$W/fused.log" 2>&1
                echo "bench_fused_ce.py exit $?"; grep -h "^|\|rror" "$W/fused.log" | cut -c1-200 ;;
+    optim)     for compiled in --compiled ""; do
+                 timeout 270 python3 scripts/bench_optimizer_host.py --after-backward $compiled \
+                   --model torchtune.models.llama3_2.llama3_2_1b --passes 1 \
+                   --optimizers "torch.optim.AdamW,tune_recipes.optim.AdamW8bit" \
+                   --out "$OUT/optim${compiled:+_compiled}.json" 2>&1 | grep -v Skipping | tail -4
+               done ;;
     accept)    accept accept single "llama3_2/1B_*,llama3_2/3B_*,qwen2_5/0.5B_*,qwen2_5/1.5B_*" ;;
     accept8b)  accept accept8b single "llama3_1/*,llama3_2/8B_to_1B_*" ;;
     accept7b)  accept accept7b single "qwen2_5/7B_*" ;;
