@@ -144,6 +144,13 @@ CASES = {
     "full_1b_packed": _case("1b", "packed", [
         _STOCK, _v("ours_best", "ours", "ours: README packed-data settings (bf16)", **OURS_1B_PACKED),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),
+        # Which part of the FP8 settings moves the loss (over 220 steps: --steps 220): FP8
+        # products alone (no fast accumulation in backward, no e4m3 MLP activations), and those
+        # with rowwise scales (a scale a row instead of a tensor).
+        _v("ours_fp8_plain", "ours", "ours: packed settings + FP8 tensorwise products only",
+           **OURS_1B_PACKED, enable_fp8_training=True),
+        _v("ours_fp8_rowwise", "ours", "ours: packed settings + FP8 rowwise products",
+           **OURS_1B_PACKED, enable_fp8_training=True, fp8_recipe_name="rowwise"),
         _OURS_1B_LEVERS[2],
         _v("ours_in_bwd", "ours", "ours: packed settings, fused AdamW stepped in backward",
            **OURS_1B_PACKED_IN_BWD),
