@@ -17,8 +17,9 @@ Every parameter trains. Features, each a config key:
 - ``activation_memory_budget`` (with ``compile``): from 0 to 1, how much of their activations
   the compiled graphs save for backward (0: the least, recomputing all they can; 1: torch's
   default); below 1 they recompute the cheapest ops in backward instead.
-- ``compile_optimizer_step``: the optimizer step (torch's Adam/AdamW) runs through
-  torch.compile (tune_recipes.training.step.optim.CompiledOptimizerStep).
+- ``compile_optimizer_step``: the optimizer step runs through torch.compile (torch's Adam/AdamW:
+  tune_recipes.training.step.optim.CompiledOptimizerStep; tune_recipes.optim.AdamW8bit: its own
+  step in batches of alike parameters).
 - ``enable_fp8_training`` (+ ``fp8_recipe_name``): the transformer's linear layers compute in
   FP8 through torchao float8 (GPUs with compute capability >= 8.9; fast only with compile);
   ``fp8_fast_accum_backward: True`` also gives the backward products cuBLAS's fast

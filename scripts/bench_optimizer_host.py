@@ -170,12 +170,12 @@ def main(argv=None) -> list:
                   f"(median), synchronized {row['synchronized_ms']} ms, "
                   f"{row['host_ms_per_param']} ms a parameter; first step {row['first_step_s']} s",
                   flush=True)
+            if args.out:  # after every row: a run cut short keeps the rows before it
+                with open(args.out, "w") as f:
+                    json.dump({"model": args.model, "device": args.device,
+                               "torch": torch.__version__, "rows": rows}, f, indent=1)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "device": args.device, "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
     return rows
 
 

@@ -39,8 +39,50 @@ def _update_each(params, grads, steps, exp_avgs, exp_avg_sqs, lr, beta1, beta2, 
 
 @functools.lru_cache(maxsize=1)
 def compiled_update_each():
-    """``_update_each`` through ``torch.compile``: one graph for a param group's parameters."""
+    """``_update_each`` through ``torch.compile``: one graph for a batch of parameters
+    (``alike_batches``)."""
     return torch.compile(_update_each, fullgraph=True, dynamic=False)
+
+
+# The most parameters one compiled update takes. NOTE: the compile's time grows with the
+# parameters in a graph (~4 s each on a 2-core CPU), and a batch of alike parameters (same
+# shapes, dtypes and state kinds) reuses the graph of another such batch: a transformer's
+# repeated layers compile a few small graphs, not one graph of every parameter.
+PARAMS_A_CALL = 8
+
+
+def alike_batches(entries: list, key, most_numel: int, most: Optional[int] = None) -> list:
+    """``entries`` in batches of alike ones (equal ``key(entry)``, first-seen order kept), each
+    batch at most ``most`` entries and, where more than one, at most ``most_numel`` elements
+    (the first tensor of an entry counted): so one call's fp32 temporaries (Inductor may hold a
+    batch's all at once) stay under ~8 bytes x ``most_numel``, as a sliced parameter's do."""
+    most = most or PARAMS_A_CALL
+    by_key: dict = {}
+    for entry in entries:
+        by_key.setdefault(key(entry), []).append(entry)
+    batches = []
+    for alike in by_key.values():
+        batch, numel = [], 0
+        for entry in alike:
+            n = entry[0].numel()
+            if batch and (len(batch) == most or numel + n > most_numel):
+                batches.append(batch)
+                batch, numel = [], 0
+            batch.append(entry)
+            numel += n
+        batches.append(batch)
+    return batches
+
+
+def _update_signature(entry) -> tuple:
+    """What one compiled update's graph is specialized on, for an entry (param, grad, step, m,
+    v, stochastic round) of ``AdamW8bit.step``."""
+    param, grad, _, m, v, stochastic_round = entry
+
+    def kind(t):
+        return (type(t), t.shape, t.dtype, getattr(t, "block_size", None), getattr(t, "signed", None))
+
+    return (param.shape, param.dtype, grad.dtype, kind(m), kind(v), stochastic_round)
 
 
 class AdamW8bit(TorchaoAdamW8bit):
@@ -61,13 +103,14 @@ class AdamW8bit(TorchaoAdamW8bit):
     a call (``compiled_update``).
 
     ``compile_whole_step`` (the recipes' ``compile_optimizer_step``): a param group's parameters
-    that step whole (no larger than ``chunk_numel``, not DTensors of unmatched shards) update in
-    one compiled graph, one call a step instead of one a parameter: each call is a guard check
-    and a launch on the host (~0.1 ms), which at Llama-3.2-1B's 147 parameters is more time a
-    step than the update's kernels. The same arithmetic per parameter (bit-identical on the
-    CPU; stochastic rounding draws other random bits); the first step compiles the graph, and a
-    parameter whose gradient is None on some steps and not on others compiles it again for each
-    new pattern.
+    that step whole (no larger than ``chunk_numel``, not DTensors of unmatched shards) update a
+    batch of alike ones a compiled call (``alike_batches``: up to ``PARAMS_A_CALL`` parameters of
+    the same shape, ``chunk_numel`` elements in all), instead of one call a parameter: each call
+    is host work (guards, a launch a kernel), which at Llama-3.2-1B's 146 parameters came to more
+    time a step than the update's kernels. Batches of the same shapes share one graph (at that
+    model 25 calls a step, 6 graphs). The same arithmetic per parameter (bit-identical on the
+    CPU; stochastic rounding draws other random bits); a parameter whose gradient is None on
+    some steps and not on others changes the batches, and new batches compile.
 
     States, ``state_dict`` and checkpoints are torchao's: either class resumes the other's.
     A DTensor (FSDP2) parameter steps its local shard, sliced the same way: the update is
@@ -131,7 +174,7 @@ class AdamW8bit(TorchaoAdamW8bit):
                     raise RuntimeError("AdamW8bit: a param group has amsgrad=True, which "
                                        "torchao's 8-bit states do not support")
                 beta1, beta2 = group["betas"]
-                together = []  # (param, grad, step, m, v, stochastic round): one graph
+                together = []  # (param, grad, step, m, v, stochastic round), in alike_batches
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -162,8 +205,8 @@ class AdamW8bit(TorchaoAdamW8bit):
                                cut(v, rows), None, group["lr"], beta1, beta2,
                                group["weight_decay"], group["eps"], self.is_adamw,
                                stochastic_round)
-                if together:
-                    params, grads, steps, ms, vs, rounds = (list(x) for x in zip(*together))
+                for batch in alike_batches(together, _update_signature, self.chunk_numel):
+                    params, grads, steps, ms, vs, rounds = (list(x) for x in zip(*batch))
                     compiled_update_each()(params, grads, steps, ms, vs, group["lr"], beta1,
                                            beta2, group["weight_decay"], group["eps"],
                                            self.is_adamw, rounds)

@@ -32,8 +32,9 @@ What else can stall or slow a step, read per window step where it happened: ``gc
 ``GC_PAUSE_S``: a full one walks every object the process holds, torch.compile's included),
 ``allocator_events`` ([step, {counter: change}] where the CUDA caching allocator called
 cudaMalloc or cudaFree, or freed its cache to retry an allocation) and ``sm_clock_mhz`` (the
-GPU's SM clock at each step's end, through NVML where torch can reach it: a GPU slowed by its
-power or temperature limits shows here, else null).
+GPU's SM clock as NVML last sampled it at each step's end, over a 1/6 to 1 s period, through
+pynvml where it is installed: a GPU slowed by its power or temperature limits shows here, else
+null).
 
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
@@ -81,10 +82,20 @@ def _allocator_counts() -> dict:
     return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTERS}
 
 
-def _sm_clock_mhz():
-    """The GPU's SM clock in MHz, or None where NVML (pynvml) is not there."""
+def _sm_clock_reader():
+    """A function returning the GPU's SM clock in MHz (NVML's latest sample, over its 1/6 to 1 s
+    period), or None where NVML (pynvml) cannot be read. The device's handle is looked up once:
+    torch.cuda.clock_rate() initializes NVML and maps the device index at every call."""
     try:
-        return int(torch.cuda.clock_rate())
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler(torch.cuda.current_device())
+
+        def read() -> int:
+            return int(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
+
+        read()
+        return read
     except Exception:  # no pynvml, no NVML, a GPU it does not know: say nothing
         return None
 
@@ -104,7 +115,8 @@ class Clock:
         self._step = None  # the window step whose interval is running, else None
         self._gc_started = None
         self._allocator = {}
-        self._reads_sm_clock = None  # decided at the window's first step
+        self._sm_clock = None  # NVML's reader, looked up at the window's first step
+        self._sm_clock_looked_up = False
         # NOTE: read once here: the first read imports torch._dynamo (~1 s), which must not land
         # inside a timed step.
         self._graphs = _graphs_compiled()
@@ -134,25 +146,28 @@ class Clock:
             self.seconds = _sync_and_read_clock() - self.start
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
+        # the interval starting now: window step fetched - warmup, if inside the window (set
+        # first: a collection during the reads below is this interval's)
+        ending, step = self._step, self.fetched - self.warmup
+        self._step = step if 0 <= step < self.window else None
         graphs = _graphs_compiled()
         allocator = _allocator_counts()
         if self.warmup < self.fetched <= self.warmup + self.window:
             self.host_step_seconds.append(now - self._last_request)
-            step = len(self.host_step_seconds) - 1
             if graphs > self._graphs:
-                self.graphs_compiled.append([step, graphs - self._graphs])
+                self.graphs_compiled.append([ending, graphs - self._graphs])
             changed = {k: v - self._allocator.get(k, 0) for k, v in allocator.items()
                        if v != self._allocator.get(k, 0)}
             if changed:
-                self.allocator_events.append([step, changed])
-            # NVML is tried at the window's first step; where it fails it is not tried again
-            mhz = _sm_clock_mhz() if self._reads_sm_clock is not False and _cuda_in_use() else None
-            self._reads_sm_clock = mhz is not None
-            self.sm_clock_mhz.append(mhz)
+                self.allocator_events.append([ending, changed])
+            if not self._sm_clock_looked_up and _cuda_in_use():
+                self._sm_clock, self._sm_clock_looked_up = _sm_clock_reader(), True
+            try:
+                self.sm_clock_mhz.append(self._sm_clock() if self._sm_clock else None)
+            except Exception:  # NVML gone mid-run: null from here on
+                self._sm_clock = None
+                self.sm_clock_mhz.append(None)
         self._last_request, self._graphs, self._allocator = now, graphs, allocator
-        # the interval starting now: window step fetched - warmup, if inside the window
-        step = self.fetched - self.warmup
-        self._step = step if 0 <= step < self.window else None
         if self.fetched == self.warmup + self.window:
             self.at_window_end = self._peaks("window_")  # training only: before the final save
             self.write()

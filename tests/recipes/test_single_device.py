@@ -298,12 +298,17 @@ def test_resume_keeps_the_checkpoints_seed_and_data_order(tmp_path):
 
 @pytest.mark.gpu
 def test_adamw8bit_compiled_in_one_graph_trains_as_its_step_per_parameter(tmp_path):
-    """compile_optimizer_step with our AdamW8bit, as a user turns it on: every parameter that
-    steps whole updates in one compiled graph (tests/unit/test_adamw8bit.py, bit for bit against
-    torchao on the CPU and a GPU). On the GPU in bf16 the recipe trains as with one compiled call
-    a parameter: the same losses and weights (stochastic rounding off: its random bits are drawn
-    per call), within a bf16 rounding of each weight, where a kernel fused otherwise may round
-    one element the other way; a parameter left unstepped would miss by its whole update."""
+    """compile_optimizer_step with our AdamW8bit, as a user turns it on: the parameters that
+    step whole update in batches of alike ones, a compiled call a batch (tests/unit/
+    test_adamw8bit.py: bit for bit against torchao's step on the CPU, and on a GPU in its cuda
+    case). On the GPU in bf16 the recipe trains as with one compiled call a parameter: the same
+    losses and weights (stochastic rounding off: its random bits are drawn per call), within a
+    bf16 rounding of each weight, where a kernel fused otherwise may round one element the
+    other way; and every weight moved from the checkpoint it started from."""
+    from safetensors.torch import load_file
+
+    from tune_recipes.resolvers import tiny_checkpoint
+
     eight_bit = ["optimizer._component_=tune_recipes.optim.AdamW8bit", "optimizer.lr=3e-3"]
     run_on_gpu("full_finetune_single_device", "tiny/full_single_device", tmp_path / "each", *eight_bit)
     run_on_gpu("full_finetune_single_device", "tiny/full_single_device", tmp_path / "one", *eight_bit,
@@ -312,3 +317,8 @@ def test_adamw8bit_compiled_in_one_graph_trains_as_its_step_per_parameter(tmp_pa
     assert len(one) == 4 and one[-1] < one[0]
     torch.testing.assert_close(torch.tensor(one), torch.tensor(each), rtol=1e-3, atol=0)
     assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "each"), rtol=1e-2, atol=1e-3)
+    start = load_file(str(Path(tiny_checkpoint()) / "model.safetensors"))
+    trained = weights(tmp_path / "one")
+    assert trained.keys() == start.keys()
+    unmoved = [k for k in start if torch.equal(trained[k].float(), start[k].float())]
+    assert not unmoved, unmoved

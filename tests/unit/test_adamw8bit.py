@@ -262,7 +262,7 @@ def test_the_whole_step_in_one_graph_equals_torchaos_step_bit_for_bit(device, mo
                         lambda: lambda *a: calls["each"].append([tuple(p.shape) for p in a[0]]) or each(*a))
     counters.clear()
     ours, our_opt, graphs = train(AdamW8bit, chunk_numel=20_000, compile_whole_step=True)
-    assert calls["each"] == [[(4096, 3), (64,)]] * 3  # one call a step for both
+    assert calls["each"] == [[(4096, 3)], [(64,)]] * 3  # a call a step each: unalike
     assert calls["one"] == ([(304, 64)] * 3 + [(88, 64)]) * 3  # the 1000 x 64 in 4 slices
     assert graphs[1] == graphs[2] == graphs[0], graphs  # compiled at the first step only
     for a, b, start in zip(theirs, ours, init):
@@ -277,6 +277,47 @@ def test_the_whole_step_in_one_graph_equals_torchaos_step_bit_for_bit(device, mo
             else:
                 assert torch.equal(sa[key], sb[key]), key
     assert isinstance(our_opt.state[ours[1]]["exp_avg"], OptimState8bit)  # 8-bit in the graph
+
+
+def test_alike_parameters_step_in_batches_that_share_one_graph(monkeypatch):
+    """Four 64 x 64 parameters (8-bit states) and two biases, at most two parameters a call:
+    two calls of two 64 x 64 parameters (one graph for both) and one of the biases, each step;
+    parameters and states as torchao's compiled step, bit for bit."""
+    import tune_recipes.optim as optim
+
+    monkeypatch.setattr(optim, "PARAMS_A_CALL", 2)
+    g = torch.Generator().manual_seed(3)
+    shapes = [(64, 64), (64,), (64, 64), (64, 64), (64,), (64, 64)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    theirs, their_opt = _train(TorchaoAdamW8bit, init, grads)
+    calls, each = [], optim.compiled_update_each()
+    monkeypatch.setattr(optim, "compiled_update_each",
+                        lambda: lambda *a: calls.append([tuple(p.shape) for p in a[0]]) or each(*a))
+    torch._dynamo.reset()
+    counters.clear()
+    ours, our_opt = _train(AdamW8bit, init, grads, compile_whole_step=True)
+    assert calls == [[(64, 64)] * 2, [(64, 64)] * 2, [(64,)] * 2] * 2
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # not 3 or 6
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            sa, sb = their_opt.state[a][key], our_opt.state[b][key]
+            if isinstance(sa, OptimState8bit):
+                assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale), key
+            else:
+                assert torch.equal(sa, sb), key
+
+
+def test_alike_batches_keep_order_and_bound_count_and_elements():
+    from tune_recipes.optim import alike_batches
+
+    entries = [(torch.empty(n), tag) for n, tag in
+               [(10, "a"), (5, "b"), (10, "a"), (10, "a"), (10, "a"), (30, "a"), (5, "b")]]
+    batches = alike_batches(entries, key=lambda e: e[1], most_numel=25, most=2)
+    assert [[e[0].numel() for e in b] for b in batches] == [[10, 10], [10, 10], [30], [5, 5]]
+    # a lone entry larger than most_numel is a batch of its own; nothing is lost or repeated
+    assert sorted(id(e) for b in batches for e in b) == sorted(map(id, entries))
 
 
 @pytest.mark.parametrize("block_size", [0, -4, "abc", 2.5])

@@ -231,7 +231,9 @@ def test_allocator_calls_and_the_sm_clock_are_read_per_window_step(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(counts))
-    monkeypatch.setattr(torch.cuda, "clock_rate", lambda *a: next(clocks))
+    looked_up = []
+    monkeypatch.setattr(bench_clock, "_sm_clock_reader",
+                        lambda: looked_up.append(1) or (lambda: next(clocks)))
     timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
     for k, _ in enumerate(bench_clock.ClockedIterator(iter(_batches(8)), timer)):
         if k == 1:  # before the window
@@ -245,12 +247,24 @@ def test_allocator_calls_and_the_sm_clock_are_read_per_window_step(monkeypatch, 
     assert result["allocator_events"] == [
         [1, {"num_device_alloc": 2}], [3, {"num_device_free": 7, "num_alloc_retries": 1}]]
     assert result["sm_clock_mhz"] == [1980, 1980, 1410, 1980, 1980]
+    assert looked_up == [1]  # NVML's handle looked up once, not at every step
 
-    def no_nvml(*a):
-        raise ModuleNotFoundError("pynvml")
-
-    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    monkeypatch.setattr(bench_clock, "_sm_clock_reader", lambda: None)  # no pynvml
     timer = bench_clock.Clock(str(tmp_path / "d.json"), warmup=1, window=3)
     for _ in bench_clock.ClockedIterator(iter(_batches(5)), timer):
         pass
     assert json.loads((tmp_path / "d.json").read_text())["sm_clock_mhz"] == [None] * 3
+
+
+def test_without_pynvml_the_sm_clock_reader_is_none(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pynvml(name, *a, **k):
+        if name == "pynvml":
+            raise ModuleNotFoundError("No module named 'pynvml'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    assert bench_clock._sm_clock_reader() is None

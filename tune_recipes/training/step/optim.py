@@ -241,9 +241,11 @@ class CompiledOptimizerStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         cls = type(optimizer)
+        # torch's Adam/AdamW only: our AdamW8bit compiles its own step (build_optimizer)
         problem = compiled_step_refusal(False, f"{cls.__module__}.{cls.__qualname__}")
-        if problem:
-            raise ConfigError(problem)
+        if problem or _is_adamw8bit(f"{cls.__module__}.{cls.__qualname__}"):
+            raise ConfigError(problem or "CompiledOptimizerStep: AdamW8bit compiles its own step "
+                              "(AdamW8bit(..., compile_whole_step=True))")
         self.optimizer = optimizer
         self._step = torch.compile(optimizer.step)  # the class's step, bound: no recursion
         self._lr = [torch.zeros((), dtype=torch.float32, device=g["params"][0].device)

@@ -13,6 +13,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from tune_recipes.config import ConfigError
 from tune_recipes.models.tiny import lora_tiny_llama3
 from tune_recipes.training.step.optim import (
+    CompiledOptimizerStep,
     LRSchedule,
     OptimizerInBackward,
     build_optimizer,
@@ -283,6 +284,8 @@ def test_compiled_step_of_adamw8bit_is_its_own_one_graph_step():
     assert compiled.compile_whole_step and not plain.compile_whole_step
     assert compiled.step.__func__ is AdamW8bit.step  # not replaced by CompiledOptimizerStep
     assert "capturable" not in compiled.param_groups[0]
+    with pytest.raises(ConfigError, match="AdamW8bit compiles its own step"):
+        CompiledOptimizerStep(plain)  # a compiled step around compiled calls: refused
 
 
 # ---------------------------------------------------------------- torchao's 8-bit AdamW in backward
