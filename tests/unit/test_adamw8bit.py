@@ -208,6 +208,30 @@ def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
     assert ours <= 0.25 * theirs, (ours, theirs)
 
 
+@pytest.mark.gpu
+def test_batched_compiled_step_keeps_its_fp32_temporaries_to_a_batch():
+    """compile_whole_step on CUDA: eight bf16 parameters of 2^24 elements at chunk_numel=2^25
+    step two a call, so the call's fp32 temporaries stay near 8 bytes x 2^25 (two copies of its
+    new moments: 256 MiB), under half the 1 GiB of eight parameters' at once (the bound of the
+    slice test above: 16 bytes x chunk_numel). Peak read around the second step (the first
+    compiles and creates the states)."""
+    numel, chunk, count = 2**24, 2**25, 8
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel // 4096, 4096, device="cuda", dtype=torch.bfloat16))
+              for _ in range(count)]
+    opt = AdamW8bit(params, lr=1e-3, chunk_numel=chunk, compile_whole_step=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        opt.step()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    assert peak <= 16 * chunk, (peak, 16 * chunk)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_as_shipped_equals_torchaos_compiled_step_bit_for_bit(device):
     """As the recipes run it (compiled, inductor; CPU and CUDA inductor fuse differently, so both
