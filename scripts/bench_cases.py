@@ -182,6 +182,12 @@ CASES = {
           for side, cfg in (("stock", STOCK_BEST),
                             ("ours", _PADDED_ROWS))],
         _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B), *_OURS_1B_LEVERS,
+        # the recompile at Inductor's length bound (per layer: 2559): gone with size-oblivious
+        # reasoning, and at what speed? (--env TORCH_LOGS=recompiles --window 150)
+        _v("ours_free_layers_oblivious", "ours", "ours: padding-free per layer, size-oblivious dynamic shapes",
+           env={"BENCH_BACKED_SIZE_OBLIVIOUS": "1"}, **_PADDED_PER_LAYER),
+        _v("ours_best_oblivious", "ours", "ours: padding-free whole model, size-oblivious dynamic shapes",
+           env={"BENCH_BACKED_SIZE_OBLIVIOUS": "1"}, **OURS_1B_PADDED),
         # short steps: the optimizer step's fixed cost weighs more than packed
         _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in one compiled graph",
            **OURS_1B_PADDED, optimizer=_ADAMW8BIT)],

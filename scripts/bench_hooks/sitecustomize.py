@@ -18,6 +18,11 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   never scored): torchtune's ``padded_collate_sft`` for stock, the multiple ours pads to
   (``padded_batch_multiple``: 128 on a GPU by default) for ours; N=1 pads ours to the longest
   row only, as stock does. Its tokens/s counts the added padding: compare label tokens/s.
+- BENCH_BACKED_SIZE_OBLIVIOUS=1: torch.compile reasons about every dynamic size as if it
+  could be any size (``torch.fx.experimental._config.backed_size_oblivious``), ours only. A
+  graph compiled for dynamic lengths otherwise guards on choices Inductor made by the first
+  batch's length (compiled per layer on unpacked rows: ``length <= 2559``), and the first
+  longer batch compiles it again; this asks whether the lever removes that, and at what speed.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -101,3 +106,8 @@ if os.environ.get("BENCH_SDPA_GQA") == "1" and _IS_RECIPE:
         self._attention_call = _attention_call
 
     tt_attention.MultiHeadAttention.__init__ = _init_with_grouped_kv
+
+if os.environ.get("BENCH_BACKED_SIZE_OBLIVIOUS") == "1" and _IS_RECIPE:
+    import torch.fx.experimental._config as _fx_config
+
+    _fx_config.backed_size_oblivious = True

@@ -454,6 +454,12 @@ def test_the_padding_and_cudnn_levers_pad_collated_rows_and_turn_cudnn_attention
     assert "shape 2 130" in longest and "ours_shape 2 130" in longest, longest
 
 
+def test_the_size_oblivious_lever_sets_torchs_config_in_our_recipes_process():
+    probe = "import torch.fx.experimental._config as c; print('oblivious', c.backed_size_oblivious)"
+    assert "oblivious True" in _run_hook_probe(probe, BENCH_BACKED_SIZE_OBLIVIOUS="1").stdout
+    assert "oblivious False" in _run_hook_probe(probe).stdout
+
+
 @pytest.mark.slow
 def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
     """The CPU dry run, as a user runs it: both CLIs (stock's recipe file, ours through ``python
