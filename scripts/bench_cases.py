@@ -188,6 +188,10 @@ CASES = {
            env={"BENCH_BACKED_SIZE_OBLIVIOUS": "1"}, **_PADDED_PER_LAYER),
         _v("ours_best_oblivious", "ours", "ours: padding-free whole model, size-oblivious dynamic shapes",
            env={"BENCH_BACKED_SIZE_OBLIVIOUS": "1"}, **OURS_1B_PADDED),
+        # a full garbage collection inside the window (the clock's gc_pauses)? the same with
+        # every object alive at the warm-up's end frozen out of later collections
+        _v("ours_free_layers_gc_freeze", "ours", "ours: padding-free per layer, gc.freeze() after warm-up",
+           env={"BENCH_GC_FREEZE": "1"}, **_PADDED_PER_LAYER),
         # short steps: the optimizer step's fixed cost weighs more than packed
         _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in one compiled graph",
            **OURS_1B_PADDED, optimizer=_ADAMW8BIT)],

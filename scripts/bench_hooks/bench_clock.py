@@ -36,6 +36,11 @@ GPU's SM clock as NVML last sampled it at each step's end, over a 1/6 to 1 s per
 pynvml where it is installed: a GPU slowed by its power or temperature limits shows here, else
 null).
 
+A lever on top (``BENCH_GC_FREEZE=1``, ``freeze_gc``): when the warm-up ends, before the
+clock's first read, one full collection, then ``gc.freeze()`` (every object alive then, the
+compiled graphs' included, is left out of later collections): does a full collection inside the
+window cost a step its time?
+
 The numbers go to the JSON file ``BENCH_CLOCK`` names (rank r > 0 of a distributed run:
 ``<path>.rank<r>``), written when the window closes and again at exit.
 """
@@ -51,6 +56,9 @@ import torch
 IGNORE_INDEX = -100  # torchtune's CROSS_ENTROPY_IGNORE_IDX
 GIB = 2**30
 GC_PAUSE_S = 0.005  # a young-generation collection this long is reported too
+# The collections' own timer, bound once: a gc callback runs inside whatever code allocated, so
+# it must not depend on (or disturb) anything patched or mocked later, nor ever raise.
+_gc_timer = time.perf_counter
 # torch.cuda.memory_stats() counters that mean the caching allocator went to the driver
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
@@ -101,10 +109,10 @@ def _sm_clock_reader():
 
 
 class Clock:
-    def __init__(self, path: str, warmup: int = 5, window: int = 20):
+    def __init__(self, path: str, warmup: int = 5, window: int = 20, freeze_gc: bool = False):
         if warmup < 0 or window < 1:
             raise ValueError(f"bench clock: need warmup >= 0 and window >= 1, got {warmup}, {window}")
-        self.path, self.warmup, self.window = path, warmup, window
+        self.path, self.warmup, self.window, self.freeze_gc = path, warmup, window, freeze_gc
         self.fetched = 0  # batches handed to the recipe so far
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
@@ -123,14 +131,17 @@ class Clock:
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-            return
-        if self._step is None or self._gc_started is None:
-            return
-        seconds = time.perf_counter() - self._gc_started
-        if info["generation"] == 2 or seconds >= GC_PAUSE_S:
-            self.gc_pauses.append([self._step, info["generation"], round(seconds, 4)])
+        try:
+            if phase == "start":
+                self._gc_started = _gc_timer()
+                return
+            if self._step is None or self._gc_started is None:
+                return
+            seconds = _gc_timer() - self._gc_started
+            if info["generation"] == 2 or seconds >= GC_PAUSE_S:
+                self.gc_pauses.append([self._step, info["generation"], round(seconds, 4)])
+        except Exception:  # noqa: BLE001 - never into the code the collection interrupted
+            pass
 
     def before_fetch(self) -> None:
         """The recipe asks for batch number ``self.fetched``."""
@@ -141,6 +152,9 @@ class Clock:
             return
         self._requested = self.fetched
         if self.fetched == self.warmup:
+            if self.freeze_gc:  # before the clock starts: the collection itself is not timed
+                gc.collect()
+                gc.freeze()
             self.start = _sync_and_read_clock()
         elif self.fetched == self.warmup + self.window:
             self.seconds = _sync_and_read_clock() - self.start
@@ -275,6 +289,7 @@ def rank_path(path: str) -> str:
 def install_from_env() -> Clock:
     clock = Clock(rank_path(os.environ["BENCH_CLOCK"]),
                   int(os.environ.get("BENCH_CLOCK_WARMUP", "5")),
-                  int(os.environ.get("BENCH_CLOCK_WINDOW", "20")))
+                  int(os.environ.get("BENCH_CLOCK_WINDOW", "20")),
+                  freeze_gc=os.environ.get("BENCH_GC_FREEZE") == "1")
     install(clock)
     return clock

@@ -5,6 +5,8 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 
 - BENCH_CLOCK=PATH: the benchmark's timer and true peak memory, identical for both sides
   (bench_clock.py says how it measures).
+- BENCH_GC_FREEZE=1 (with BENCH_CLOCK=PATH): a full collection and ``gc.freeze()`` when the
+  clock's warm-up ends (bench_clock.py): are full collections what stalls a window's step?
 - BENCH_MEMORY_AT_PEAK=1 (with BENCH_CLOCK=PATH): what is live on the GPU at the run's peak of
   allocated memory, by where it was allocated, in PATH.memory.txt (memory_at_peak.py).
 - BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator capped at G GiB
