@@ -46,6 +46,17 @@ def _saved_copy(state_dict, path):
     return load_recipe_state(path)
 
 
+def _assert_same_states(their_state: dict, our_state: dict, local=lambda t: t) -> None:
+    """Both moments equal bit for bit: an 8-bit state's codes and block scales, or the full
+    precision tensor torchao keeps for a small parameter (``local``: a DTensor's shard)."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        sa, sb = local(their_state[key]), local(our_state[key])
+        if isinstance(sa, OptimState8bit):
+            assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale), key
+        else:
+            assert torch.equal(sa, sb), key
+
+
 def test_row_slices_cover_every_row_once_on_block_boundaries():
     opt = AdamW8bit([torch.nn.Parameter(torch.zeros(1))], chunk_numel=5000)
     for rows, row_numel in [(1000, 64), (4096, 3), (7, 1024), (128256, 16)]:
@@ -79,13 +90,7 @@ def test_sliced_steps_equal_torchaos_bit_for_bit(stochastic):
         assert torch.equal(a, b)
     assert not torch.equal(ours[0], init[0])  # it trained
     for a, b in zip(theirs, ours):
-        sa, sb = their_opt.state[a], our_opt.state[b]
-        for key in ("exp_avg", "exp_avg_sq"):
-            if isinstance(sa[key], OptimState8bit):
-                assert torch.equal(sa[key].codes, sb[key].codes), key
-                assert torch.equal(sa[key].scale, sb[key].scale), key
-            else:
-                assert torch.equal(sa[key], sb[key]), key
+        _assert_same_states(their_opt.state[a], our_opt.state[b])
 
 
 def test_the_update_is_compiled_once_a_process_not_once_a_call(monkeypatch):
@@ -178,6 +183,26 @@ def test_a_state_made_with_a_larger_block_resumes_sliced_on_its_own_blocks(tmp_p
     assert torch.equal(theirs[0], ours[0])
 
 
+def _second_step_peak_above_start(params, opt) -> int:
+    """Bytes the CUDA allocator's peak rose above what was allocated before ``opt``'s second
+    step (random gradients each step; the first compiles and creates the states). Frees the
+    parameters' memory after."""
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        opt.step()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    params.clear()
+    opt.param_groups.clear()
+    opt.state.clear()
+    torch.cuda.empty_cache()
+    return peak
+
+
 @pytest.mark.gpu
 def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
     """The point of the slices, on CUDA, compiled: torchao's step of a
@@ -189,18 +214,7 @@ def test_sliced_compiled_step_keeps_its_fp32_temporaries_to_a_slice():
     def step_peak_above_start(cls, **kwargs):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(numel // 4096, 4096, device="cuda", dtype=torch.bfloat16))
-        opt = cls([p], lr=1e-3, **kwargs)
-        for _ in range(2):
-            p.grad = torch.randn_like(p)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            opt.step()
-            torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - start
-        del p, opt
-        torch.cuda.empty_cache()
-        return peak
+        return _second_step_peak_above_start([p], cls([p], lr=1e-3, **kwargs))
 
     theirs = step_peak_above_start(TorchaoAdamW8bit)
     ours = step_peak_above_start(AdamW8bit, chunk_numel=chunk)
@@ -220,15 +234,7 @@ def test_batched_compiled_step_keeps_its_fp32_temporaries_to_a_batch():
     params = [torch.nn.Parameter(torch.randn(numel // 4096, 4096, device="cuda", dtype=torch.bfloat16))
               for _ in range(count)]
     opt = AdamW8bit(params, lr=1e-3, chunk_numel=chunk, compile_whole_step=True)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        opt.step()
-        torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
+    peak = _second_step_peak_above_start(params, opt)
     assert peak <= 16 * chunk, (peak, 16 * chunk)
 
 
@@ -294,12 +300,7 @@ def test_the_whole_step_in_one_graph_equals_torchaos_step_bit_for_bit(device, mo
         assert not torch.equal(b, start)  # it trained
         sa, sb = their_opt.state[a], our_opt.state[b]
         assert sa["step"].item() == sb["step"].item() == 3
-        for key in ("exp_avg", "exp_avg_sq"):
-            if isinstance(sa[key], OptimState8bit):
-                assert torch.equal(sa[key].codes, sb[key].codes), key
-                assert torch.equal(sa[key].scale, sb[key].scale), key
-            else:
-                assert torch.equal(sa[key], sb[key]), key
+        _assert_same_states(sa, sb)
     assert isinstance(our_opt.state[ours[1]]["exp_avg"], OptimState8bit)  # 8-bit in the graph
 
 
@@ -325,12 +326,7 @@ def test_alike_parameters_step_in_batches_that_share_one_graph(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # not 3 or 6
     for a, b in zip(theirs, ours):
         assert torch.equal(a, b)
-        for key in ("exp_avg", "exp_avg_sq"):
-            sa, sb = their_opt.state[a][key], our_opt.state[b][key]
-            if isinstance(sa, OptimState8bit):
-                assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale), key
-            else:
-                assert torch.equal(sa, sb), key
+        _assert_same_states(their_opt.state[a], our_opt.state[b])
 
 
 def test_alike_batches_keep_order_and_bound_count_and_elements():
@@ -416,9 +412,4 @@ def test_an_fsdp2_shard_steps_in_slices_as_torchao_steps_the_dtensor(two_rank_me
         assert isinstance(b, torch.distributed.tensor.DTensor)
         assert torch.equal(a.to_local(), b.to_local())
         assert not torch.equal(b.to_local(), start.to_local())  # it trained
-        for key in ("exp_avg", "exp_avg_sq"):
-            sa, sb = their_opt.state[a][key].to_local(), our_opt.state[b][key].to_local()
-            if isinstance(sa, OptimState8bit):
-                assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.scale, sb.scale), key
-            else:
-                assert torch.equal(sa, sb), key
+        _assert_same_states(their_opt.state[a], our_opt.state[b], local=lambda t: t.to_local())
