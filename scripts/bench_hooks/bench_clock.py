@@ -123,8 +123,7 @@ class Clock:
         self._step = None  # the window step whose interval is running, else None
         self._gc_started = None
         self._allocator = {}
-        self._sm_clock = None  # NVML's reader, looked up at the window's first step
-        self._sm_clock_looked_up = False
+        self._sm_clock = None  # NVML's reader, looked up when the warm-up ends
         # NOTE: read once here: the first read imports torch._dynamo (~1 s), which must not land
         # inside a timed step.
         self._graphs = _graphs_compiled()
@@ -155,6 +154,8 @@ class Clock:
             if self.freeze_gc:  # before the clock starts: the collection itself is not timed
                 gc.collect()
                 gc.freeze()
+            if _cuda_in_use():  # NVML's init and handle lookup, before the clock starts too
+                self._sm_clock = _sm_clock_reader()
             self.start = _sync_and_read_clock()
         elif self.fetched == self.warmup + self.window:
             self.seconds = _sync_and_read_clock() - self.start
@@ -174,8 +175,6 @@ class Clock:
                        if v != self._allocator.get(k, 0)}
             if changed:
                 self.allocator_events.append([ending, changed])
-            if not self._sm_clock_looked_up and _cuda_in_use():
-                self._sm_clock, self._sm_clock_looked_up = _sm_clock_reader(), True
             try:
                 self.sm_clock_mhz.append(self._sm_clock() if self._sm_clock else None)
             except Exception:  # NVML gone mid-run: null from here on

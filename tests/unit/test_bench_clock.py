@@ -274,12 +274,13 @@ def test_the_gc_freeze_lever_freezes_once_when_the_warmup_ends(monkeypatch, tmp_
     """``freeze_gc`` (BENCH_GC_FREEZE=1): one full collection and ``gc.freeze()`` at the request
     for the window's first batch, before the clock's first read; never without the lever."""
     events, reads = [], iter(range(1, 100))
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect", timer.fetched)) or 0)
     monkeypatch.setattr(gc, "freeze", lambda: events.append(("freeze", timer.fetched)))
     monkeypatch.setattr(bench_clock, "_sync_and_read_clock", lambda: events.append("clock") or next(reads))
     timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=3, freeze_gc=True)
     for _ in bench_clock.ClockedIterator(iter(_batches(6)), timer):
         pass
-    assert events == [("freeze", 2), "clock", "clock"]
+    assert events == [("collect", 2), ("freeze", 2), "clock", "clock"]
     events.clear()
     timer = bench_clock.Clock(str(tmp_path / "d.json"), warmup=2, window=3)
     for _ in bench_clock.ClockedIterator(iter(_batches(6)), timer):

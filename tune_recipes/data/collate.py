@@ -191,11 +191,11 @@ def padded_to_a_multiple(batch: List[Dict[str, Any]], *, collate, padding_idx: i
 
 def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
                          ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX,
-                         pad_to_multiple_of: int = FLEX_BLOCK,
+                         pad_to_multiple_of: Optional[int] = None,
                          max_seq_len: Optional[int] = None, spans: bool = False) -> Dict[str, Any]:
     """An unpacked micro-batch as one row: its examples end to end, each attending only to
-    itself, then padding up to a multiple of ``pad_to_multiple_of`` tokens (a bounded set of
-    lengths for compiled graphs; flex attention's block). Where the examples together are
+    itself, then padding up to a multiple of ``pad_to_multiple_of`` tokens (None: 16 with
+    ``spans``, ``SPANS_MULTIPLE``; else 128, flex attention's block). Where the examples together are
     longer than the model takes (``max_seq_len``), they fill as many rows of at most that many
     tokens as they need, in order.
 
@@ -214,7 +214,8 @@ def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
         rows[-1].append({"tokens": t, "labels": y})
         filled += len(t)
     longest = max(sum(len(x["tokens"]) for x in row) for row in rows)
-    length = padded_length(longest, pad_to_multiple_of, max_seq_len)
+    multiple = pad_to_multiple_of or (SPANS_MULTIPLE if spans else FLEX_BLOCK)
+    length = padded_length(longest, multiple, max_seq_len)
     tokens, labels, input_pos, seq_lens = [], [], [], []
     for row in rows:
         lens = [len(x["tokens"]) for x in row]

@@ -14,13 +14,7 @@ from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
-from tune_recipes.data.collate import (
-    FLEX_BLOCK,
-    SPANS_MULTIPLE,
-    packed_collate,
-    padded_to_a_multiple,
-    padding_free_collate,
-)
+from tune_recipes.data.collate import FLEX_BLOCK, packed_collate, padded_to_a_multiple, padding_free_collate
 from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varlen_available
 from tune_recipes.validation import dataset_packed
 
@@ -282,7 +276,7 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
     """The batch collation for ``dataset``: packed sequences with their document masks
     (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
     masks (``padding_free``: ``data.collate.padding_free_collate``, its row padded on to 16
-    tokens over ``spans``, 128 for flex attention's block mask); or padding by
+    tokens over ``spans``, else 128); or padding by
     ``collate_fn``, then on to a multiple of ``pad_to_multiple_of`` tokens
     (``data.collate.padded_to_a_multiple``; see ``padded_batch_multiple``) but never past
     ``longest_row`` (the tokenizer's ``max_seq_len``) or ``max_seq_len`` (the most tokens the
@@ -312,10 +306,9 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
             f"model takes in a row ({max_seq_len}; with a teacher, the shorter of the two): set "
             f"tokenizer.max_seq_len={max_seq_len} or less")
     if padding_free:
-        # over spans the row needs no flex tile, only FP8's multiple of 16 (SPANS_MULTIPLE)
+        # the row's multiple follows the mask: 16 over spans, 128 for flex's block mask
         collate = partial(padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
-                          max_seq_len=max_seq_len, spans=spans,
-                          pad_to_multiple_of=SPANS_MULTIPLE if spans else FLEX_BLOCK)
+                          max_seq_len=max_seq_len, spans=spans)
     else:
         if "left_pad_sequence" in collate_fn:
             raise ConfigError("collate_fn: left_pad_sequence is for inference, not training")
