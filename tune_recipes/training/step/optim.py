@@ -144,7 +144,9 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         options = multi_tensor_options(cfg_optimizer, params)
-        compiles_itself = compile_step and _is_adamw8bit(cfg_optimizer.get("_component_"))
+        # the refusal above has checked that the component resolves (to an allowed optimizer)
+        compiles_itself = compile_step and _compiles_its_own_step(
+            resolve_component(cfg_optimizer.get("_component_"), "optimizer"))
         if compiles_itself:
             options.update(compile_whole_step=True)
         elif compile_step:
@@ -180,13 +182,12 @@ def build_optimizer(cfg_optimizer, model: nn.Module, optimizer_in_bwd: bool = Fa
     return opt
 
 
-def _is_adamw8bit(component: Any) -> bool:
+def _compiles_its_own_step(optimizer_class: Any) -> bool:
+    """Our AdamW8bit, which compiles its step itself (``compile_whole_step``), not through
+    ``CompiledOptimizerStep``."""
     from tune_recipes.optim import AdamW8bit
 
-    try:
-        return resolve_component(component, "optimizer") is AdamW8bit
-    except ConfigError:
-        return False
+    return isinstance(optimizer_class, type) and issubclass(optimizer_class, AdamW8bit)
 
 
 # The param-group entries that pick an optimizer's implementation, not its training settings.
@@ -243,7 +244,7 @@ class CompiledOptimizerStep:
         cls = type(optimizer)
         # torch's Adam/AdamW only: our AdamW8bit compiles its own step (build_optimizer)
         problem = compiled_step_refusal(False, f"{cls.__module__}.{cls.__qualname__}")
-        if problem or _is_adamw8bit(f"{cls.__module__}.{cls.__qualname__}"):
+        if problem or _compiles_its_own_step(cls):
             raise ConfigError(problem or "CompiledOptimizerStep: AdamW8bit compiles its own step "
                               "(AdamW8bit(..., compile_whole_step=True))")
         self.optimizer = optimizer
