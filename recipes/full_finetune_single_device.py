@@ -51,7 +51,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
-from tune_recipes.training.setup.activations import ac_interval
+from tune_recipes.training.setup.activations import ac_interval, checkpoint_reentrant
 from tune_recipes.training.setup.fp8 import fp8_recipe_wanted
 from tune_recipes.training.setup.model import setup_full_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
@@ -103,7 +103,7 @@ class FullFinetuneRecipeSingleDevice:
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
             compile_scope=cfg.get("compile_scope", None),
             activation_memory_budget=cfg.get("activation_memory_budget", None),
-            ac_interval=ac_interval(cfg),
+            ac_interval=ac_interval(cfg), ac_reentrant=checkpoint_reentrant(cfg),
             fp8_recipe=self._fp8,
             fp8_fast_accum_backward=cfg.get("fp8_fast_accum_backward", False),
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),

@@ -33,7 +33,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.kd import DistillationLoss
-from tune_recipes.training.setup.activations import ac_interval
+from tune_recipes.training.setup.activations import ac_interval, checkpoint_reentrant
 from tune_recipes.training.setup.model import setup_full_model, setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
 from tune_recipes.training.setup.recipe import (
@@ -82,7 +82,7 @@ class KDRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device, seed=self._state.seed,
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
             compile_model=cfg.get("compile", False),
-            ac_interval=ac_interval(cfg),
+            ac_interval=ac_interval(cfg), ac_reentrant=checkpoint_reentrant(cfg),
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)
         self._optimizer = build_optimizer(

@@ -45,7 +45,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
-from tune_recipes.training.setup.activations import ac_interval
+from tune_recipes.training.setup.activations import ac_interval, checkpoint_reentrant
 from tune_recipes.training.setup.fp8 import fp8_lora_wanted
 from tune_recipes.training.setup.model import embedding_on_cpu_wanted, setup_lora_model
 from tune_recipes.training.setup.offloading import activation_offloading_wanted, offload_activations
@@ -95,7 +95,7 @@ class LoRAFinetuneRecipeSingleDevice:
             cfg.model, dtype=self._dtype, device=self._runtime.device, seed=self._state.seed,
             base_state_dict=ckpt[training.MODEL_KEY], lora_state_dict=ckpt.get(training.ADAPTER_KEY),
             compile_model=cfg.get("compile", False), compile_scope=cfg.get("compile_scope", None),
-            ac_interval=ac_interval(cfg),
+            ac_interval=ac_interval(cfg), ac_reentrant=checkpoint_reentrant(cfg),
             fp8=self._fp8, embedding_on_cpu=self._embedding_on_cpu,
             fp8_mlp_activations=cfg.get("fp8_mlp_activations", False),
             fp8_mlp_layers=cfg.get("fp8_mlp_layers", None),

@@ -41,7 +41,7 @@ from tune_recipes.config import check_known_keys, parse
 from tune_recipes.training.checkpointing.state import RecipeState
 from tune_recipes.training.checkpointing.writer import CheckpointWriter
 from tune_recipes.training.losses.lm_loss import CausalLMLoss
-from tune_recipes.training.setup.activations import ac_interval
+from tune_recipes.training.setup.activations import ac_interval, checkpoint_reentrant
 from tune_recipes.training.setup.model import setup_full_model
 from tune_recipes.training.setup.qat import FakeQuantSchedule, build_quantizer, check_group_size
 from tune_recipes.training.setup.recipe import load_checkpoint, setup_step_driver, training_dtype
@@ -84,7 +84,7 @@ class QATRecipeSingleDevice:
         self._model = setup_full_model(
             cfg.model, dtype=self._dtype, device=self._runtime.device,
             state_dict=ckpt[training.MODEL_KEY], compile_model=cfg.get("compile", False),
-            ac_interval=ac_interval(cfg),
+            ac_interval=ac_interval(cfg), ac_reentrant=checkpoint_reentrant(cfg),
             before_load=self._prepare_qat,
         )
         self._tokenizer = tt_config.instantiate(cfg.tokenizer)

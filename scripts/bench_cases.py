@@ -243,7 +243,8 @@ def shipped_cases() -> dict:
 def _shipped_levers(recipe: str, ours: dict) -> list:
     """What a shipped config of ours trades: the allocator's default (no expandable segments),
     compile, packing (what each config's header quotes), the optimizer's memory against speed
-    (full fine-tunes), activation checkpointing on every second layer instead of every layer,
+    (full fine-tunes), activation checkpointing on every second layer instead of every layer, or
+    through torch's non-reentrant checkpoint instead of the reentrant one,
     a micro-batch twice as large over half the accumulation (the same examples a step)."""
     levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
                  env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
@@ -265,6 +266,10 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
         # peak is below stock's, the headroom may buy speed.
         levers.append(_v("ours_ac_every_2", "ours", "our config, every second layer checkpointed",
                          enable_activation_checkpointing=False, ac_mode="selective", ac_option=2))
+        # The reentrant checkpoint's lighter host work (the recipes' eager default) against
+        # torchtune's non-reentrant one, in a step that waits on the host.
+        levers.append(_v("ours_ac_non_reentrant", "ours", "our config, torch's non-reentrant checkpoint (torchtune's)",
+                         env={"BENCH_AC_NON_REENTRANT": "1"}))
     if ga % 2 == 0:
         levers.append(_v("ours_double_batch", "ours", "our config, twice the micro-batch, half the accumulation",
                          batch_size=2 * ours["batch_size"], gradient_accumulation_steps=ga // 2))

@@ -25,6 +25,10 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   graph compiled for dynamic lengths otherwise guards on choices Inductor made by the first
   batch's length (compiled per layer on unpacked rows: ``length <= 2559``), and the first
   longer batch compiles it again; this asks whether the lever removes that, and at what speed.
+- BENCH_AC_NON_REENTRANT=1: ours' checkpointed layers through torch's non-reentrant checkpoint
+  (torchtune's) instead of the reentrant one its eager single-device recipes pick
+  (``checkpoint_reentrant`` in tune_recipes/training/setup/activations.py): what the reentrant
+  checkpoint's lighter host work buys in a host-bound eager step.
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -113,3 +117,9 @@ if os.environ.get("BENCH_BACKED_SIZE_OBLIVIOUS") == "1" and _IS_RECIPE:
     import torch.fx.experimental._config as _fx_config
 
     _fx_config.backed_size_oblivious = True
+
+if os.environ.get("BENCH_AC_NON_REENTRANT") == "1" and _IS_RECIPE:
+    import tune_recipes.training.setup.activations as _activations
+
+    # The recipes import the name into their own module when they start, after this hook.
+    _activations.checkpoint_reentrant = lambda cfg: False

@@ -4,6 +4,9 @@ tiny/full_single_device also runs torchtune's selective layer checkpointing (``a
 selective``, ``ac_option: 2``: the second of the tiny model's two layers), which must train
 identically too (the layer choice and every model setup: tests/unit/training/setup/test_activations.py).
 
+The single-device recipes' checkpointed layers run torch's reentrant checkpoint (eager, no
+offloading), the distributed recipes' the non-reentrant one: the logged line says which.
+
 Both runs also save a mid-epoch checkpoint after step 1 (save_every_n_steps=1), so every recipe
 family's save path runs in CI. Tolerance (fp32 CPU): the recomputed forward runs the same kernels on the same inputs, so
 losses and gradient norms agree to rtol 1e-6 (observed: bit-identical).
@@ -32,7 +35,7 @@ def test_every_training_recipe_has_a_tiny_config_here():
 # One extra short run, on the cheapest recipe: the overrides and the line its setup logs.
 SELECTIVE = {"tiny/full_single_device": (
     ["enable_activation_checkpointing=False", "ac_mode=selective", "ac_option=2"],
-    "activation checkpointing: 1 of 2 transformer layers (model.layers 1)")}
+    "activation checkpointing: 1 of 2 transformer layers (model.layers 1; reentrant)")}
 
 
 @pytest.mark.parametrize("config_name", TINY_TRAINING_CONFIGS)
@@ -55,6 +58,9 @@ def test_activation_checkpointing_on_equals_off(tmp_path, config_name):
                     *overrides, "save_every_n_steps=1")
         if name == "selective":  # the recipe did checkpoint the one layer ac_option picks
             assert SELECTIVE[config_name][1] in proc.stdout + proc.stderr
+        if name == "on":  # eager on one device: the reentrant checkpoint; FSDP2: torchtune's
+            kind = "non-reentrant" if recipe in DISTRIBUTED_RECIPES else "reentrant"
+            assert f"transformer layers (model.layers 0, 1; {kind})" in proc.stdout + proc.stderr
         runs[name] = out
     off = losses(runs["off"])
     off_norms = read_metrics(runs["off"] / "metrics.jsonl", "grad_norm")

@@ -460,6 +460,15 @@ def test_the_size_oblivious_lever_sets_torchs_config_in_our_recipes_process():
     assert "oblivious False" in _run_hook_probe(probe).stdout
 
 
+def test_the_non_reentrant_lever_reaches_the_name_a_recipe_imports():
+    """A recipe imports ``checkpoint_reentrant`` after the hook ran: it gets the lever's."""
+    probe = ("from omegaconf import OmegaConf\n"
+             "from tune_recipes.training.setup.activations import checkpoint_reentrant\n"
+             "print('reentrant', checkpoint_reentrant(OmegaConf.create({})))")
+    assert "reentrant False" in _run_hook_probe(probe, BENCH_AC_NON_REENTRANT="1").stdout
+    assert "reentrant True" in _run_hook_probe(probe).stdout
+
+
 @pytest.mark.slow
 def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
     """The CPU dry run, as a user runs it: both CLIs (stock's recipe file, ours through ``python

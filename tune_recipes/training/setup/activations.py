@@ -22,18 +22,30 @@ A recipe carries the decision as one number, the interval::
 
     setup_full_model(..., ac_interval=ac_interval(cfg))   # or **fsdp_options(cfg), distributed
 
-and the model setup calls ``apply_activation_checkpointing(model, interval)``. The wrappers are
-torch's non-reentrant ``CheckpointWrapper``, as torchtune's: state-dict keys are unchanged, so a
+and the model setup calls ``apply_activation_checkpointing(model, interval, reentrant)``. The
+wrappers are torch's ``CheckpointWrapper``, as torchtune's: state-dict keys are unchanged, so a
 checkpoint saved from a selectively checkpointed model loads into a plain one and back.
+
+Which checkpoint runs inside them (``checkpoint_reentrant(cfg)``, the single-device recipes):
+torch's reentrant checkpoint when the layers run eagerly on one device without activation
+offloading, torch's non-reentrant one (torchtune's) otherwise. The gradients are the same (the
+same forward runs twice either way; tested bit for bit). What differs is host work: the
+non-reentrant checkpoint runs two Python hooks for every tensor a layer saves, and recomputes
+from inside those hooks; the reentrant one runs the layer under ``no_grad`` (nothing saved) and,
+in backward, once more with gradients and a nested backward. Eager steps of small batches wait
+on that host work: on the CPU, a 32-layer LoRA model of Llama-3.1-8B's layout at tiny widths
+spent a third less host time a forward and backward (116 against 171 ms;
+``scripts/bench_host_overhead.py``).
 """
 
 from functools import partial
 from typing import List, Optional
 
 import torch
+import torch.utils.checkpoint
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torchtune import training
 from torchtune.modules import TransformerSelfAttentionLayer
@@ -76,10 +88,43 @@ def layers_to_checkpoint(interval: Optional[int], num_layers: int) -> List[int]:
     return list(range(interval - 1, num_layers, interval))
 
 
-def apply_activation_checkpointing(model: nn.Module, interval: Optional[int]) -> List[int]:
-    """Wrap the transformer layers ``interval`` names in torch's non-reentrant checkpoint wrapper,
-    in place, through torchtune's ``training.set_activation_checkpointing``. Returns the 0-based
-    indices into ``model.layers`` now wrapped (empty for a model without ``layers``).
+def checkpoint_reentrant(cfg: DictConfig) -> bool:
+    """Whether a single-device recipe's checkpointed layers use torch's reentrant checkpoint:
+    yes unless ``compile`` (a compiled layer would be traced twice, once under ``no_grad``, and
+    Inductor already saves little) or ``enable_activation_offloading`` (its saved-tensor hooks
+    are built around the non-reentrant checkpoint's) is on. The distributed recipes never do:
+    see ``apply_activation_checkpointing``."""
+    return not cfg.get("compile", False) and not cfg.get("enable_activation_offloading", False)
+
+
+def _reentrant_checkpoint(layer: nn.Module, *args, **kwargs):
+    """``layer(*args, **kwargs)`` through torch's reentrant checkpoint (the ``checkpoint_fn`` of
+    a ``CheckpointWrapper``). Keyword arguments (the attention mask, positions) ride in a
+    closure: they need no gradient, and the recompute reads the same objects."""
+    if not torch.is_grad_enabled():  # validation: nothing to recompute for
+        return layer(*args, **kwargs)
+    if args and torch.is_tensor(args[0]) and not args[0].requires_grad:
+        # NOTE: the reentrant checkpoint's output requires grad only if an input does. A LoRA
+        # model's first layer reads the frozen embedding's output, so without this its output,
+        # and every later layer's, would need no gradient and no adapter would get one. The
+        # alias shares the input's memory; the price is the first layer's input gradient,
+        # computed and dropped.
+        args = (args[0].detach().requires_grad_(),) + args[1:]
+    run = partial(layer, **kwargs) if kwargs else layer
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True)
+
+
+def apply_activation_checkpointing(model: nn.Module, interval: Optional[int],
+                                   reentrant: bool = False) -> List[int]:
+    """Wrap the transformer layers ``interval`` names in torch's checkpoint wrapper (the
+    reentrant checkpoint inside with ``reentrant``, see ``checkpoint_reentrant``; else the
+    non-reentrant one), in place, through torchtune's ``training.set_activation_checkpointing``.
+    Returns the 0-based indices into ``model.layers`` now wrapped (empty for a model without
+    ``layers``).
+
+    NOTE: the distributed setup keeps ``reentrant=False``: FSDP2 unshards a layer's parameters
+    in hooks around its forward and reshards them after, and the reentrant checkpoint's nested
+    backward of the recomputed layer is not something those hooks are tested against.
 
     ``interval`` 1 wraps every ``TransformerSelfAttentionLayer`` wherever it sits, the call the
     recipes made before ``ac_mode`` existed. An interval k > 1 picks from ``model.layers`` (a
@@ -87,11 +132,12 @@ def apply_activation_checkpointing(model: nn.Module, interval: Optional[int]) ->
     those layers with the same call and a narrower policy."""
     if interval is None:
         return []
+    wrap = {"checkpoint_wrapper_fn": partial(checkpoint_wrapper, checkpoint_fn=_reentrant_checkpoint)} if reentrant else {}
     if interval == 1:
         # NOTE: not the index path below, though on a TransformerDecoder it wraps the same
         # modules: a model without ``layers`` (Llama-3.2-Vision's DeepFusionModel, whose encoder
         # and decoder layers are nested) keeps the checkpointing it always had.
-        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer}, **wrap)
     else:
         layers = getattr(model, "layers", None)
         if not isinstance(layers, nn.ModuleList):
@@ -102,13 +148,14 @@ def apply_activation_checkpointing(model: nn.Module, interval: Optional[int]) ->
         chosen = [layers[i] for i in layers_to_checkpoint(interval, len(layers))]
         policy = partial(lambda_auto_wrap_policy,
                          lambda_fn=lambda m: any(m is layer for layer in chosen))
-        training.set_activation_checkpointing(model, auto_wrap_policy=policy)
+        training.set_activation_checkpointing(model, auto_wrap_policy=policy, **wrap)
     layers = getattr(model, "layers", None)
     wrapped = [i for i, layer in enumerate(layers or []) if isinstance(layer, CheckpointWrapper)]
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         if layers is None:
             log.info("activation checkpointing: every transformer layer")
         else:
-            log.info("activation checkpointing: %d of %d transformer layers (model.layers %s)",
-                     len(wrapped), len(layers), ", ".join(map(str, wrapped)) or "none")
+            log.info("activation checkpointing: %d of %d transformer layers (model.layers %s; %s)",
+                     len(wrapped), len(layers), ", ".join(map(str, wrapped)) or "none",
+                     "reentrant" if reentrant else "non-reentrant")
     return wrapped

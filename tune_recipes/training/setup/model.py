@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config as tt_config, training
+from torchao.dtypes.nf4tensor import NF4Tensor
 from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
@@ -14,6 +15,7 @@ from tune_recipes.modules.fp8_lora import convert_lora_to_fp8
 from tune_recipes.modules.document_attention import mark_varying_lengths_dynamic, route_document_attention
 from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
+from tune_recipes.modules.nf4 import use_lean_nf4_dequantization
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
@@ -36,6 +38,7 @@ def _keep_mlp_products_in_fp8(model: nn.Module, fp8_mlp_layers: Optional[int], p
 
 def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[str, Any],
                      compile_model: bool = False, ac_interval: Optional[int] = None,
+                     ac_reentrant: bool = False,
                      before_load: Optional[Callable[[nn.Module], nn.Module]] = None,
                      fp8_recipe: Optional[str] = None, compile_scope: Optional[str] = None,
                      activation_memory_budget: Optional[float] = None,
@@ -46,8 +49,9 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
     (``setup.fp8``), compile, activation checkpointing of the layers ``ac_interval`` names
-    (``setup.activations``: None none, 1 every layer, k every k-th), and ``state_dict`` loaded
-    strictly.
+    (``setup.activations``: None none, 1 every layer, k every k-th; ``ac_reentrant``: through
+    torch's reentrant checkpoint, ``setup.activations.checkpoint_reentrant``), and ``state_dict``
+    loaded strictly.
     ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
     ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
     instead of one per layer, fusion across layer boundaries, a longer first compile).
@@ -69,7 +73,7 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     route_document_attention(model)  # document-masked batches: see modules.document_attention
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
-    apply_activation_checkpointing(model, ac_interval)
+    apply_activation_checkpointing(model, ac_interval, reentrant=ac_reentrant)
     load_weights(model, state_dict, cfg_model, key=key)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
@@ -239,7 +243,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
                      base_state_dict: Dict[str, Any],
                      lora_state_dict: Optional[Dict[str, Any]],
                      compile_model: bool = False,
-                     ac_interval: Optional[int] = None,
+                     ac_interval: Optional[int] = None, ac_reentrant: bool = False,
                      fp8: bool = False, compile_scope: Optional[str] = None,
                      embedding_on_cpu: bool = False, fp8_mlp_activations: bool = False,
                      fp8_adapter_inputs: bool = False, fp8_transposed_weight_layers: int = 0,
@@ -248,7 +252,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
     """A single-device LoRA/QLoRA/DoRA model, ready to train: built in ``dtype`` on
     ``device``, only the adapters trainable, the base weights loaded, the adapters from
     ``lora_state_dict`` (a resume) or a seeded init, DoRA magnitudes from the base weights, and
-    both loads checked against the LoRA layout; ``ac_interval`` as in ``setup_full_model``; with
+    both loads checked against the LoRA layout; ``ac_interval`` and ``ac_reentrant`` as in
+    ``setup_full_model``; with
     ``fp8`` the frozen base projections then compute in FP8 (``modules.fp8_lora``; their bf16
     weights move to CPU memory, under the same names); with ``embedding_on_cpu`` the frozen token
     embedding stays in pinned CPU memory and each step's rows are read from there
@@ -277,10 +282,13 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         )
     lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
     set_trainable_params(model, adapter_params)
+    if any(isinstance(p, NF4Tensor) for p in model.parameters()) and use_lean_nf4_dequantization():
+        log.info("QLoRA: NF4 base weights dequantized by tune_recipes.modules.nf4 (torchao's "
+                 "values, fewer kernels)")
     route_document_attention(model)  # document-masked batches: see modules.document_attention
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
-    apply_activation_checkpointing(model, ac_interval)
+    apply_activation_checkpointing(model, ac_interval, reentrant=ac_reentrant)
     base_missing, base_unexpected = load_weights(model, base_state_dict, cfg_model, strict=False)
     if not lora_state_dict:
         # Seeded, build-independent adapter init: the same as the distributed recipes'.

@@ -11,8 +11,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from tune_recipes.config import ConfigError
 from tune_recipes.models.tiny import TINY_LLAMA3_ARGS
 from tune_recipes.training.setup.activations import (
+    _reentrant_checkpoint,
     ac_interval,
     apply_activation_checkpointing,
+    checkpoint_reentrant,
     layers_to_checkpoint,
 )
 
@@ -93,6 +95,103 @@ def test_selective_wraps_exactly_those_layers_and_changes_no_number():
         torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-6, atol=1e-8, msg=name)
 
 
+def _tiny_lora(seed: int = 0):
+    """The tiny Llama-3 with 4 layers and LoRA on q/v and the MLP, only the adapters trainable
+    (the frozen embedding: the first layer's input needs no gradient), lora_b nonzero."""
+    from torchtune.models.llama3 import lora_llama3
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    torch.manual_seed(seed)
+    model = lora_llama3(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
+                        lora_rank=4, lora_alpha=8, **{**TINY_LLAMA3_ARGS, "num_layers": 4})
+    for name, param in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
+def _packed_batch():
+    """Two rows of two documents each: a block-causal mask and per-document positions (the
+    keyword arguments a packed batch gives every layer)."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 272, (2, 24), generator=g)
+    lengths = [(10, 14), (17, 7)]
+    mask = torch.zeros(2, 24, 24, dtype=torch.bool)
+    input_pos = torch.zeros(2, 24, dtype=torch.long)
+    for row, docs in enumerate(lengths):
+        start = 0
+        for n in docs:
+            mask[row, start:start + n, start:start + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            input_pos[row, start:start + n] = torch.arange(n)
+            start += n
+    return tokens, torch.roll(tokens, -1, dims=1), mask, input_pos
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_reentrant_checkpointing_changes_no_number(kind):
+    """The reentrant checkpoint (the single-device recipes' eager path) against none and the
+    non-reentrant one, on a packed batch: the same loss and the same gradients, bit for bit
+    (fp32 CPU: the same kernels on the same inputs), every layer's adapters included. A LoRA
+    model's first layer reads the frozen embedding: without the input alias its adapters (and
+    every later layer's) would get no gradient."""
+    build = _tiny_lora if kind == "lora" else _four_layers
+    tokens, labels, mask, input_pos = _packed_batch()
+    results = {}
+    for mode in ("none", "non-reentrant", "reentrant"):
+        model = build()
+        if mode != "none":
+            assert apply_activation_checkpointing(model, 1, reentrant=mode == "reentrant") == [0, 1, 2, 3]
+        calls = [0]
+        model.layers[0].register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+        logits = model(tokens, mask=mask, input_pos=input_pos)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad
+                 for n, p in model.named_parameters() if p.requires_grad}
+        results[mode] = (loss.detach(), grads, calls[0])
+    loss_plain, grads_plain, calls_plain = results["none"]
+    assert calls_plain == 1 and len(grads_plain) >= (16 if kind == "lora" else 30)
+    for mode in ("non-reentrant", "reentrant"):
+        loss, grads, calls = results[mode]
+        assert calls == 1  # the wrapper's own forward; the layer inside ran twice (below)
+        assert torch.equal(loss, loss_plain), mode
+        assert grads.keys() == grads_plain.keys(), mode
+        for name, grad in grads_plain.items():
+            assert grads[name] is not None and grad.abs().sum() > 0, (mode, name)
+            assert torch.equal(grads[name], grad), (mode, name)
+
+
+def test_reentrant_layers_run_twice_and_infer_without_gradients():
+    model = _tiny_lora()
+    reference = _tiny_lora()
+    apply_activation_checkpointing(model, 1, reentrant=True)
+    assert all(layer.checkpoint_fn.func is _reentrant_checkpoint for layer in model.layers)
+    inner_calls = [0]
+    model.layers[2]._checkpoint_wrapped_module.register_forward_pre_hook(
+        lambda *a: inner_calls.__setitem__(0, inner_calls[0] + 1))
+    tokens, labels, mask, input_pos = _packed_batch()
+    model(tokens, mask=mask, input_pos=input_pos).sum().backward()
+    assert inner_calls[0] == 2  # forward under no_grad, then again in backward
+    # Validation runs under no_grad / inference_mode: one forward, the same logits, no graph.
+    expected = reference(tokens, mask=mask, input_pos=input_pos)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            logits = model(tokens, mask=mask, input_pos=input_pos)
+        assert not logits.requires_grad
+        assert torch.equal(logits, expected.detach())
+
+
+@pytest.mark.parametrize("keys,expected", [
+    ({}, True),
+    ({"enable_activation_checkpointing": True}, True),
+    ({"enable_activation_checkpointing": True, "compile": True}, False),
+    ({"enable_activation_checkpointing": True, "enable_activation_offloading": True}, False),
+])
+def test_checkpoint_reentrant_only_for_eager_layers_without_offloading(keys, expected):
+    assert checkpoint_reentrant(OmegaConf.create(keys)) is expected
+
+
 def test_a_selectively_checkpointed_state_dict_loads_into_a_plain_model(tmp_path):
     checkpointed = _four_layers(seed=3)
     apply_activation_checkpointing(checkpointed, 2)
@@ -135,8 +234,9 @@ def test_the_model_setups_checkpoint_the_layers_they_are_given(one_rank):
     four = OmegaConf.create({"_component_": "torchtune.models.llama3.llama3",
                              **TINY_LLAMA3_ARGS, "num_layers": 4})
     model = setup_full_model(four, dtype=f32, device=cpu, state_dict=_four_layers().state_dict(),
-                             ac_interval=2)
+                             ac_interval=2, ac_reentrant=True)
     assert _wrapped(model) == [1, 3]
+    assert model.layers[1].checkpoint_fn.func is _reentrant_checkpoint
     lora_cfg = OmegaConf.create({"_component_": "tune_recipes.models.lora_tiny_llama3",
                                  "lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4,
                                  "lora_alpha": 8})
@@ -144,10 +244,13 @@ def test_the_model_setups_checkpoint_the_layers_they_are_given(one_rank):
     lora, _ = setup_lora_model(lora_cfg, dtype=f32, device=cpu, seed=0, base_state_dict=base,
                                lora_state_dict=None, ac_interval=2)
     assert _wrapped(lora) == [1]
+    # Not asked: torch's non-reentrant checkpoint, as torchtune's (and the distributed setups').
+    assert lora.layers[1].checkpoint_fn.keywords == {"use_reentrant": False}
     sharded, _ = shard_and_load(OmegaConf.create({"_component_": "tune_recipes.models.tiny_llama3"}),
                                 dtype=f32, device=cpu, world_size=1, full_state_dict=base,
                                 ac_interval=2)
     assert _wrapped(sharded) == [1]
+    assert sharded.layers[1].checkpoint_fn.keywords == {"use_reentrant": False}
     sharded_lora = shard_and_load_lora(lora_cfg, LoRASpec.from_model_config(lora_cfg), dtype=f32,
                                        device=cpu, world_size=1, base_state_dict=base,
                                        adapter_state_dict=None, seed=0, ac_interval=2)
