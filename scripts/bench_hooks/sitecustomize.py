@@ -29,6 +29,8 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   (torchtune's) instead of the reentrant one its eager single-device recipes pick
   (``checkpoint_reentrant`` in tune_recipes/training/setup/activations.py): what the reentrant
   checkpoint's lighter host work buys in a host-bound eager step.
+- BENCH_NF4_TORCHAO=1: ours' QLoRA dequantizes its NF4 weights with torchao's own method
+  instead of tune_recipes/modules/nf4.py's (the same bits, 13 kernels against 5).
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -123,3 +125,9 @@ if os.environ.get("BENCH_AC_NON_REENTRANT") == "1" and _IS_RECIPE:
 
     # The recipes import the name into their own module when they start, after this hook.
     _activations.checkpoint_reentrant = lambda cfg: False
+
+if os.environ.get("BENCH_NF4_TORCHAO") == "1" and _IS_RECIPE:
+    import tune_recipes.modules.nf4 as _nf4
+
+    # The LoRA setup imports the name when the recipe starts, after this hook.
+    _nf4.use_lean_nf4_dequantization = lambda: False

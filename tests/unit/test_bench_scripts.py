@@ -469,6 +469,13 @@ def test_the_non_reentrant_lever_reaches_the_name_a_recipe_imports():
     assert "reentrant True" in _run_hook_probe(probe).stdout
 
 
+def test_the_torchao_nf4_lever_reaches_the_name_the_lora_setup_imports():
+    probe = ("from tune_recipes.training.setup import model\n"
+             "print('lean', model.use_lean_nf4_dequantization())")
+    assert "lean False" in _run_hook_probe(probe, BENCH_NF4_TORCHAO="1").stdout
+    assert "lean True" in _run_hook_probe(probe).stdout
+
+
 @pytest.mark.slow
 def test_the_tiny_case_runs_both_sides_end_to_end_on_the_same_batches(tmp_path):
     """The CPU dry run, as a user runs it: both CLIs (stock's recipe file, ours through ``python
