@@ -244,8 +244,8 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
     """What a shipped config of ours trades: the allocator's default (no expandable segments),
     compile, packing (what each config's header quotes), the optimizer's memory against speed
     (full fine-tunes), activation checkpointing on every second layer instead of every layer, or
-    through torch's non-reentrant checkpoint instead of the reentrant one, QLoRA's NF4 weights
-    dequantized by torchao instead of ours,
+    through torch's non-reentrant checkpoint instead of the reentrant one, torchtune's Llama RoPE
+    instead of ours (eager), QLoRA's NF4 weights dequantized by torchao instead of ours,
     a micro-batch twice as large over half the accumulation (the same examples a step)."""
     levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
                  env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
@@ -271,6 +271,9 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
         # torchtune's non-reentrant one, in a step that waits on the host.
         levers.append(_v("ours_ac_non_reentrant", "ours", "our config, torch's non-reentrant checkpoint (torchtune's)",
                          env={"BENCH_AC_NON_REENTRANT": "1"}))
+    if not ours.get("compile", False) and "qwen" not in ours["model"]["_component_"]:
+        levers.append(_v("ours_torchtune_rope", "ours", "our config, torchtune's RoPE (eager)",
+                         env={"BENCH_TORCHTUNE_ROPE": "1"}))
     if "qlora" in ours["model"]["_component_"]:
         levers.append(_v("ours_torchao_nf4", "ours", "our config, torchao's NF4 dequantization",
                          env={"BENCH_NF4_TORCHAO": "1"}))

@@ -6,9 +6,11 @@ small batches on a GPU, which wait on that work; run it on the CPU.
     python3 scripts/bench_host_overhead.py                 # Llama-3.1-8B LoRA's layout, 32 layers
     python3 scripts/bench_host_overhead.py --full --layers 28
 
-Prints, per activation checkpointing mode (none, torch's non-reentrant checkpoint, the reentrant
-one the single-device recipes use eagerly), the median host milliseconds of a forward and
-backward over ``--reps`` steps and the aten operators dispatched in one.
+Prints, for the model as torchtune builds it (activation checkpointing: none, or torch's
+non-reentrant checkpoint as torchtune's recipes wrap layers) and as the single-device recipes
+run it eagerly (``compile_or_lighten``'s RoPE; the reentrant checkpoint), the median host
+milliseconds of a forward and backward over ``--reps`` steps and the aten operators dispatched
+in one.
 """
 
 import argparse
@@ -22,6 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tune_recipes.training.setup.activations import apply_activation_checkpointing  # noqa: E402
+from tune_recipes.training.setup.model import compile_or_lighten  # noqa: E402
+
+# (label, activation checkpointing: None / "non-reentrant" / "reentrant", the recipes' eager RoPE)
+MODES = [("torchtune's, no checkpointing", None, False),
+         ("ours eager, no checkpointing", None, True),
+         ("torchtune's, non-reentrant checkpoint", "non-reentrant", False),
+         ("reentrant checkpoint, torchtune's RoPE", "reentrant", False),
+         ("ours eager, checkpointed (reentrant)", "reentrant", True)]
 
 
 class _CountOps(TorchDispatchMode):
@@ -51,10 +61,12 @@ def build(layers: int, full: bool, width: int) -> torch.nn.Module:
     return model
 
 
-def measure(mode: str, args) -> dict:
+def measure(label: str, checkpoint, lighten: bool, args) -> dict:
     model = build(args.layers, args.full, args.width)
-    if mode != "none":
-        apply_activation_checkpointing(model, 1, reentrant=mode == "reentrant")
+    if lighten:
+        compile_or_lighten(model, compile_model=False)
+    if checkpoint:
+        apply_activation_checkpointing(model, 1, reentrant=checkpoint == "reentrant")
     tokens = torch.randint(0, 256, (args.batch, args.tokens))
 
     def step():
@@ -70,7 +82,7 @@ def measure(mode: str, args) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"mode": mode, "host_ms": 1e3 * statistics.median(times), "aten_ops": counter.count}
+    return {"mode": label, "host_ms": 1e3 * statistics.median(times), "aten_ops": counter.count}
 
 
 def main() -> None:
@@ -80,13 +92,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="embedding width (a multiple of 32)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--reps", type=int, default=25)
     args = parser.parse_args()
     torch.set_num_threads(1)  # a host thread's work, not the CPU's matmul throughput
-    rows = [measure(mode, args) for mode in ("none", "non-reentrant", "reentrant")]
+    rows = [measure(*mode, args) for mode in MODES]
     print(f"{'full' if args.full else 'LoRA'}, {args.layers} layers, width {args.width}, "
           f"{args.batch} x {args.tokens} tokens, torch {torch.__version__}")
-    print("| activation checkpointing | host ms a forward + backward | aten ops |")
+    print("| model | host ms a forward + backward | aten ops |")
     print("|---|---|---|")
     for row in rows:
         print(f"| {row['mode']} | {row['host_ms']:.1f} | {row['aten_ops']} |")

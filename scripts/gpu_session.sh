@@ -34,7 +34,9 @@
 #   shipped    CASES=shipped:<config>,... as shipped, ours vs torchtune's (default: the 3B full
 #              config; a run of a small model ~1 min, an 8B/7B one ~2, plus its checkpoint once);
 #              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config;
-#              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one)
+#              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one);
+#              ours_ac_non_reentrant, ours_torchtune_rope, ours_torchao_nf4 (QLoRA): each
+#              eager-path change undone alone, an A/B against ours (docs/configs.md, eager steps)
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
 #   optim      the optimizer step alone at Llama-3.2-1B's shapes, after backward: torch's
 #              AdamW and our AdamW8bit as compile_optimizer_step builds them, then AdamW8bit

@@ -31,6 +31,9 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   checkpoint's lighter host work buys in a host-bound eager step.
 - BENCH_NF4_TORCHAO=1: ours' QLoRA dequantizes its NF4 weights with torchao's own method
   instead of tune_recipes/modules/nf4.py's (the same bits, 13 kernels against 5).
+- BENCH_TORCHTUNE_ROPE=1: ours' eager models keep torchtune's Llama RoPE instead of
+  tune_recipes/modules/rope.py's (the same bits, 45 operators a call forward and backward
+  against 26).
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -131,3 +134,9 @@ if os.environ.get("BENCH_NF4_TORCHAO") == "1" and _IS_RECIPE:
 
     # The LoRA setup imports the name when the recipe starts, after this hook.
     _nf4.use_lean_nf4_dequantization = lambda: False
+
+if os.environ.get("BENCH_TORCHTUNE_ROPE") == "1" and _IS_RECIPE:
+    import tune_recipes.modules.rope as _rope
+
+    # The model setup imports the name when the recipe starts, after this hook.
+    _rope.use_interleaved_rope = lambda model: 0

@@ -469,6 +469,14 @@ def test_the_non_reentrant_lever_reaches_the_name_a_recipe_imports():
     assert "reentrant True" in _run_hook_probe(probe).stdout
 
 
+def test_the_torchtune_rope_lever_reaches_the_name_the_model_setup_imports():
+    probe = ("from tune_recipes.models import tiny_llama3\n"
+             "from tune_recipes.training.setup import model\n"
+             "print('swapped', model.use_interleaved_rope(tiny_llama3()))")
+    assert "swapped 0" in _run_hook_probe(probe, BENCH_TORCHTUNE_ROPE="1").stdout
+    assert "swapped 2" in _run_hook_probe(probe).stdout  # the tiny model's two attentions
+
+
 def test_the_torchao_nf4_lever_reaches_the_name_the_lora_setup_imports():
     probe = ("from tune_recipes.training.setup import model\n"
              "print('lean', model.use_lean_nf4_dequantization())")

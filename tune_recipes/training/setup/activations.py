@@ -34,7 +34,7 @@ non-reentrant checkpoint runs two Python hooks for every tensor a layer saves, a
 from inside those hooks; the reentrant one runs the layer under ``no_grad`` (nothing saved) and,
 in backward, once more with gradients and a nested backward. Eager steps of small batches wait
 on that host work: on the CPU, a 32-layer LoRA model of Llama-3.1-8B's layout at tiny widths
-spent a third less host time a forward and backward (116 against 171 ms;
+spent a third less host time a forward and backward (97 against 143 ms, one thread;
 ``scripts/bench_host_overhead.py``).
 """
 

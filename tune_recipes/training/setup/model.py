@@ -16,6 +16,7 @@ from tune_recipes.modules.document_attention import mark_varying_lengths_dynamic
 from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.nf4 import use_lean_nf4_dequantization
+from tune_recipes.modules.rope import use_interleaved_rope
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
@@ -48,10 +49,10 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
-    (``setup.fp8``), compile, activation checkpointing of the layers ``ac_interval`` names
-    (``setup.activations``: None none, 1 every layer, k every k-th; ``ac_reentrant``: through
-    torch's reentrant checkpoint, ``setup.activations.checkpoint_reentrant``), and ``state_dict``
-    loaded strictly.
+    (``setup.fp8``), compile (or, eager, ``compile_or_lighten``'s lighter RoPE), activation
+    checkpointing of the layers ``ac_interval`` names (``setup.activations``: None none, 1 every
+    layer, k every k-th; ``ac_reentrant``: through torch's reentrant checkpoint,
+    ``setup.activations.checkpoint_reentrant``), and ``state_dict`` loaded strictly.
     ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
     ``model`` (the whole forward one graph: one guard check and one autograd wrapper a step
     instead of one per layer, fusion across layer boundaries, a longer first compile).
@@ -71,12 +72,23 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
         # After the FP8 swap (the MLP reads its down projection's FP8 settings), before compile.
         _keep_mlp_products_in_fp8(model, fp8_mlp_layers, "gate and up products")
     route_document_attention(model)  # document-masked batches: see modules.document_attention
-    if compile_model:
-        compile_layers_or_model(model, compile_scope, activation_memory_budget)
+    compile_or_lighten(model, compile_model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval, reentrant=ac_reentrant)
     load_weights(model, state_dict, cfg_model, key=key)
     training.validate_expected_param_dtype(model.named_parameters(), dtype=dtype)
     return model
+
+
+def compile_or_lighten(model: nn.Module, compile_model: bool, compile_scope: Optional[str] = None,
+                       activation_memory_budget: Optional[float] = None) -> None:
+    """Compiled: ``compile_layers_or_model``. Eager: Llama's RoPE computed in fewer kernels, to
+    the same bits (``modules.rope``). NOTE: not under compile, where Inductor fuses torchtune's
+    RoPE into one kernel anyway and the compiled runs measured in docs/benchmarks.md keep
+    their graphs."""
+    if compile_model:
+        compile_layers_or_model(model, compile_scope, activation_memory_budget)
+    else:
+        use_interleaved_rope(model)
 
 
 def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
@@ -286,8 +298,7 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         log.info("QLoRA: NF4 base weights dequantized by tune_recipes.modules.nf4 (torchao's "
                  "values, fewer kernels)")
     route_document_attention(model)  # document-masked batches: see modules.document_attention
-    if compile_model:
-        compile_layers_or_model(model, compile_scope, activation_memory_budget)
+    compile_or_lighten(model, compile_model, compile_scope, activation_memory_budget)
     apply_activation_checkpointing(model, ac_interval, reentrant=ac_reentrant)
     base_missing, base_unexpected = load_weights(model, base_state_dict, cfg_model, strict=False)
     if not lora_state_dict:

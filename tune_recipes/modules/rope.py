@@ -1,0 +1,76 @@
+"""Llama's rotary position embeddings in fewer kernels, to the same bits, for eager steps.
+
+torchtune's ``RotaryPositionalEmbeddings`` and ``Llama3ScaledRoPE`` rotate each pair of a head's
+features (2i, 2i+1) by its position's angle in fp32: the pairs are selected out, four products,
+a difference, a sum, a stack; 21 operators a call forward and about as many backward, twice a
+layer (queries and keys). ``InterleavedRoPE`` computes the same sums from two caches laid out
+like the features (each pair's cosine twice; its sine negated for the first feature):
+
+    out = x * cos + swap_pairs(x) * signed_sin
+
+out[2i] = x[2i] c + x[2i+1] (-s) is torchtune's x[2i] c - x[2i+1] s (a product's sign is
+exact), out[2i+1] = x[2i+1] c + x[2i] s its sum in its order: the same fp32 roundings, so the
+same bits (tested), in 3 kernels and their casts. Eagerly only: under ``torch.compile`` Inductor
+fuses either form into one kernel, and may contract products into FMAs differently.
+
+``use_interleaved_rope(model)`` swaps every attention's torchtune Llama RoPE for one built from
+its cache (a buffer outside the state dict: checkpoints are unchanged).
+"""
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["InterleavedRoPE", "use_interleaved_rope"]
+
+
+def _llama_rope_classes() -> tuple:
+    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    return (RotaryPositionalEmbeddings, Llama3ScaledRoPE)
+
+
+class InterleavedRoPE(nn.Module):
+    """torchtune's Llama RoPE (interleaved pairs) from its ``cache`` ([max_seq_len, head_dim
+    / 2, 2]: cosine, sine), as its ``forward(x, *, input_pos=None)`` computes it."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__()
+        cos, sin = cache[..., 0], cache[..., 1]
+        self.register_buffer("cos", cos.repeat_interleave(2, dim=-1), persistent=False)
+        self.register_buffer("signed_sin", torch.stack([-sin, sin], dim=-1).flatten(-2),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor, *, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x: [b, s, n_h, h_d]; input_pos: [b, s] for packed rows (each document from 0)
+        seq_len, head_dim = x.size(1), x.size(-1)
+        if input_pos is None:
+            cos, sin = self.cos[:seq_len], self.signed_sin[:seq_len]
+        else:
+            cos, sin = self.cos[input_pos], self.signed_sin[input_pos]
+        cos, sin = cos.view(-1, seq_len, 1, head_dim), sin.view(-1, seq_len, 1, head_dim)
+        features = x.float()
+        swapped = features.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (features * cos + swapped * sin).type_as(x)
+
+
+def use_interleaved_rope(model: nn.Module) -> int:
+    """Give every module whose ``pos_embeddings`` is torchtune's Llama RoPE (built, not on the
+    meta device) an ``InterleavedRoPE`` of the same cache; modules that shared one RoPE share
+    its replacement. Returns how many modules now use one."""
+    classes = _llama_rope_classes()
+    replacements = {}
+    swapped = 0
+    for module in model.modules():
+        rope = getattr(module, "pos_embeddings", None)
+        if type(rope) not in classes or not getattr(rope, "is_cache_built", True):
+            continue
+        if rope.cache.is_meta:
+            continue
+        if id(rope) not in replacements:
+            replacements[id(rope)] = InterleavedRoPE(rope.cache)
+        module.pos_embeddings = replacements[id(rope)]
+        swapped += 1
+    return swapped
