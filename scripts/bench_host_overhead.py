@@ -9,8 +9,8 @@ small batches on a GPU, which wait on that work; run it on the CPU.
 Prints, for the model as torchtune builds it (activation checkpointing: none, or torch's
 non-reentrant checkpoint as torchtune's recipes wrap layers) and as the single-device recipes
 run it eagerly (``compile_or_lighten``'s RoPE; the reentrant checkpoint), the median host
-milliseconds of a forward and backward over ``--reps`` steps and the aten operators dispatched
-in one.
+milliseconds of a forward and backward over ``--reps`` steps and the aten
+operators dispatched in one.
 """
 
 import argparse
@@ -30,7 +30,7 @@ from tune_recipes.training.setup.model import compile_or_lighten  # noqa: E402
 MODES = [("torchtune's, no checkpointing", None, False),
          ("ours eager, no checkpointing", None, True),
          ("torchtune's, non-reentrant checkpoint", "non-reentrant", False),
-         ("reentrant checkpoint, torchtune's RoPE", "reentrant", False),
+         ("the reentrant checkpoint alone", "reentrant", False),
          ("ours eager, checkpointed (reentrant)", "reentrant", True)]
 
 
@@ -63,7 +63,7 @@ def build(layers: int, full: bool, width: int) -> torch.nn.Module:
 
 def measure(label: str, checkpoint, lighten: bool, args) -> dict:
     model = build(args.layers, args.full, args.width)
-    if lighten:
+    if lighten:  # what the single-device setups do to an eager model
         compile_or_lighten(model, compile_model=False)
     if checkpoint:
         apply_activation_checkpointing(model, 1, reentrant=checkpoint == "reentrant")

@@ -14,6 +14,8 @@ value times its block's scaler, in the same dtypes), so the weights are equal bi
 ``use_lean_nf4_dequantization()`` installs it as ``NF4Tensor.get_original_weight``, which every
 dequantization of an NF4Tensor goes through (``weight.to(dtype)`` in torchao's ``linear_nf4``,
 the state-dict hooks that save a merged model), so torchtune's QLoRA modules use it unchanged.
+The LoRA setup installs it for eager models (under ``torch.compile`` Inductor fuses torchao's
+dequantization into one kernel anyway); a compiled model traces it correctly if it is installed.
 
 NOTE: it reads torchao's NF4Tensor fields (``quantized_data``, ``quantized_scalers``,
 ``quantization_factor``, ``nf4``, ``block_size``); with a torchao other than the pinned one it
@@ -34,6 +36,10 @@ def _pair_table(nf4: torch.Tensor) -> torch.Tensor:
     """(256, 2): for each byte, the values of its high and its low 4 bits (torchao packs the
     even element of a pair in the high bits), cached per device and dtype. torchao builds every
     NF4Tensor's 16-value ``nf4`` from the same constants."""
+    if type(nf4) is not torch.Tensor or torch.compiler.is_compiling():
+        # NOTE: never cached while torch.compile traces (its tensors are fakes, and a cached
+        # real one cannot enter its graph); the table is then three more ops in the graph.
+        return torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], dim=-1)
     key = (nf4.device, nf4.dtype)
     table = _PAIR_TABLES.get(key)
     if table is None:

@@ -10,8 +10,9 @@ like the features (each pair's cosine twice; its sine negated for the first feat
 
 out[2i] = x[2i] c + x[2i+1] (-s) is torchtune's x[2i] c - x[2i+1] s (a product's sign is
 exact), out[2i+1] = x[2i+1] c + x[2i] s its sum in its order: the same fp32 roundings, so the
-same bits (tested), in 3 kernels and their casts. Eagerly only: under ``torch.compile`` Inductor
-fuses either form into one kernel, and may contract products into FMAs differently.
+same bits (tested on the CPU; on a GPU the same IEEE products and sums, one kernel each), in 3
+kernels and their casts. Eagerly only: under ``torch.compile`` Inductor fuses either form into
+one kernel, and may contract products into FMAs differently.
 
 ``use_interleaved_rope(model)`` swaps every attention's torchtune Llama RoPE for one built from
 its cache (a buffer outside the state dict: checkpoints are unchanged).

@@ -4,7 +4,7 @@ torchao's, installed where torchtune's QLoRA modules reach it."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
 
 from tune_recipes.modules import nf4
 
@@ -108,6 +108,29 @@ def test_another_torchao_keeps_its_own(monkeypatch):
     assert NF4Tensor.get_original_weight is _torchao_dequantize()
 
 
+def test_torch_compile_traces_it_and_the_cache_stays_real(monkeypatch):
+    """Installed, and traced by torch.compile through torchao's NF4Tensor (aot_eager: the graph
+    without Inductor's code generation), with an empty cache and a filled one: the same bits as
+    eager, and no traced (fake) tensor left in the cache for later eager calls."""
+    monkeypatch.setattr(nf4, "_PAIR_TABLES", {})
+    monkeypatch.setattr(NF4Tensor, "get_original_weight", _torchao_dequantize())
+    assert nf4.use_lean_nf4_dequantization()
+    quantized = to_nf4(torch.randn(128, 256, dtype=torch.bfloat16))
+    expected = _torchao_dequantize()(quantized)
+
+    def project(x, weight):  # QLoRA's base product: dequantized through the NF4Tensor subclass
+        return linear_nf4(x, weight)
+
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    compiled = torch.compile(project, backend="aot_eager", fullgraph=False)
+    for _ in range(2):  # first with an empty cache, then (after eager below) a filled one
+        torch._dynamo.reset()
+        assert torch.equal(compiled(x, quantized), torch.nn.functional.linear(x, expected))
+        assert all(type(t) is torch.Tensor for t in nf4._PAIR_TABLES.values())
+        assert torch.equal(nf4.dequantize_nf4(quantized), expected)
+        assert len(nf4._PAIR_TABLES) == 1
+
+
 def test_the_lora_setup_installs_it_for_a_qlora_model(monkeypatch):
     from omegaconf import OmegaConf
 
@@ -118,6 +141,10 @@ def test_the_lora_setup_installs_it_for_a_qlora_model(monkeypatch):
     cfg = OmegaConf.create({"_component_": "tune_recipes.models.lora_tiny_llama3",
                             "lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4,
                             "lora_alpha": 8, "quantize_base": True})
+    base = tiny_llama3().to(torch.bfloat16).state_dict()
     setup_lora_model(cfg, dtype=torch.bfloat16, device=torch.device("cpu"), seed=0,
-                     base_state_dict=tiny_llama3().to(torch.bfloat16).state_dict(), lora_state_dict=None)
+                     base_state_dict=base, lora_state_dict=None, compile_model=True)
+    assert NF4Tensor.get_original_weight is _torchao_dequantize()  # compiled: torchao's
+    setup_lora_model(cfg, dtype=torch.bfloat16, device=torch.device("cpu"), seed=0,
+                     base_state_dict=base, lora_state_dict=None)
     assert NF4Tensor.get_original_weight is nf4.dequantize_nf4

@@ -29,12 +29,14 @@ checkpoint saved from a selectively checkpointed model loads into a plain one an
 Which checkpoint runs inside them (``checkpoint_reentrant(cfg)``, the single-device recipes):
 torch's reentrant checkpoint when the layers run eagerly on one device without activation
 offloading, torch's non-reentrant one (torchtune's) otherwise. The gradients are the same (the
-same forward runs twice either way; tested bit for bit). What differs is host work: the
+same forward runs twice either way; bit for bit on the CPU, tested; on a GPU the first forward
+runs without gradients, where SDPA may pick another kernel: a GPU test allows bf16 rounding).
+What differs is host work: the
 non-reentrant checkpoint runs two Python hooks for every tensor a layer saves, and recomputes
 from inside those hooks; the reentrant one runs the layer under ``no_grad`` (nothing saved) and,
 in backward, once more with gradients and a nested backward. Eager steps of small batches wait
 on that host work: on the CPU, a 32-layer LoRA model of Llama-3.1-8B's layout at tiny widths
-spent a third less host time a forward and backward (97 against 143 ms, one thread;
+spent a third less host time a forward and backward (103 against 153 ms, one thread;
 ``scripts/bench_host_overhead.py``).
 """
 
@@ -97,20 +99,38 @@ def checkpoint_reentrant(cfg: DictConfig) -> bool:
     return not cfg.get("compile", False) and not cfg.get("enable_activation_offloading", False)
 
 
+_GRAD_TOKEN: List[torch.Tensor] = []
+
+
+def _grad_token() -> torch.Tensor:
+    """One empty CPU tensor that requires grad, shared by every checkpointed call (see
+    ``_reentrant_checkpoint``); nothing reads it, so it never gets a gradient."""
+    if not _GRAD_TOKEN:
+        _GRAD_TOKEN.append(torch.empty(0, requires_grad=True))
+    return _GRAD_TOKEN[0]
+
+
 def _reentrant_checkpoint(layer: nn.Module, *args, **kwargs):
     """``layer(*args, **kwargs)`` through torch's reentrant checkpoint (the ``checkpoint_fn`` of
     a ``CheckpointWrapper``). Keyword arguments (the attention mask, positions) ride in a
-    closure: they need no gradient, and the recompute reads the same objects."""
+    closure: they need no gradient (checked), and the recompute reads the same objects."""
     if not torch.is_grad_enabled():  # validation: nothing to recompute for
         return layer(*args, **kwargs)
-    if args and torch.is_tensor(args[0]) and not args[0].requires_grad:
-        # NOTE: the reentrant checkpoint's output requires grad only if an input does. A LoRA
-        # model's first layer reads the frozen embedding's output, so without this its output,
-        # and every later layer's, would need no gradient and no adapter would get one. The
-        # alias shares the input's memory; the price is the first layer's input gradient,
-        # computed and dropped.
-        args = (args[0].detach().requires_grad_(),) + args[1:]
+    for name, value in kwargs.items():
+        if torch.is_tensor(value) and value.requires_grad:
+            raise ValueError(f"a checkpointed layer's keyword argument {name!r} requires grad: "
+                             "the reentrant checkpoint passes keyword arguments without gradients")
     run = partial(layer, **kwargs) if kwargs else layer
+    if not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        if not any(p.requires_grad for p in layer.parameters()):
+            return run(*args)  # nothing to train in it, nothing to backpropagate into
+        # NOTE: the reentrant checkpoint's output requires grad only if an input does. A LoRA
+        # model's first layer reads the frozen embedding's output, so without an input that
+        # requires grad its output, and every later layer's, would need no gradient and no
+        # adapter would get one. The token is that input: unread, so no input gradient is
+        # computed for the layer and none is kept.
+        return torch.utils.checkpoint.checkpoint(lambda *a: run(*a[:-1]), *args, _grad_token(),
+                                                 use_reentrant=True)
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True)
 
 

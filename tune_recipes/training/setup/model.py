@@ -294,7 +294,8 @@ def setup_lora_model(cfg_model: DictConfig, *, dtype, device, seed: int,
         )
     lora = LoRASpec.from_model_config(cfg_model)  # after the check: it reads the lora_* keys
     set_trainable_params(model, adapter_params)
-    if any(isinstance(p, NF4Tensor) for p in model.parameters()) and use_lean_nf4_dequantization():
+    if (not compile_model and any(isinstance(p, NF4Tensor) for p in model.parameters())
+            and use_lean_nf4_dequantization()):
         log.info("QLoRA: NF4 base weights dequantized by tune_recipes.modules.nf4 (torchao's "
                  "values, fewer kernels)")
     route_document_attention(model)  # document-masked batches: see modules.document_attention

@@ -95,7 +95,7 @@ def test_selective_wraps_exactly_those_layers_and_changes_no_number():
         torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-6, atol=1e-8, msg=name)
 
 
-def _tiny_lora(seed: int = 0):
+def _tiny_lora(seed: int = 0, dropout: float = 0.0):
     """The tiny Llama-3 with 4 layers and LoRA on q/v and the MLP, only the adapters trainable
     (the frozen embedding: the first layer's input needs no gradient), lora_b nonzero."""
     from torchtune.models.llama3 import lora_llama3
@@ -103,7 +103,8 @@ def _tiny_lora(seed: int = 0):
 
     torch.manual_seed(seed)
     model = lora_llama3(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
-                        lora_rank=4, lora_alpha=8, **{**TINY_LLAMA3_ARGS, "num_layers": 4})
+                        lora_rank=4, lora_alpha=8, lora_dropout=dropout,
+                        **{**TINY_LLAMA3_ARGS, "num_layers": 4})
     for name, param in model.named_parameters():
         if "lora_b" in name:
             torch.nn.init.normal_(param, std=0.05)
@@ -128,18 +129,21 @@ def _packed_batch():
     return tokens, torch.roll(tokens, -1, dims=1), mask, input_pos
 
 
-@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("kind", ["lora", "lora_dropout", "full"])
 def test_reentrant_checkpointing_changes_no_number(kind):
     """The reentrant checkpoint (the single-device recipes' eager path) against none and the
     non-reentrant one, on a packed batch: the same loss and the same gradients, bit for bit
     (fp32 CPU: the same kernels on the same inputs), every layer's adapters included. A LoRA
-    model's first layer reads the frozen embedding: without the input alias its adapters (and
-    every later layer's) would get no gradient."""
-    build = _tiny_lora if kind == "lora" else _four_layers
+    model's first layer reads the frozen embedding: without the grad token its adapters (and
+    every later layer's) would get no gradient. With dropout the recompute draws the same masks
+    (the checkpoint restores the RNG state), and leaves the RNG where no checkpointing would."""
+    build = {"lora": _tiny_lora, "lora_dropout": lambda: _tiny_lora(dropout=0.2),
+             "full": _four_layers}[kind]
     tokens, labels, mask, input_pos = _packed_batch()
     results = {}
     for mode in ("none", "non-reentrant", "reentrant"):
         model = build()
+        torch.manual_seed(7)  # the dropout masks' draws
         if mode != "none":
             assert apply_activation_checkpointing(model, 1, reentrant=mode == "reentrant") == [0, 1, 2, 3]
         calls = [0]
@@ -149,13 +153,14 @@ def test_reentrant_checkpointing_changes_no_number(kind):
         loss.backward()
         grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad
                  for n, p in model.named_parameters() if p.requires_grad}
-        results[mode] = (loss.detach(), grads, calls[0])
-    loss_plain, grads_plain, calls_plain = results["none"]
+        results[mode] = (loss.detach(), grads, calls[0], torch.rand(1))
+    loss_plain, grads_plain, calls_plain, rng_after = results["none"]
     assert calls_plain == 1 and len(grads_plain) >= (16 if kind == "lora" else 30)
     for mode in ("non-reentrant", "reentrant"):
-        loss, grads, calls = results[mode]
+        loss, grads, calls, rng = results[mode]
         assert calls == 1  # the wrapper's own forward; the layer inside ran twice (below)
         assert torch.equal(loss, loss_plain), mode
+        assert torch.equal(rng, rng_after), mode
         assert grads.keys() == grads_plain.keys(), mode
         for name, grad in grads_plain.items():
             assert grads[name] is not None and grad.abs().sum() > 0, (mode, name)
@@ -170,9 +175,18 @@ def test_reentrant_layers_run_twice_and_infer_without_gradients():
     inner_calls = [0]
     model.layers[2]._checkpoint_wrapped_module.register_forward_pre_hook(
         lambda *a: inner_calls.__setitem__(0, inner_calls[0] + 1))
+    outputs = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda mod, a, out: outputs.append(out))
     tokens, labels, mask, input_pos = _packed_batch()
     model(tokens, mask=mask, input_pos=input_pos).sum().backward()
     assert inner_calls[0] == 2  # forward under no_grad, then again in backward
+    # torch's reentrant checkpoint ran every layer, the first too (its input needs no grad)
+    assert [type(out.grad_fn).__name__ for out in outputs] == ["CheckpointFunctionBackward"] * 4
+    # ... and the grad token that made the first layer's output need a gradient got none.
+    from tune_recipes.training.setup.activations import _grad_token
+
+    assert _grad_token().grad is None and _grad_token().numel() == 0
     # Validation runs under no_grad / inference_mode: one forward, the same logits, no graph.
     expected = reference(tokens, mask=mask, input_pos=input_pos)
     for context in (torch.no_grad, torch.inference_mode):
@@ -180,6 +194,49 @@ def test_reentrant_layers_run_twice_and_infer_without_gradients():
             logits = model(tokens, mask=mask, input_pos=input_pos)
         assert not logits.requires_grad
         assert torch.equal(logits, expected.detach())
+
+
+def test_a_layer_with_nothing_to_train_runs_once_and_keyword_tensors_need_no_grad():
+    """Frozen layers under a trainable head (a frozen encoder): no input needs a gradient and
+    no parameter trains, so the layer runs once, outside any checkpoint. A keyword tensor that
+    requires grad would silently get none through the closure: an error instead."""
+    model = _four_layers()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.output.weight.requires_grad_(True)
+    apply_activation_checkpointing(model, 1, reentrant=True)
+    calls = [0]
+    model.layers[0]._checkpoint_wrapped_module.register_forward_pre_hook(
+        lambda *a: calls.__setitem__(0, calls[0] + 1))
+    tokens, labels, mask, input_pos = _packed_batch()
+    model(tokens).sum().backward()
+    assert calls[0] == 1 and model.output.weight.grad is not None
+    layer = _tiny_lora().layers[0]
+    x = torch.randn(2, 24, 256)
+    with pytest.raises(ValueError, match="'input_pos' requires grad"):
+        _reentrant_checkpoint(layer, x, input_pos=input_pos.float().requires_grad_())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reentrant_checkpointing_on_a_gpu_in_bf16():
+    """On CUDA in bf16 (SDPA picks its kernels by device and grad mode: the reentrant
+    checkpoint's first forward runs without gradients): the loss and adapter gradients against
+    the non-reentrant checkpoint's, to bf16 rounding."""
+    tokens, labels, mask, input_pos = (t.cuda() for t in _packed_batch())
+    results = []
+    for reentrant in (False, True):
+        model = _tiny_lora().to(device="cuda", dtype=torch.bfloat16)
+        apply_activation_checkpointing(model, 1, reentrant=reentrant)
+        logits = model(tokens, mask=mask, input_pos=input_pos)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss.backward()
+        results.append((loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.float()
+                                        for n, p in model.named_parameters() if p.requires_grad}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-3, atol=0)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=2e-2, atol=1e-3, msg=name)
 
 
 @pytest.mark.parametrize("keys,expected", [
