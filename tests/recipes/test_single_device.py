@@ -231,6 +231,21 @@ def test_qlora_and_dora_variants_train(tmp_path):
     assert all(v.dtype in (torch.float32, torch.bfloat16) for v in merged.values())
 
 
+def test_qlora_compiled_and_eager_train_alike(tmp_path):
+    """QLoRA compiled (torchao's NF4 dequantization traced into the graph) and eager, with every
+    layer checkpointed (tune_recipes.modules.nf4's dequantization, torch's reentrant checkpoint):
+    both run, and their losses agree to compile's rounding (fp32 CPU; the in-process case, the
+    dequantization installed and then traced: tests/unit/modules/test_nf4.py)."""
+    common = ["max_steps_per_epoch=2", "model.quantize_base=True", "enable_activation_checkpointing=True"]
+    eager = run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "eager", common)
+    assert "dequantized by tune_recipes.modules.nf4" in eager.stdout + eager.stderr
+    compiled = run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "compiled",
+                          [*common, "compile=True"])
+    assert "dequantized by tune_recipes.modules.nf4" not in compiled.stdout + compiled.stderr
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "compiled")),
+                               torch.tensor(losses(tmp_path / "eager")), rtol=1e-4, atol=0)
+
+
 def test_kd_single_device_logs_both_parts_and_mixes_them(tmp_path):
     from tune_recipes.training.metrics import read_metrics
 
