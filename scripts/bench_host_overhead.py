@@ -34,7 +34,9 @@ MODES = [("torchtune's, no checkpointing", None, False),
          ("ours eager, checkpointed (reentrant)", "reentrant", True)]
 
 
-class _CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
+    """Counts the aten operators dispatched inside the context (``.count``)."""
+
     def __init__(self):
         super().__init__()
         self.count = 0
@@ -74,7 +76,7 @@ def measure(label: str, checkpoint, lighten: bool, args) -> dict:
 
     for _ in range(3):
         step()
-    counter = _CountOps()
+    counter = CountOps()
     with counter:
         step()
     times = []

@@ -460,28 +460,27 @@ def test_the_size_oblivious_lever_sets_torchs_config_in_our_recipes_process():
     assert "oblivious False" in _run_hook_probe(probe).stdout
 
 
-def test_the_non_reentrant_lever_reaches_the_name_a_recipe_imports():
-    """A recipe imports ``checkpoint_reentrant`` after the hook ran: it gets the lever's."""
-    probe = ("from omegaconf import OmegaConf\n"
-             "from tune_recipes.training.setup.activations import checkpoint_reentrant\n"
-             "print('reentrant', checkpoint_reentrant(OmegaConf.create({})))")
-    assert "reentrant False" in _run_hook_probe(probe, BENCH_AC_NON_REENTRANT="1").stdout
-    assert "reentrant True" in _run_hook_probe(probe).stdout
+# Each eager-path lever undoes one change through the name a recipe or setup imports after the
+# hook ran: (the lever, a probe printing what that name does, without it, with it).
+_EAGER_LEVERS = [
+    ("BENCH_AC_NON_REENTRANT",
+     "from omegaconf import OmegaConf\n"
+     "from tune_recipes.training.setup.activations import checkpoint_reentrant\n"
+     "print('result', checkpoint_reentrant(OmegaConf.create({})))", "True", "False"),
+    ("BENCH_TORCHTUNE_ROPE",  # the tiny model's two attentions, or none
+     "from tune_recipes.models import tiny_llama3\n"
+     "from tune_recipes.training.setup import model\n"
+     "print('result', model.use_interleaved_rope(tiny_llama3()))", "2", "0"),
+    ("BENCH_NF4_TORCHAO",
+     "from tune_recipes.training.setup import model\n"
+     "print('result', model.use_lean_nf4_dequantization())", "True", "False"),
+]
 
 
-def test_the_torchtune_rope_lever_reaches_the_name_the_model_setup_imports():
-    probe = ("from tune_recipes.models import tiny_llama3\n"
-             "from tune_recipes.training.setup import model\n"
-             "print('swapped', model.use_interleaved_rope(tiny_llama3()))")
-    assert "swapped 0" in _run_hook_probe(probe, BENCH_TORCHTUNE_ROPE="1").stdout
-    assert "swapped 2" in _run_hook_probe(probe).stdout  # the tiny model's two attentions
-
-
-def test_the_torchao_nf4_lever_reaches_the_name_the_lora_setup_imports():
-    probe = ("from tune_recipes.training.setup import model\n"
-             "print('lean', model.use_lean_nf4_dequantization())")
-    assert "lean False" in _run_hook_probe(probe, BENCH_NF4_TORCHAO="1").stdout
-    assert "lean True" in _run_hook_probe(probe).stdout
+@pytest.mark.parametrize("lever,probe,without,with_lever", _EAGER_LEVERS, ids=[l[0] for l in _EAGER_LEVERS])
+def test_an_eager_lever_reaches_the_name_the_recipe_imports(lever, probe, without, with_lever):
+    assert f"result {with_lever}" in _run_hook_probe(probe, **{lever: "1"}).stdout
+    assert f"result {without}" in _run_hook_probe(probe).stdout
 
 
 @pytest.mark.slow

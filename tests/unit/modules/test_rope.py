@@ -1,10 +1,12 @@
 """tune_recipes.modules.rope: Llama's RoPE in fewer kernels, equal bit for bit to torchtune's,
 swapped in by the eager single-device model setups only."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.modules import RotaryPositionalEmbeddings
 
@@ -38,14 +40,11 @@ def test_interleaved_rope_equals_torchtunes_forward_and_backward_bit_for_bit(rop
     assert not torch.equal(ours, x)  # it did rotate
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit: script_loader
+from script_loader import load_script  # noqa: E402
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+# the benchmark's own counter (scripts/bench_host_overhead.py)
+CountOps = load_script("bench_host_overhead").CountOps
 
 
 def test_interleaved_rope_dispatches_far_fewer_operators():
@@ -53,7 +52,7 @@ def test_interleaved_rope_dispatches_far_fewer_operators():
     counts = []
     for module in (rope, InterleavedRoPE(rope.cache)):
         inp = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16, requires_grad=True)
-        with _Ops() as ops:
+        with CountOps() as ops:
             module(inp).float().sum().backward()
         counts.append(ops.count)
     theirs, ours = counts  # forward and backward (+ the sum's): 45 and 26 with torch 2.13
