@@ -2,17 +2,18 @@
 
 torchtune's ``RotaryPositionalEmbeddings`` and ``Llama3ScaledRoPE`` rotate each pair of a head's
 features (2i, 2i+1) by its position's angle in fp32: the pairs are selected out, four products,
-a difference, a sum, a stack; 21 operators a call forward and about as many backward, twice a
-layer (queries and keys). ``InterleavedRoPE`` computes the same sums from two caches laid out
-like the features (each pair's cosine twice; its sine negated for the first feature):
+a difference, a sum, a stack; 40 operators a call forward and backward (its backward writes
+each selected half into a zero-filled full-size tensor), twice a layer (queries and keys).
+``InterleavedRoPE`` computes the same sums on the pairs as they lie:
 
-    out = x * cos + swap_pairs(x) * signed_sin
+    out = pairs * cos + swap(pairs) * (-sin, sin)
 
 out[2i] = x[2i] c + x[2i+1] (-s) is torchtune's x[2i] c - x[2i+1] s (a product's sign is
 exact), out[2i+1] = x[2i+1] c + x[2i] s its sum in its order: the same fp32 roundings, so the
-same bits (tested on the CPU; on a GPU the same IEEE products and sums, one kernel each), in 3
-kernels and their casts. Eagerly only: under ``torch.compile`` Inductor fuses either form into
-one kernel, and may contract products into FMAs differently.
+same bits (tested on the CPU; on a GPU the same IEEE products and sums, one kernel each), in 4
+kernels (a flip, two products, a sum) and two casts; 21 operators a call forward and backward.
+Eagerly only: under ``torch.compile`` Inductor fuses either form into one kernel, and may
+contract products into FMAs differently.
 
 ``use_interleaved_rope(model)`` swaps every attention's torchtune Llama RoPE for one built from
 its cache (a buffer outside the state dict: checkpoints are unchanged).
@@ -35,26 +36,28 @@ def _llama_rope_classes() -> tuple:
 
 class InterleavedRoPE(nn.Module):
     """torchtune's Llama RoPE (interleaved pairs) from its ``cache`` ([max_seq_len, head_dim
-    / 2, 2]: cosine, sine), as its ``forward(x, *, input_pos=None)`` computes it."""
+    / 2, 2]: cosine, sine), as its ``forward(x, *, input_pos=None)`` computes it. One buffer,
+    ``rotation`` [max_seq_len, head_dim / 2, 3]: (cos, -sin, sin), 1.5x torchtune's cache, so
+    a packed batch's positions are one gather."""
 
     def __init__(self, cache: torch.Tensor) -> None:
         super().__init__()
         cos, sin = cache[..., 0], cache[..., 1]
-        self.register_buffer("cos", cos.repeat_interleave(2, dim=-1), persistent=False)
-        self.register_buffer("signed_sin", torch.stack([-sin, sin], dim=-1).flatten(-2),
-                             persistent=False)
+        self.register_buffer("rotation", torch.stack([cos, -sin, sin], dim=-1), persistent=False)
 
     def forward(self, x: torch.Tensor, *, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: [b, s, n_h, h_d]; input_pos: [b, s] for packed rows (each document from 0)
-        seq_len, head_dim = x.size(1), x.size(-1)
-        if input_pos is None:
-            cos, sin = self.cos[:seq_len], self.signed_sin[:seq_len]
-        else:
-            cos, sin = self.cos[input_pos], self.signed_sin[input_pos]
-        cos, sin = cos.view(-1, seq_len, 1, head_dim), sin.view(-1, seq_len, 1, head_dim)
-        features = x.float()
-        swapped = features.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return (features * cos + swapped * sin).type_as(x)
+        seq_len = x.size(1)
+        rotation = self.rotation[:seq_len] if input_pos is None else self.rotation[input_pos]
+        rotation = rotation.view(-1, seq_len, 1, x.size(-1) // 2, 3)
+        pairs = x.float().unflatten(-1, (-1, 2))  # [b, s, n_h, h_d / 2, 2]
+        # (x[2i+1] (-s), x[2i] s), then + (x[2i] c, x[2i+1] c): torchtune's sums, in place
+        # where autograd allows (neither product saves its input), so the forward's fp32 peak
+        # is three copies of x, as torchtune's.
+        rotated = pairs.flip(-1).mul_(rotation[..., 1:])
+        out = pairs * rotation[..., :1]
+        del pairs
+        return out.add_(rotated).flatten(-2).type_as(x)
 
 
 def use_interleaved_rope(model: nn.Module) -> int:

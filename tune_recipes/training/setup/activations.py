@@ -31,13 +31,15 @@ torch's reentrant checkpoint when the layers run eagerly on one device without a
 offloading, torch's non-reentrant one (torchtune's) otherwise. The gradients are the same (the
 same forward runs twice either way; bit for bit on the CPU, tested; on a GPU the first forward
 runs without gradients, where SDPA may pick another kernel: a GPU test allows bf16 rounding).
-What differs is host work: the
-non-reentrant checkpoint runs two Python hooks for every tensor a layer saves, and recomputes
-from inside those hooks; the reentrant one runs the layer under ``no_grad`` (nothing saved) and,
-in backward, once more with gradients and a nested backward. Eager steps of small batches wait
+What differs is host work: the non-reentrant checkpoint runs two Python hooks for every tensor
+a layer saves, and recomputes from inside those hooks; the reentrant one runs the layer under
+``no_grad`` (nothing saved) and, in backward, once more with gradients and a nested backward. Eager steps of small batches wait
 on that host work: on the CPU, a 32-layer LoRA model of Llama-3.1-8B's layout at tiny widths
 spent a third less host time a forward and backward (103 against 153 ms, one thread;
 ``scripts/bench_host_overhead.py``).
+The price: the reentrant checkpoint recomputes a layer's whole forward, where the non-reentrant
+one stops once what backward saved is back (in a LoRA layer one rank-r product more; in a full
+fine-tune the MLP's down projection, ~7% more FLOPs a checkpointed step).
 """
 
 from functools import partial
@@ -106,20 +108,20 @@ def _grad_token() -> torch.Tensor:
     """One empty CPU tensor that requires grad, shared by every checkpointed call (see
     ``_reentrant_checkpoint``); nothing reads it, so it never gets a gradient."""
     if not _GRAD_TOKEN:
-        _GRAD_TOKEN.append(torch.empty(0, requires_grad=True))
+        _GRAD_TOKEN.append(torch.empty(0, device="cpu", requires_grad=True))
     return _GRAD_TOKEN[0]
 
 
 def _reentrant_checkpoint(layer: nn.Module, *args, **kwargs):
     """``layer(*args, **kwargs)`` through torch's reentrant checkpoint (the ``checkpoint_fn`` of
     a ``CheckpointWrapper``). Keyword arguments (the attention mask, positions) ride in a
-    closure: they need no gradient (checked), and the recompute reads the same objects."""
+    closure: the recompute reads the same objects, and they get no gradient, so a call with a
+    keyword tensor that requires grad (Llama-3.2-Vision's decoder hands every layer its trained
+    encoder's ``encoder_input``) goes through the non-reentrant checkpoint instead."""
     if not torch.is_grad_enabled():  # validation: nothing to recompute for
         return layer(*args, **kwargs)
-    for name, value in kwargs.items():
-        if torch.is_tensor(value) and value.requires_grad:
-            raise ValueError(f"a checkpointed layer's keyword argument {name!r} requires grad: "
-                             "the reentrant checkpoint passes keyword arguments without gradients")
+    if any(torch.is_tensor(value) and value.requires_grad for value in kwargs.values()):
+        return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
     run = partial(layer, **kwargs) if kwargs else layer
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         if not any(p.requires_grad for p in layer.parameters()):

@@ -129,16 +129,16 @@ def _packed_batch():
     return tokens, torch.roll(tokens, -1, dims=1), mask, input_pos
 
 
-@pytest.mark.parametrize("kind", ["lora", "lora_dropout", "full"])
+@pytest.mark.parametrize("kind", ["lora", "lora_dropout", "lora_bf16", "full"])
 def test_reentrant_checkpointing_changes_no_number(kind):
     """The reentrant checkpoint (the single-device recipes' eager path) against none and the
     non-reentrant one, on a packed batch: the same loss and the same gradients, bit for bit
-    (fp32 CPU: the same kernels on the same inputs), every layer's adapters included. A LoRA
+    (CPU, fp32 and bf16: the same kernels on the same inputs), every layer's adapters included. A LoRA
     model's first layer reads the frozen embedding: without the grad token its adapters (and
     every later layer's) would get no gradient. With dropout the recompute draws the same masks
     (the checkpoint restores the RNG state), and leaves the RNG where no checkpointing would."""
     build = {"lora": _tiny_lora, "lora_dropout": lambda: _tiny_lora(dropout=0.2),
-             "full": _four_layers}[kind]
+             "lora_bf16": lambda: _tiny_lora().to(torch.bfloat16), "full": _four_layers}[kind]
     tokens, labels, mask, input_pos = _packed_batch()
     results = {}
     for mode in ("none", "non-reentrant", "reentrant"):
@@ -149,7 +149,7 @@ def test_reentrant_checkpointing_changes_no_number(kind):
         calls = [0]
         model.layers[0].register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
         logits = model(tokens, mask=mask, input_pos=input_pos)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         loss.backward()
         grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad
                  for n, p in model.named_parameters() if p.requires_grad}
@@ -196,10 +196,9 @@ def test_reentrant_layers_run_twice_and_infer_without_gradients():
         assert torch.equal(logits, expected.detach())
 
 
-def test_a_layer_with_nothing_to_train_runs_once_and_keyword_tensors_need_no_grad():
+def test_a_layer_with_nothing_to_train_runs_once():
     """Frozen layers under a trainable head (a frozen encoder): no input needs a gradient and
-    no parameter trains, so the layer runs once, outside any checkpoint. A keyword tensor that
-    requires grad would silently get none through the closure: an error instead."""
+    no parameter trains, so the layer runs once, outside any checkpoint."""
     model = _four_layers()
     for param in model.parameters():
         param.requires_grad_(False)
@@ -211,10 +210,53 @@ def test_a_layer_with_nothing_to_train_runs_once_and_keyword_tensors_need_no_gra
     tokens, labels, mask, input_pos = _packed_batch()
     model(tokens).sum().backward()
     assert calls[0] == 1 and model.output.weight.grad is not None
-    layer = _tiny_lora().layers[0]
-    x = torch.randn(2, 24, 256)
-    with pytest.raises(ValueError, match="'input_pos' requires grad"):
-        _reentrant_checkpoint(layer, x, input_pos=input_pos.float().requires_grad_())
+
+
+def test_the_first_layer_computes_no_input_gradient():
+    """The grad token makes a LoRA model's first layer output need a gradient without asking
+    for the layer's input gradient: its backward runs the non-reentrant checkpoint's matrix
+    products plus one a layer (the reentrant checkpoint recomputes the whole forward; the
+    non-reentrant one stops once what backward saved is back, before the down projection's
+    rank-4 adapter product), not also the first layer's input products (an input alias)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountMatmuls.count += func.overloadpacket.__name__ in ("mm", "bmm", "addmm")
+            return func(*args, **(kwargs or {}))
+
+    tokens, labels, mask, input_pos = _packed_batch()
+    counts = []
+    for reentrant in (False, True):
+        model = _tiny_lora()
+        apply_activation_checkpointing(model, 1, reentrant=reentrant)
+        loss = model(tokens, mask=mask, input_pos=input_pos).sum()
+        CountMatmuls.count = 0
+        with CountMatmuls():
+            loss.backward()
+        counts.append(CountMatmuls.count)
+    assert counts[1] == counts[0] + 4 and counts[0] > 0, counts  # 4 layers
+
+
+def test_a_keyword_tensor_that_needs_grad_goes_through_the_non_reentrant_checkpoint():
+    """Llama-3.2-Vision's decoder passes its encoder's output to every layer as
+    ``encoder_input``; a self-attention layer ignores it, but it requires grad when the encoder
+    trains. That call takes the non-reentrant checkpoint (a closure would drop the gradient of
+    a layer that read it): the same output and gradients as unwrapped."""
+    torch.manual_seed(0)
+    layer = _four_layers().layers[0]
+    x = torch.randn(2, 24, 256, requires_grad=True)
+    encoder_input = torch.randn(2, 5, 256, requires_grad=True)
+    expected = layer(x, encoder_input=encoder_input)
+    expected.sum().backward()
+    expected_grad = x.grad.clone()
+    x.grad = None
+    out = _reentrant_checkpoint(layer, x, encoder_input=encoder_input)
+    assert "CheckpointFunction" not in type(out.grad_fn).__name__  # the non-reentrant one
+    out.sum().backward()
+    assert torch.equal(out, expected) and torch.equal(x.grad, expected_grad)
 
 
 @pytest.mark.gpu
