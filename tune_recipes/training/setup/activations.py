@@ -35,7 +35,7 @@ What differs is host work: the non-reentrant checkpoint runs two Python hooks fo
 a layer saves, and recomputes from inside those hooks; the reentrant one runs the layer under
 ``no_grad`` (nothing saved) and, in backward, once more with gradients and a nested backward. Eager steps of small batches wait
 on that host work: on the CPU, a 32-layer LoRA model of Llama-3.1-8B's layout at tiny widths
-spent a third less host time a forward and backward (103 against 153 ms, one thread;
+spent a third less host time a forward and backward (109 against 169 ms, one thread;
 ``scripts/bench_host_overhead.py``).
 The price: the reentrant checkpoint recomputes a layer's whole forward, where the non-reentrant
 one stops once what backward saved is back (in a LoRA layer one rank-r product more; in a full
