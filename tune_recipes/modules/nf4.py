@@ -5,11 +5,12 @@ forward, again in backward for the input gradient, and once more for the recompu
 are checkpointed. torchao 0.15.0's ``NF4Tensor.get_original_weight`` does it in 13 kernels:
 both 4-bit halves of every byte widened to int64 index tensors (8 bytes an element), two
 lookups, two copies of the expanded scalers, two scalings, a stack. ``dequantize_nf4`` does it
-in three over the whole weight: the bytes widened once to int32, one lookup of both halves at
-once in a 256-entry table of value pairs, one scaling by the block scalers (those from
-torchao's own ``dequantize_scalers``, two small kernels). The products are the same (each
+in 5, three of them over the whole weight: the bytes widened once to int32, one lookup of both
+halves at once in a 256-entry table of value pairs, one scaling by the block scalers (those
+from torchao's own ``dequantize_scalers``, two small kernels). The products are the same (each
 value times its block's scaler, in the same dtypes), so the weights are equal bit for bit
-(tested); a dequantization reads and writes about 10 bytes an element instead of about 33.
+(tested); a dequantization reads and writes about 10 bytes an element instead of about 33
+(counted from the kernels).
 
 ``use_lean_nf4_dequantization()`` installs it as ``NF4Tensor.get_original_weight``, which every
 dequantization of an NF4Tensor goes through (``weight.to(dtype)`` in torchao's ``linear_nf4``,

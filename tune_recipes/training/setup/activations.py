@@ -11,8 +11,8 @@ Three config keys decide it, read here and nowhere else:
   (k=2 on 4 layers: the 2nd and 4th; k=0 or 1: every layer); ``ac_mode: none`` or null: none.
 
 Trade-off: a checkpointed layer keeps only its input for backward and runs its forward twice
-(about 30% more compute when every layer is); checkpointing every k-th layer keeps the other
-layers' activations, so memory and recompute sit between all and none.
+(about 30% more compute than no checkpointing when every layer is); checkpointing every k-th
+layer keeps the other layers' activations, so memory and recompute sit between all and none.
 
 Both being set is a config error here (``tune_recipes.validation.activation_checkpointing_problem``):
 torchtune applies its full checkpointing only with ``ac_mode`` null and its selective one only
@@ -28,9 +28,10 @@ checkpoint saved from a selectively checkpointed model loads into a plain one an
 
 Which checkpoint runs inside them (``checkpoint_reentrant(cfg)``, the single-device recipes):
 torch's reentrant checkpoint when the layers run eagerly on one device without activation
-offloading, torch's non-reentrant one (torchtune's) otherwise. The gradients are the same (the
-same forward runs twice either way; bit for bit on the CPU, tested; on a GPU the first forward
-runs without gradients, where SDPA may pick another kernel: a GPU test allows bf16 rounding).
+offloading, torch's non-reentrant one (torchtune's) otherwise. The gradients are the same (both
+recompute the same operations on the same inputs; bit for bit on the CPU, tested; on a GPU the
+first forward runs without gradients, where SDPA may pick another kernel: a GPU test allows bf16
+rounding).
 What differs is host work: the non-reentrant checkpoint runs two Python hooks for every tensor
 a layer saves, and recomputes from inside those hooks; the reentrant one runs the layer under
 ``no_grad`` (nothing saved) and, in backward, once more with gradients and a nested backward. Eager steps of small batches wait
