@@ -148,3 +148,12 @@ def test_the_lora_setup_installs_it_for_a_qlora_model(monkeypatch):
     setup_lora_model(cfg, dtype=torch.bfloat16, device=torch.device("cpu"), seed=0,
                      base_state_dict=base, lora_state_dict=None)
     assert NF4Tensor.get_original_weight is nf4.dequantize_nf4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequantize_nf4_equals_torchaos_on_a_gpu():
+    """On CUDA, at Llama-3.1-8B's MLP shape: the same bits as torchao's dequantization."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    quantized = to_nf4((torch.randn(4096, 14336, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+    assert torch.equal(nf4.dequantize_nf4(quantized), _torchao_dequantize()(quantized))

@@ -119,3 +119,24 @@ def test_a_model_on_the_meta_device_keeps_torchtunes():
         model = models.tiny_llama3_1()
     assert use_interleaved_rope(model) == 0
     assert type(model.layers[0].attn.pos_embeddings) is Llama3ScaledRoPE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packed", [False, True])
+def test_interleaved_rope_equals_torchtunes_on_a_gpu(packed):
+    """On CUDA in bf16, at Llama-3.1-8B's head dim: the same bits forward and backward (the same
+    IEEE products and sums, a kernel each)."""
+    rope = Llama3ScaledRoPE(dim=128, max_seq_len=4096, base=500_000, scale_factor=8).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 2048, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    grad = torch.randn(1, 2048, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    input_pos = (torch.cat([torch.arange(1000), torch.arange(1048)]).view(1, -1).cuda()
+                 if packed else None)
+    results = []
+    for module in (rope, InterleavedRoPE(rope.cache)):
+        inp = x.clone().requires_grad_()
+        out = module(inp, input_pos=input_pos)
+        out.backward(grad)
+        results.append((out.detach(), inp.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
