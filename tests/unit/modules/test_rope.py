@@ -18,6 +18,17 @@ ROPES = [RotaryPositionalEmbeddings(dim=64, max_seq_len=512, base=500_000),
          Llama3ScaledRoPE(dim=64, max_seq_len=512, base=500_000, scale_factor=32)]
 
 
+def _theirs_and_ours(rope, x, grad, input_pos):
+    """(output, input gradient) of torchtune's ``rope`` and of an InterleavedRoPE of its cache."""
+    results = []
+    for module in (rope, InterleavedRoPE(rope.cache)):
+        inp = x.clone().requires_grad_()
+        out = module(inp, input_pos=input_pos)
+        out.backward(grad)
+        results.append((out.detach(), inp.grad))
+    return results
+
+
 @pytest.mark.parametrize("rope", ROPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("packed", [False, True])
@@ -27,13 +38,7 @@ def test_interleaved_rope_equals_torchtunes_forward_and_backward_bit_for_bit(rop
     # packed rows: each document's positions from 0 (two documents a row here)
     input_pos = torch.cat([torch.arange(25), torch.arange(15)]).repeat(2, 1) if packed else None
     grad = torch.randn(2, 40, 4, 64, generator=g).to(dtype)
-    results = []
-    for module in (rope, InterleavedRoPE(rope.cache)):
-        inp = x.clone().requires_grad_()
-        out = module(inp, input_pos=input_pos)
-        out.backward(grad)
-        results.append((out.detach(), inp.grad))
-    (theirs, theirs_grad), (ours, ours_grad) = results
+    (theirs, theirs_grad), (ours, ours_grad) = _theirs_and_ours(rope, x, grad, input_pos)
     assert ours.dtype == dtype and ours.shape == x.shape
     assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
     assert not torch.equal(ours, x)  # it did rotate
@@ -133,10 +138,5 @@ def test_interleaved_rope_equals_torchtunes_on_a_gpu(packed):
     grad = torch.randn(1, 2048, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
     input_pos = (torch.cat([torch.arange(1000), torch.arange(1048)]).view(1, -1).cuda()
                  if packed else None)
-    results = []
-    for module in (rope, InterleavedRoPE(rope.cache)):
-        inp = x.clone().requires_grad_()
-        out = module(inp, input_pos=input_pos)
-        out.backward(grad)
-        results.append((out.detach(), inp.grad))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    (theirs, theirs_grad), (ours, ours_grad) = _theirs_and_ours(rope, x, grad, input_pos)
+    assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
