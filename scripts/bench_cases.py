@@ -196,6 +196,11 @@ CASES = {
         _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in one compiled graph",
            **OURS_1B_PADDED, optimizer=_ADAMW8BIT)],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
+    # Unpacked rows, 16 a step: about the examples and tokens of a packed step (4 packs of 2048
+    # hold ~16 rows), so a per-token rate against packed's is not a rate of smaller steps.
+    "full_1b_padded_16": _case("1b", "padded", [
+        _STOCK, _v("ours_best", "ours", "ours: padding-free, whole model compiled, fused CE (bf16)", **OURS_1B_PADDED)],
+        batch_size=16, warmup=20, window=40),
     "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,
                                               *_on_a_smaller_gpu(24, 1, OURS_8B_FP8)]),
     "lora_8b_packed": _case("8b_lora", "packed", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME]),
