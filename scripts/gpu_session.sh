@@ -26,6 +26,10 @@
 #   packed8b   Llama-3.1-8B LoRA, packed (first builds the 8B checkpoint, ~2.5 min)      ~8 min
 #   padded8b   Llama-3.1-8B LoRA, padded                                                 ~5 min
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
+#   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
+#              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
+#   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
+#              alone (tensorwise, then rowwise), the loss gap of each (ONLY=... other variants) ~6 min
 #   reference  full-length synthetic rows (the claim preset): 1B full, 2 repetitions     ~6 min
 #   reference8b  the same: 8B LoRA and QLoRA, 1 repetition (after an 8B step: its checkpoint) ~6 min
 #   shipped1b  Llama-3.2 1B/3B single-device configs as shipped, ours vs torchtune's     ~7 min
@@ -122,6 +126,9 @@ for step in "$@"; do
     packed8b)  bench packed8b --preset instruct --cases lora_8b_packed --reps "${REPS:-1}" ;;
     padded8b)  bench padded8b --preset instruct --cases lora_8b_padded --reps "${REPS:-1}" ;;
     qlora8b)   bench qlora8b --preset instruct --cases qlora_8b_packed --reps "${REPS:-1}" ;;
+    rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
+    fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
+                 --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;
     reference) bench reference --preset claim --cases full_1b --reps "${REPS:-2}" ;;
     reference8b) bench reference8b --preset claim --cases lora_8b,qlora_8b --reps "${REPS:-1}" ;;
     shipped1b) bench shipped1b --preset shipped --reps "${REPS:-1}" --cases \
