@@ -10,7 +10,7 @@ each selected half into a zero-filled full-size tensor), twice a layer (queries 
 
 out[2i] = x[2i] c + x[2i+1] (-s) is torchtune's x[2i] c - x[2i+1] s (a product's sign is
 exact), out[2i+1] = x[2i+1] c + x[2i] s its sum in its order: the same fp32 roundings, so the
-same bits (tested on the CPU; on a GPU the same IEEE products and sums, one kernel each), in 4
+same bits (tested on the CPU, and on an H100 for Llama3ScaledRoPE at Llama-3.1-8B's head shape), in 4
 kernels (a flip, two products, a sum) and two casts; 21 operators a call forward and backward.
 Eagerly only: under ``torch.compile`` Inductor fuses either form into one kernel, and may
 contract products into FMAs differently.
