@@ -251,7 +251,8 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
     (full fine-tunes), activation checkpointing on every second layer instead of every layer, or
     through torch's non-reentrant checkpoint instead of the reentrant one, torchtune's Llama RoPE
     instead of ours (eager), QLoRA's NF4 weights dequantized by torchao instead of ours,
-    a micro-batch twice as large over half the accumulation (the same examples a step)."""
+    a micro-batch twice as large over half the accumulation (the same examples a step), alone and
+    compiled."""
     levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
                  env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
               _v("ours_compiled", "ours", "our config, compile=True", compile=True),
@@ -285,6 +286,9 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
     if ga % 2 == 0:
         levers.append(_v("ours_double_batch", "ours", "our config, twice the micro-batch, half the accumulation",
                          batch_size=2 * ours["batch_size"], gradient_accumulation_steps=ga // 2))
+        # both host-time levers at once: a candidate default where the eager step waits on the host
+        levers.append(_v("ours_compiled_double_batch", "ours", "our config, compile=True, twice the micro-batch, half the accumulation",
+                         compile=True, batch_size=2 * ours["batch_size"], gradient_accumulation_steps=ga // 2))
     return levers
 
 
