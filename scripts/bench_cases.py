@@ -151,6 +151,8 @@ CASES = {
            **OURS_1B_PACKED, enable_fp8_training=True),
         _v("ours_fp8_rowwise", "ours", "ours: packed settings + FP8 rowwise products",
            **OURS_1B_PACKED, enable_fp8_training=True, fp8_recipe_name="rowwise"),
+        _v("ours_fp8_gw_hp", "ours", "ours: packed settings + FP8 rowwise products, weight gradients in bf16",
+           **OURS_1B_PACKED, enable_fp8_training=True, fp8_recipe_name="rowwise_with_gw_hp"),
         _OURS_1B_LEVERS[2],
         _v("ours_in_bwd", "ours", "ours: packed settings, fused AdamW stepped in backward",
            **OURS_1B_PACKED_IN_BWD),
