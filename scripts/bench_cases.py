@@ -23,11 +23,14 @@ OURS_1B = dict(loss={**_FUSED, "chunk_size": 1312}, compile=True, compile_scope=
 # 1B full on packed instruction data (the README's packed-data command): the same without FP8.
 # FP8 is faster there (ours_fp8: 1.50x stock against bf16's 1.21x, both on flex attention) but over 220 steps its loss
 # ran up to 1.3% a step above stock's, outside the 0.2% tolerance (docs/benchmarks.md).
-OURS_1B_PACKED = dict(loss=_FUSED, compile=True, compile_scope="model", compile_optimizer_step=True)
+# padding_free: each pack without the padding that fills it to 2048 tokens (~15% of these packs'
+# tokens), the packs end to end (the shipped configs set it).
+OURS_1B_PACKED = dict(loss=_FUSED, compile=True, compile_scope="model", compile_optimizer_step=True,
+                      padding_free=True)
 # The same with fused AdamW stepped inside backward (no gradient held for the whole model), the
 # optimizer step not compiled (not with in-backward): a lever for the packed memory target.
 OURS_1B_PACKED_IN_BWD = dict(loss=_FUSED, compile=True, compile_scope="model", optimizer_in_bwd=True,
-                             clip_grad_norm=None)
+                             clip_grad_norm=None, padding_free=True)
 # 1B full on unpacked instruction data: each micro-batch's rows end to end, the whole model
 # compiled. NOTE: its speed rests on flash attention's document spans (bf16 on a GPU that runs
 # them): the graph compiles once, dynamic from the first batch. Through flex attention's block
@@ -129,6 +132,12 @@ _FP8_INSTEAD = _v("ours_fp8_instead", "ours", "ours: FP8 base instead of NF4", h
                   model=MODELS["8b_lora"]["model"], **OURS_8B_FP8)
 _QLORA = [_STOCK, _v("ours_best", "ours", "ours: compile + fused CE (NF4)", loss=_FUSED, compile=True),
           _FP8_INSTEAD]
+
+
+def _without_pack_padding(variant: dict) -> dict:
+    """``variant`` on packed rows as a shipped config of ours runs them (``padding_free``: each
+    pack without its padding)."""
+    return {**variant, "cfg": {**variant["cfg"], "padding_free": True}}
 _SAME_2GPU = [_v("stock_chunked", "stock", "stock, chunked CE", loss=_CHUNKED),
               _v("ours_chunked", "ours", "ours, chunked CE", loss=_CHUNKED),
               _v("ours_fused", "ours", "ours, fused CE", loss=_FUSED)]
@@ -143,6 +152,9 @@ CASES = {
     # The published packed table's window: 20 warm-up batches, 40 timed.
     "full_1b_packed": _case("1b", "packed", [
         _STOCK, _v("ours_best", "ours", "ours: README packed-data settings (bf16)", **OURS_1B_PACKED),
+        # the packs' padding computed, as before padding_free removed it from packs
+        _v("ours_pack_padding", "ours", "ours: packed settings, each pack's padding computed",
+           **{**OURS_1B_PACKED, "padding_free": False}),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),
         # Which part of the FP8 settings moves the loss (over 220 steps: --steps 220): FP8
         # products alone (no fast accumulation in backward, no e4m3 MLP activations), and those
@@ -205,10 +217,13 @@ CASES = {
         batch_size=16, warmup=20, window=40),
     "lora_8b": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME,
                                               *_on_a_smaller_gpu(24, 1, OURS_8B_FP8)]),
-    "lora_8b_packed": _case("8b_lora", "packed", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME]),
+    "lora_8b_packed": _case("8b_lora", "packed", [
+        _STOCK, *map(_without_pack_padding, [_OURS_8B, _OURS_8B_NO_T]), _SAME,
+        _v("ours_pack_padding", "ours", "ours: README fastest settings, each pack's padding computed",
+           **OURS_8B_LORA)]),
     "lora_8b_padded": _case("8b_lora", "padded", [_STOCK, _OURS_8B, _OURS_8B_NO_T, _SAME]),
     "qlora_8b": _case("8b_qlora", "synthetic", _QLORA),
-    "qlora_8b_packed": _case("8b_qlora", "packed", _QLORA),
+    "qlora_8b_packed": _case("8b_qlora", "packed", [_STOCK, *map(_without_pack_padding, _QLORA[1:])]),
     # Loss curves: 220 steps where the loss moves (1B at lr 3e-4; 8B at torchtune's own 3e-4).
     "full_1b_curve": _case("1b", "synthetic", [_STOCK, _OURS_1B], steps=220, optimizer={**_ADAMW, "lr": 3e-4}),
     "lora_8b_curve": _case("8b_lora", "synthetic", [_STOCK, _OURS_8B], steps=220),

@@ -1281,9 +1281,9 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
     if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
         _warmup_warning(cfg)
-    # NOTE: padding_free=True with dataset.packed=True says nothing on purpose: the shipped
-    # single-device configs set padding_free and the documented way to pack is dataset.packed=True
-    # on top; packed batches have no padding to remove, so the pair simply packs.
+    # NOTE: padding_free=True with dataset.packed=True is a valid pair, not a conflict: the
+    # shipped single-device configs set padding_free and the documented way to pack is
+    # dataset.packed=True on top; padding-free, each pack's padding is removed.
     for needs, rule in CROSS_KEY:
         if keys is not None and not set(needs) <= keys:
             continue

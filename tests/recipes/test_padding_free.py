@@ -1,6 +1,7 @@
 """``padding_free: True``: an unpacked micro-batch's rows end to end with document masks trains
 exactly as the padded batch does (fp32, tiny, CPU), on one device, on two gloo ranks, and under
-distillation (the teacher reads the same batches)."""
+distillation (the teacher reads the same batches); packs without their padding train exactly as
+the packs."""
 
 import math
 
@@ -26,6 +27,24 @@ def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra):
     torch.testing.assert_close(torch.tensor(free), torch.tensor(padded), rtol=1e-5, atol=0)
     if recipe.startswith("full"):
         assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "padded"), rtol=1e-4, atol=1e-6)
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("recipe,config,extra", [
+    ("full_finetune_single_device", "tiny/full_single_device", ["gradient_accumulation_steps=2", "batch_size=4"]),
+    ("lora_finetune_single_device", "tiny/lora_single_device", ["optimizer.lr=3e-3"]),
+])
+def test_packs_padding_free_train_as_packed(tmp_path, recipe, config, extra):
+    """dataset.packed=True with padding_free: each pack without its padding, the packs end to
+    end: the same losses and weights as the packed batches."""
+    common = [*STEPS, *extra, "dataset.packed=True"]
+    run_recipe(recipe, config, tmp_path / "packed", common)
+    proc = run_recipe(recipe, config, tmp_path / "free", [*common, "padding_free=True"])
+    free, packed = losses(tmp_path / "free"), losses(tmp_path / "packed")
+    assert len(free) == 4
+    torch.testing.assert_close(torch.tensor(free), torch.tensor(packed), rtol=1e-5, atol=0)
+    if recipe.startswith("full"):
+        assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "packed"), rtol=1e-4, atol=1e-6)
     assert "Traceback" not in proc.stderr
 
 
@@ -102,21 +121,21 @@ def test_on_cuda_padding_free_trains_as_padded_in_the_sharded_model_and_the_teac
                                    ["compile=True", "compile_scope=model", "dataset.packed=True"]])
 def test_on_cuda_bf16_document_spans_train_as_padded(tmp_path, extra):
     """bf16 on a GPU that runs flash attention: padding-free batches (compiled per layer, or the
-    whole model as the README's unpacked command: no warning) and
-    packed ones (the whole model compiled) carry document spans, and attention runs flash
-    attention's variable-length kernel; padding-free against padded batches (SDPA): the same
-    losses within bf16's rounding (1e-2 relative), packed: a finite, falling loss."""
+    whole model as the README's unpacked command: no warning) and packs without their padding
+    (the whole model compiled) carry document spans, and attention runs flash attention's
+    variable-length kernel: the same losses within bf16's rounding (1e-2 relative) as padded
+    batches (SDPA), and as the same packs with their padding."""
+    packed = "dataset.packed=True" in extra
+    reference = ["compile=True", "compile_scope=model", "dataset.packed=True"] if packed else ["compile=True"]
     padded = _on_cuda([], "full_finetune_single_device", "tiny/full_single_device", tmp_path / "padded",
-                      "dtype=bf16", "compile=True")
+                      "dtype=bf16", *reference)
     said = []
     spans = _on_cuda([], "full_finetune_single_device", "tiny/full_single_device", tmp_path / "spans",
                      "dtype=bf16", "padding_free=True", *extra, said=said)
     assert "compile_scope=layers" not in said[0]
     assert len(spans) == len(padded) == 4
-    if "dataset.packed=True" in extra:
-        assert all(map(math.isfinite, spans)) and spans[-1] < spans[0]
-    else:
-        torch.testing.assert_close(torch.tensor(spans), torch.tensor(padded), rtol=1e-2, atol=0)
+    assert all(map(math.isfinite, spans)) and spans[-1] < spans[0]
+    torch.testing.assert_close(torch.tensor(spans), torch.tensor(padded), rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("override,named", [

@@ -1,5 +1,6 @@
 """Batches (tune_recipes.data.collate): the BlockMask built from lengths on the CPU, its move to
-the device, padding-free micro-batches, and padded batches on to a multiple of 128 tokens."""
+the device, padding-free micro-batches and packs, and padded batches on to a multiple of 128
+tokens."""
 
 import pytest
 import torch
@@ -7,8 +8,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtune.data import padded_collate_sft
 
 from tune_recipes.data.collate import (
-    document_block_mask, document_ids, move_block_mask, packed_collate, padded_length,
-    padded_to_a_multiple, padding_free_collate)
+    document_block_mask, document_ids, move_block_mask, packed_collate, packed_padding_free_collate,
+    padded_length, padded_to_a_multiple, padding_free_collate)
 from tune_recipes.training.step.batch import count_valid_tokens, shift_labels
 
 pytestmark = pytest.mark.unit
@@ -267,6 +268,126 @@ def test_padding_free_fills_more_rows_where_the_model_takes_fewer_tokens():
     assert count_valid_tokens(batch["labels"]) == count_valid_tokens(
         padded_collate_sft(rows, padding_idx=0, ignore_idx=-100)["labels"])
     assert padding_free_collate(rows, max_seq_len=4096)["tokens"].shape == (1, 768)
+
+
+# Examples of spread lengths packed into 256 tokens by torchtune's PackedDataset: every pack ends
+# in padding (a document of its own), some examples train on their first token.
+PACK_LEN = 256
+PACKED_LENGTHS = [50, 7, 120, 31, 90, 60, 100, 200, 18, 140]
+
+
+def _packs(lengths=PACKED_LENGTHS, seed=0):
+    from torchtune.datasets import PackedDataset
+
+    return list(PackedDataset(_rows(lengths, seed=seed), max_seq_len=PACK_LEN))
+
+
+def _scored(batch):
+    """(row position's token, its position id, its target) for every scored position, in order."""
+    targets = shift_labels(batch["labels"])
+    keep = targets != -100
+    return list(zip(batch["tokens"][keep].tolist(), batch["input_pos"][keep].tolist(),
+                    targets[keep].tolist()))
+
+
+def test_packs_padding_free_drop_each_packs_padding_and_score_the_same_targets():
+    packs = _packs()
+    padding = [int(p["seq_lens"][-1]) for p in packs]
+    assert len(packs) >= 3 and all(n > 0 and (p["labels"][-n:] == -100).all() for p, n in zip(packs, padding))
+    packed = packed_collate(packs)
+    free = packed_padding_free_collate(packs, padding_idx=0, ignore_idx=-100, spans=True)
+    real = len(packs) * PACK_LEN - sum(padding)
+    assert free["tokens"].shape == (1, padded_length(real, 16))  # over spans: on to 16 tokens
+    assert free["tokens"].numel() < packed["tokens"].numel()
+    assert _scored(free) == _scored(packed)
+    # each pack's documents, in order, then the row's padding (if any) as one more document
+    docs = [n for p in packs for n in p["seq_lens"][:-1].tolist()]
+    ends = torch.tensor([0, *docs]).cumsum(0).tolist()
+    length = free["tokens"].shape[1]
+    assert free["mask"].cu_seqlens.tolist() == ends + ([length] if length > real else [])
+    assert free["mask"].lengths_vary
+    # without spans: the same rows, on to flex attention's 128-token block
+    assert padded_length(real, 128) == packed_padding_free_collate(packs)["tokens"].shape[1]
+
+
+def test_a_pack_without_padding_and_a_trailing_document_with_nothing_to_score():
+    """A full pack keeps all its tokens; a last document none of whose labels is scored is
+    dropped like padding (it attends only to itself and adds nothing to the loss)."""
+    full = {"tokens": torch.arange(1, 9), "labels": torch.arange(1, 9),
+            "input_pos": torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]), "seq_lens": torch.tensor([3, 5])}
+    masked_last = {"tokens": torch.arange(1, 9), "labels": torch.tensor([1, 2, 3, 4, -100, -100, -100, -100]),
+                   "input_pos": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), "seq_lens": torch.tensor([4, 4])}
+    batch = packed_padding_free_collate([full, masked_last], pad_to_multiple_of=1, spans=True)
+    assert batch["tokens"].tolist() == [[*range(1, 9), 1, 2, 3, 4]]
+    assert batch["mask"].cu_seqlens.tolist() == [0, 3, 8, 12]
+    assert batch["labels"].tolist() == [[-100, *range(2, 9), -100, 2, 3, 4]]
+    assert _scored(batch) == _scored(packed_collate([full, masked_last]))
+
+
+def test_packs_padding_free_fill_rows_of_the_models_length_without_splitting_a_pack():
+    packs = _packs()
+    real = [PACK_LEN - int(p["seq_lens"][-1]) for p in packs]
+    batch = packed_padding_free_collate(packs, max_seq_len=PACK_LEN + 64)
+    rows, filled = [[]], 0
+    for n in real:  # greedy, in order, a pack whole
+        if rows[-1] and filled + n > PACK_LEN + 64:
+            rows.append([])
+            filled = 0
+        rows[-1].append(n)
+        filled += n
+    assert batch["tokens"].shape[0] == len(rows) > 1
+    for row, lengths in zip(batch["input_pos"], rows):
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        # each pack's first document starts from position 0 where its pack starts
+        assert all(row[s].item() == 0 for s in starts)
+    assert _scored(batch) == _scored(packed_collate(packs))
+
+
+def test_packs_padding_free_logits_and_gradients_are_the_packed_batchs():
+    """The tiny Llama on packed rows and on the same packs without their padding (the dense
+    document mask: no flex attention on the CPU): each pack's logits, and the loss's gradients,
+    equal in fp32 (1e-5)."""
+    from tune_recipes.models import tiny_llama3
+
+    torch.manual_seed(0)
+    model = tiny_llama3()
+    packs = [_packs()[0], _packs()[3]]  # 208 + 140 tokens and 48 + 116 of padding
+    packed = packed_collate(packs)
+    free = packed_padding_free_collate(packs, padding_idx=0, ignore_idx=-100, max_seq_len=model.max_seq_len)
+    assert free["tokens"].shape == (1, 384)
+
+    def run(batch):
+        model.zero_grad()
+        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 shift_labels(batch["labels"]).flatten(), ignore_index=-100)
+        loss.backward()
+        return logits.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits_p, loss_p, grads_p = run(packed)
+    logits_f, loss_f, grads_f = run(free)
+    start = 0
+    for i, pack in enumerate(packs):
+        n = PACK_LEN - int(pack["seq_lens"][-1])
+        torch.testing.assert_close(logits_f[0, start:start + n], logits_p[i, :n], rtol=1e-5, atol=1e-5)
+        start += n
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-6, atol=0)
+    for gf, gp in zip(grads_f, grads_p):
+        torch.testing.assert_close(gf, gp, rtol=1e-5, atol=1e-6)
+
+
+def test_the_packed_collate_drops_padding_only_when_padding_free():
+    from tune_recipes.training.setup.data import make_collate
+    from torchtune.datasets import PackedDataset
+
+    dataset = PackedDataset(_rows(PACKED_LENGTHS), max_seq_len=PACK_LEN)
+    kept = make_collate(dataset, pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100)
+    dropped = make_collate(dataset, pad_id=0, collate_fn="torchtune.data.padded_collate_sft", ignore_index=-100,
+                           padding_free=True, max_seq_len=4096, spans=True)
+    batch = [dataset[i] for i in range(3)]
+    assert kept(batch)["tokens"].shape == (3, PACK_LEN)
+    assert dropped(batch)["tokens"].numel() < 3 * PACK_LEN
+    assert _scored(dropped(batch)) == _scored(kept(batch))
 
 
 @pytest.mark.gpu

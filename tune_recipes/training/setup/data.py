@@ -14,9 +14,9 @@ from torchtune.datasets import ConcatDataset
 
 from tune_recipes.config import ConfigError, resolve_component
 from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
-from tune_recipes.data.collate import FLEX_BLOCK, packed_collate, padded_to_a_multiple, padding_free_collate
+from tune_recipes.data.collate import (FLEX_BLOCK, packed_collate, packed_padding_free_collate,
+                                      padded_to_a_multiple, padding_free_collate)
 from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varlen_available
-from tune_recipes.validation import dataset_packed
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -253,11 +253,10 @@ def whole_model_dynamic_compile_warning(cfg: DictConfig, device, spans: bool) ->
     its fifth step after 160 s, while compiled per layer the 220-step run took 95 s. With
     document spans the graph compiles dynamic from the first batch (Inductor may compile it once
     more when a batch outgrows a length bound its code generation chose from the first batch)
-    and is the fastest unpacked setting there; packed batches all have one length."""
+    and is the fastest unpacked setting there. Packed batches padding-free change length too
+    (each pack's padding removed)."""
     if not (cfg.get("padding_free", False) is True and cfg.get("compile", False) is True
             and cfg.get("compile_scope", None) == "model"):
-        return None
-    if dataset_packed(cfg.get("dataset", None)):
         return None
     if spans or device is None or torch.device(device).type != "cuda":
         return None
@@ -274,7 +273,8 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
                  pad_to_multiple_of: int = 1, longest_row: Optional[int] = None,
                  spans: bool = False):
     """The batch collation for ``dataset``: packed sequences with their document masks
-    (``data.collate.packed_collate``); an unpacked dataset's rows end to end with document
+    (``data.collate.packed_collate``; ``padding_free``: each pack without its padding, the
+    packs end to end, ``data.collate.packed_padding_free_collate``); an unpacked dataset's rows end to end with document
     masks (``padding_free``: ``data.collate.padding_free_collate``, its row padded on to 16
     tokens over ``spans``, else 128); or padding by
     ``collate_fn``, then on to a multiple of ``pad_to_multiple_of`` tokens
@@ -296,7 +296,10 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
                 f"(tokenizer.max_seq_len), more than the model takes in a row ({max_seq_len}; "
                 f"with a teacher, the shorter of the two): set tokenizer.max_seq_len="
                 f"{max_seq_len} or less")
-        # padding_free: nothing to remove, packed rows hold no padding
+        if padding_free:
+            # each pack without the padding that fills it to its length, the packs end to end
+            return partial(packed_padding_free_collate, padding_idx=pad_id, ignore_idx=ignore_index,
+                           max_seq_len=max_seq_len, spans=spans)
         return partial(packed_collate, spans=True) if spans else packed_collate
     if max_seq_len is not None and isinstance(longest_row, int) and longest_row > max_seq_len:
         # Else the first example longer than the model takes ends the run mid-epoch in the
