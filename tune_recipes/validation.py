@@ -530,8 +530,9 @@ def mixed_packing_problem(cfg: DictConfig) -> Optional[str]:
 
 def padding_free_problem(cfg: DictConfig) -> Optional[str]:
     """``padding_free`` lays an unpacked micro-batch's rows end to end, replacing the padding
-    ``collate_fn``. (With a packed dataset it has nothing to do: a warning, see check_config,
-    so that ``dataset.packed=True`` works on the shipped configs, which set it.)"""
+    ``collate_fn``. (With a packed dataset it removes each pack's padding instead
+    (``training.setup.data.packs_without_padding``) and takes no ``collate_fn``: not checked
+    here, so that ``dataset.packed=True`` works on the shipped configs, which set it.)"""
     if cfg.get("padding_free", False) is not True or dataset_packed(cfg.get("dataset")):
         return None
     collate_fn = cfg.get("collate_fn", DEFAULT_COLLATE)

@@ -19,9 +19,14 @@ STEPS = ["max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1"]
     ("full_finetune_single_device", "tiny/full_single_device", ["gradient_accumulation_steps=2", "batch_size=4"]),
     ("lora_finetune_single_device", "tiny/lora_single_device", ["optimizer.lr=3e-3"]),
 ])
-def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra):
-    run_recipe(recipe, config, tmp_path / "padded", [*STEPS, *extra])
-    proc = run_recipe(recipe, config, tmp_path / "free", [*STEPS, *extra, "padding_free=True"])
+@pytest.mark.parametrize("data", [[], ["dataset.packed=True"]], ids=["rows", "packs"])
+def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra, data):
+    """Rows end to end train as padded rows; packs without their padding (the run says so) as
+    the packs: the same losses and weights."""
+    kept = run_recipe(recipe, config, tmp_path / "padded", [*STEPS, *extra, *data])
+    proc = run_recipe(recipe, config, tmp_path / "free", [*STEPS, *extra, *data, "padding_free=True"])
+    said = "packs without their padding"
+    assert (said in proc.stdout + proc.stderr) == bool(data) and said not in kept.stdout + kept.stderr
     free, padded = losses(tmp_path / "free"), losses(tmp_path / "padded")
     assert len(free) == 4
     torch.testing.assert_close(torch.tensor(free), torch.tensor(padded), rtol=1e-5, atol=0)
@@ -31,32 +36,16 @@ def test_padding_free_trains_as_padded(tmp_path, recipe, config, extra):
 
 
 @pytest.mark.parametrize("recipe,config,extra", [
-    ("full_finetune_single_device", "tiny/full_single_device", ["gradient_accumulation_steps=2", "batch_size=4"]),
-    ("lora_finetune_single_device", "tiny/lora_single_device", ["optimizer.lr=3e-3"]),
-])
-def test_packs_padding_free_train_as_packed(tmp_path, recipe, config, extra):
-    """dataset.packed=True with padding_free: each pack without its padding, the packs end to
-    end: the same losses and weights as the packed batches."""
-    common = [*STEPS, *extra, "dataset.packed=True"]
-    run_recipe(recipe, config, tmp_path / "packed", common)
-    proc = run_recipe(recipe, config, tmp_path / "free", [*common, "padding_free=True"])
-    free, packed = losses(tmp_path / "free"), losses(tmp_path / "packed")
-    assert len(free) == 4
-    torch.testing.assert_close(torch.tensor(free), torch.tensor(packed), rtol=1e-5, atol=0)
-    if recipe.startswith("full"):
-        assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "packed"), rtol=1e-4, atol=1e-6)
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.parametrize("recipe,config,extra", [
     ("full_finetune_distributed", "tiny/full_distributed", ["gradient_accumulation_steps=2", "batch_size=4"]),
     ("lora_finetune_distributed", "tiny/lora_distributed", ["optimizer.lr=3e-3", "batch_size=4"]),
 ])
-def test_padding_free_trains_as_padded_on_two_ranks(tmp_path, recipe, config, extra):
-    """Each rank's micro-batches padding-free: the same losses and weights as padded batches (the
+@pytest.mark.parametrize("data", [[], ["dataset.packed=True"]], ids=["rows", "packs"])
+def test_padding_free_trains_as_padded_on_two_ranks(tmp_path, recipe, config, extra, data):
+    """Each rank's micro-batches padding-free (rows end to end, or packs without their padding,
+    so the ranks' batches differ in length): the same losses and weights as padded batches (the
     global token count, all-reduced, is the same)."""
-    run_dist(2, recipe, config, tmp_path / "padded", [*STEPS, *extra])
-    run_dist(2, recipe, config, tmp_path / "free", [*STEPS, *extra, "padding_free=True"])
+    run_dist(2, recipe, config, tmp_path / "padded", [*STEPS, *extra, *data])
+    run_dist(2, recipe, config, tmp_path / "free", [*STEPS, *extra, *data, "padding_free=True"])
     free, padded = losses(tmp_path / "free"), losses(tmp_path / "padded")
     assert len(free) == 4
     torch.testing.assert_close(torch.tensor(free), torch.tensor(padded), rtol=1e-5, atol=0)
@@ -64,8 +53,9 @@ def test_padding_free_trains_as_padded_on_two_ranks(tmp_path, recipe, config, ex
         assert_same_weights(weights(tmp_path / "free"), weights(tmp_path / "padded"), rtol=1e-4, atol=1e-5)
 
 
-def test_padding_free_distills_as_padded(tmp_path):
-    common = [*STEPS, "gradient_accumulation_steps=2", "batch_size=4"]
+@pytest.mark.parametrize("data", [[], ["dataset.packed=True"]], ids=["rows", "packs"])
+def test_padding_free_distills_as_padded(tmp_path, data):
+    common = [*STEPS, "gradient_accumulation_steps=2", "batch_size=4", *data]
     run_recipe("knowledge_distillation_single_device", "tiny/kd_single_device", tmp_path / "padded", common)
     run_recipe("knowledge_distillation_single_device", "tiny/kd_single_device", tmp_path / "free",
                [*common, "padding_free=True"])

@@ -598,3 +598,25 @@ def test_the_optimizer_host_bench_names_a_bad_flag_before_measuring(argv, named,
         bench.main(["--device", "cpu", "--model", "tune_recipes.models.tiny_llama3", *argv])
     said = f"{exit_.value.code} {capsys.readouterr().err}"
     assert named in said, said
+
+
+def test_pack_padding_counts_what_the_padding_free_packs_leave_out(tmp_path):
+    """scripts/pack_padding.py's padding share is the share of packed tokens that packs laid end
+    to end without their padding (the recipes' collate) no longer hold."""
+    import torch
+    from torchtune.datasets import alpaca_dataset
+
+    from tune_recipes.data import tiny_tokenizer
+    from tune_recipes.data.collate import packed_padding_free_collate
+
+    rows = tmp_path / "rows.json"
+    load_script("make_instruction_data").main(["--rows", "120", "--median-words", "20", "--out", str(rows)])
+    stats = load_script("pack_padding").pack_padding(str(rows), seq_len=512)
+    packs = alpaca_dataset(tiny_tokenizer(max_seq_len=512), source="json", data_files=str(rows),
+                           split="train", packed=True)
+    kept = packed_padding_free_collate(list(packs), pad_to_multiple_of=1)["tokens"].numel()
+    assert stats["packs"] == len(packs) > 1
+    assert 0 < stats["padding_share"] < 0.5
+    assert abs(stats["padding_share"] - (1 - kept / (len(packs) * 512))) < 1e-12
+    assert torch.isclose(torch.tensor(stats["padding_a_pack"] * stats["packs"]),
+                         torch.tensor(float(len(packs) * 512 - kept)))

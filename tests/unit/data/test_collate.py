@@ -181,20 +181,23 @@ def test_the_padding_to_a_multiple_leaves_each_rows_logits_and_the_loss_and_grad
     longer = padded_to_a_multiple(rows, collate=padded_collate_sft, padding_idx=0, ignore_idx=-100)
     assert longer["tokens"].shape[1] == 128 > plain["tokens"].shape[1]
 
-    def loss_and_grads(batch):
-        model.zero_grad()
-        logits = model(batch["tokens"])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                 shift_labels(batch["labels"]).flatten(), ignore_index=-100)
-        loss.backward()
-        return logits.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    logits_p, loss_p, grads_p = loss_and_grads(plain)
-    logits_l, loss_l, grads_l = loss_and_grads(longer)
+    logits_p, loss_p, grads_p = _logits_loss_and_grads(model, plain)
+    logits_l, loss_l, grads_l = _logits_loss_and_grads(model, longer)
     torch.testing.assert_close(logits_l[:, :93], logits_p, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(loss_l, loss_p, rtol=1e-6, atol=0)
     for gl, gp in zip(grads_l, grads_p):
         torch.testing.assert_close(gl, gp, rtol=1e-5, atol=1e-6)
+
+
+def _logits_loss_and_grads(model, batch):
+    """The model's logits on ``batch`` (its mask and positions, if any), the mean cross-entropy
+    over the shifted labels, and every parameter's gradient of it."""
+    model.zero_grad()
+    logits = model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                             shift_labels(batch["labels"]).flatten(), ignore_index=-100)
+    loss.backward()
+    return logits.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def _assert_each_example(free_logits, padded_logits, lengths, tol):
@@ -356,16 +359,8 @@ def test_packs_padding_free_logits_and_gradients_are_the_packed_batchs():
     free = packed_padding_free_collate(packs, padding_idx=0, ignore_idx=-100, max_seq_len=model.max_seq_len)
     assert free["tokens"].shape == (1, 384)
 
-    def run(batch):
-        model.zero_grad()
-        logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                 shift_labels(batch["labels"]).flatten(), ignore_index=-100)
-        loss.backward()
-        return logits.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    logits_p, loss_p, grads_p = run(packed)
-    logits_f, loss_f, grads_f = run(free)
+    logits_p, loss_p, grads_p = _logits_loss_and_grads(model, packed)
+    logits_f, loss_f, grads_f = _logits_loss_and_grads(model, free)
     start = 0
     for i, pack in enumerate(packs):
         n = PACK_LEN - int(pack["seq_lens"][-1])

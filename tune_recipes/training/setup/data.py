@@ -17,6 +17,7 @@ from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
 from tune_recipes.data.collate import (FLEX_BLOCK, packed_collate, packed_padding_free_collate,
                                       padded_to_a_multiple, padding_free_collate)
 from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varlen_available
+from tune_recipes.validation import dataset_packed
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -243,6 +244,25 @@ def document_spans_wanted(device, dtype, *models) -> bool:
             and flash_varlen_available() and flash_takes_heads(*models))
 
 
+def packs_without_padding(cfg: DictConfig, device, spans: bool) -> bool:
+    """Whether a packed dataset's batches go without each pack's padding (``padding_free``,
+    ``data.collate.packed_padding_free_collate``), which changes their length from batch to
+    batch: everywhere except compiled runs on a CUDA GPU where a new length was measured to
+    cost minutes of compiling, where the packs keep their one length: FP8 products (a
+    dynamic-shape recompile of the FP8 layers ran past 240 s on an H200) and flex attention's
+    block mask without document spans (``whole_model_dynamic_compile_warning``). ``spans``:
+    ``document_spans_wanted``.
+
+    NOTE: not a plain ``padding_free`` on packs. With document spans in bf16 the whole model
+    compiles once, dynamic in the length, from the first batch (measured on unpacked rows);
+    on the two paths above the packs' fixed length is what keeps the compile cheap."""
+    if cfg.get("padding_free", False) is not True:
+        return False
+    if device is None or torch.device(device).type != "cuda" or cfg.get("compile", False) is not True:
+        return True
+    return spans and cfg.get("enable_fp8_training", False) is not True
+
+
 def whole_model_dynamic_compile_warning(cfg: DictConfig, device, spans: bool) -> Optional[str]:
     """The warning for a run whose padding-free batches (their length changes every batch) go
     through the whole model compiled as one graph on a CUDA GPU *without* document spans
@@ -253,11 +273,13 @@ def whole_model_dynamic_compile_warning(cfg: DictConfig, device, spans: bool) ->
     its fifth step after 160 s, while compiled per layer the 220-step run took 95 s. With
     document spans the graph compiles dynamic from the first batch (Inductor may compile it once
     more when a batch outgrows a length bound its code generation chose from the first batch)
-    and is the fastest unpacked setting there. Packed batches padding-free change length too
-    (each pack's padding removed)."""
+    and is the fastest unpacked setting there. Packs keep their one length on this path
+    (``packs_without_padding``)."""
     if not (cfg.get("padding_free", False) is True and cfg.get("compile", False) is True
             and cfg.get("compile_scope", None) == "model"):
         return None
+    if dataset_packed(cfg.get("dataset", None)):
+        return None  # packs keep their length here (``packs_without_padding``)
     if spans or device is None or torch.device(device).type != "cuda":
         return None
     return ("padding_free=True with compile_scope=model here runs flex attention (flash "

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchtune import config as tt_config, training
+from torchtune.utils import get_logger
 
 from tune_recipes.config import ConfigError
 from tune_recipes.constants import DEFAULT_COLLATE
@@ -37,6 +38,7 @@ from tune_recipes.training.setup.data import (
     build_dataset,
     build_validation_dataloader,
     document_spans_wanted,
+    packs_without_padding,
     padded_batch_multiple,
     whole_model_dynamic_compile_warning,
 )
@@ -52,7 +54,9 @@ from tune_recipes.training.step.driver import (
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward
 from tune_recipes.training.step.validation import Validator
-from tune_recipes.validation import brief, warmup_problem
+from tune_recipes.validation import brief, dataset_packed, warmup_problem
+
+log = get_logger("INFO")
 
 
 def training_dtype(cfg: DictConfig, device) -> torch.dtype:
@@ -303,12 +307,17 @@ def setup_data_and_schedule(
             )
         state.resume(resume, rank=rank)
     gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
+    padding_free = cfg.get("padding_free", False)
+    if dataset_packed(cfg.get("dataset", None)):
+        padding_free = packs_without_padding(cfg, device, spans)
+        if padding_free and (rank == 0 if is_main is None else is_main):
+            log.info("padding_free: packs without their padding, laid end to end")
     dataloader = build_dataloader(
         build_dataset(cfg.dataset, tokenizer), batch_size=cfg.batch_size, shuffle=cfg.shuffle,
         seed=state.seed, pad_id=tokenizer.pad_id,
         collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE),
         ignore_index=ignore_index, world_size=world_size, rank=rank,
-        padding_free=cfg.get("padding_free", False), max_seq_len=max_seq_len,
+        padding_free=padding_free, max_seq_len=max_seq_len,
         pad_to_multiple_of=padded_batch_multiple(device), longest_row=getattr(tokenizer, "max_seq_len", None),
         spans=spans,
     )

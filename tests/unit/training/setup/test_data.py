@@ -201,8 +201,7 @@ def test_document_spans_where_the_runs_device_and_dtype_run_flash_attention(monk
 def test_the_whole_model_compiled_on_padding_free_batches_warns_only_without_document_spans():
     """Padding-free batches change length every batch: through flex attention's block mask the
     whole-model graph took minutes to compile for dynamic shapes, through document spans it
-    compiles dynamic from the first batch (the fastest unpacked setting). Only the first gets the
-    warning, packed or not."""
+    compiles dynamic from the first batch (the fastest unpacked setting). Only the first gets the warning."""
     from tune_recipes.training.setup import data
 
     def cfg(**over):
@@ -215,7 +214,28 @@ def test_the_whole_model_compiled_on_padding_free_batches_warns_only_without_doc
     assert data.whole_model_dynamic_compile_warning(cfg(), "cpu", spans=False) is None
     assert data.whole_model_dynamic_compile_warning(cfg(compile_scope="layers"), "cuda", spans=False) is None
     assert data.whole_model_dynamic_compile_warning(cfg(padding_free=False), "cuda", spans=False) is None
-    # packed batches padding-free change length too (each pack's padding removed)
+    # packs keep their one length on that path (packs_without_padding)
     packed = cfg(dataset={"_component_": "x", "packed": True})
-    assert data.whole_model_dynamic_compile_warning(packed, "cuda", spans=False)
-    assert data.whole_model_dynamic_compile_warning(packed, "cuda", spans=True) is None
+    assert data.whole_model_dynamic_compile_warning(packed, "cuda", spans=False) is None
+    # a list of datasets packs only if each packs
+    mixed = cfg(dataset=[{"_component_": "x", "packed": True}, {"_component_": "y"}])
+    assert data.whole_model_dynamic_compile_warning(mixed, "cuda", spans=False)
+
+
+def test_packs_lose_their_padding_except_where_a_new_length_costs_a_slow_compile():
+    """padding_free on packs: on the CPU, eagerly, and compiled over document spans in bf16 the
+    packs go without their padding; compiled over flex attention's block mask or with FP8
+    products they keep their one length."""
+    from tune_recipes.training.setup.data import packs_without_padding
+
+    def cfg(**over):
+        return OmegaConf.create({"padding_free": True, "compile": True,
+                                 "dataset": {"_component_": "x", "packed": True}, **over})
+
+    assert packs_without_padding(cfg(), "cpu", spans=False)
+    assert packs_without_padding(cfg(compile=False), "cuda", spans=False)
+    assert packs_without_padding(cfg(), "cuda", spans=True)
+    assert not packs_without_padding(cfg(), "cuda", spans=False)
+    assert not packs_without_padding(cfg(enable_fp8_training=True), "cuda", spans=True)
+    assert packs_without_padding(cfg(enable_fp8_training=True, compile=False), "cuda", spans=True)
+    assert not packs_without_padding(cfg(padding_free=False), "cpu", spans=False)
