@@ -28,8 +28,6 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
-#   packs8b    8B LoRA packed: stock's best, ours' fast settings, the same with the packs' padding
-#              (first builds the 8B checkpoint, ~2.5 min)                                 ~8 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
@@ -132,7 +130,6 @@ for step in "$@"; do
     qlora8b)   bench qlora8b --preset instruct --cases qlora_8b_packed --reps "${REPS:-1}" ;;
     packs)     bench packs --cases full_1b_packed --reps 1 \
                  --only "${ONLY:-stock_best,ours_best,ours_pack_padding,ours_budget_07}" ;;
-    packs8b)   bench packs8b --cases lora_8b_packed --reps 1 --only "${ONLY:-stock_best,ours_best,ours_pack_padding}" ;;
     rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
     fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
                  --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;
