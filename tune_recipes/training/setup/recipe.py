@@ -38,8 +38,9 @@ from tune_recipes.training.setup.data import (
     build_dataset,
     build_validation_dataloader,
     document_spans_wanted,
-    packs_without_padding,
+    is_packed,
     padded_batch_multiple,
+    training_padding_free,
     whole_model_dynamic_compile_warning,
 )
 from tune_recipes.training.setup.profiling import setup_profiler
@@ -54,7 +55,7 @@ from tune_recipes.training.step.driver import (
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward
 from tune_recipes.training.step.validation import Validator
-from tune_recipes.validation import brief, dataset_packed, warmup_problem
+from tune_recipes.validation import brief, warmup_problem
 
 log = get_logger("INFO")
 
@@ -307,13 +308,12 @@ def setup_data_and_schedule(
             )
         state.resume(resume, rank=rank)
     gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
-    padding_free = cfg.get("padding_free", False)
-    if dataset_packed(cfg.get("dataset", None)):
-        padding_free = packs_without_padding(cfg, device, spans)
-        if padding_free and (rank == 0 if is_main is None else is_main):
-            log.info("padding_free: packs without their padding, laid end to end")
+    dataset = build_dataset(cfg.dataset, tokenizer)
+    padding_free = training_padding_free(cfg, dataset, device, spans)
+    if padding_free and is_packed(dataset) and (rank == 0 if is_main is None else is_main):
+        log.info("padding_free: packs without their padding, laid end to end")
     dataloader = build_dataloader(
-        build_dataset(cfg.dataset, tokenizer), batch_size=cfg.batch_size, shuffle=cfg.shuffle,
+        dataset, batch_size=cfg.batch_size, shuffle=cfg.shuffle,
         seed=state.seed, pad_id=tokenizer.pad_id,
         collate_fn=cfg.get("collate_fn", DEFAULT_COLLATE),
         ignore_index=ignore_index, world_size=world_size, rank=rank,

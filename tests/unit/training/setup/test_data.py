@@ -223,10 +223,12 @@ def test_the_whole_model_compiled_on_padding_free_batches_warns_only_without_doc
 
 
 def test_packs_lose_their_padding_except_where_a_new_length_costs_a_slow_compile():
-    """padding_free on packs: on the CPU, eagerly, and compiled over document spans in bf16 the
-    packs go without their padding; compiled over flex attention's block mask or with FP8
-    products they keep their one length."""
-    from tune_recipes.training.setup.data import packs_without_padding
+    """padding_free on packs: on the CPU, eagerly, compiled over document spans in bf16 and
+    compiled per layer the packs go without their padding; compiled with FP8 products, or the
+    whole model over flex attention's block mask, they keep their one length."""
+    from torchtune.datasets import PackedDataset
+
+    from tune_recipes.training.setup.data import packs_without_padding, training_padding_free
 
     def cfg(**over):
         return OmegaConf.create({"padding_free": True, "compile": True,
@@ -234,8 +236,16 @@ def test_packs_lose_their_padding_except_where_a_new_length_costs_a_slow_compile
 
     assert packs_without_padding(cfg(), "cpu", spans=False)
     assert packs_without_padding(cfg(compile=False), "cuda", spans=False)
-    assert packs_without_padding(cfg(), "cuda", spans=True)
-    assert not packs_without_padding(cfg(), "cuda", spans=False)
-    assert not packs_without_padding(cfg(enable_fp8_training=True), "cuda", spans=True)
+    assert packs_without_padding(cfg(compile_scope="model"), "cuda:1", spans=True)
+    assert packs_without_padding(cfg(compile_scope="layers"), "cuda", spans=False)
+    assert not packs_without_padding(cfg(compile_scope="model"), "cuda", spans=False)
+    assert not packs_without_padding(cfg(enable_fp8_training=True), torch.device("cuda"), spans=True)
     assert packs_without_padding(cfg(enable_fp8_training=True, compile=False), "cuda", spans=True)
     assert not packs_without_padding(cfg(padding_free=False), "cpu", spans=False)
+    # decided on the dataset built, packed or not, whatever its config says
+    packs = PackedDataset([{"tokens": [1, 2, 3], "labels": [1, 2, 3]}] * 4, max_seq_len=8)
+    rows = [{"tokens": [1, 2, 3], "labels": [1, 2, 3]}]
+    fp8 = cfg(enable_fp8_training=True, dataset={"_component_": "my.builder"})
+    assert not training_padding_free(fp8, packs, "cuda", spans=True)
+    assert training_padding_free(fp8, rows, "cuda", spans=True)
+    assert training_padding_free(fp8, packs, "cpu", spans=False)
