@@ -245,11 +245,9 @@ def test_document_spans_take_the_head_counts_tensor_parallelism_leaves():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once(padding_free_batches):
-    """Padding-free batches (spans whose lengths vary) moved as the step moves them: the row
-    length is dynamic from the first batch, so the whole tiny Llama, compiled as one graph
-    (aot_eager), compiles once for batches of 128, 256 and 384 tokens, not first for one length
-    and again for the rest; each example's logits are the eager model's (fp32, 1e-5)."""
+def _routed_tiny_llama_and_its_graph():
+    """The tiny Llama (eval, seed 0) with document attention routed, and it compiled as one
+    graph (aot_eager) after dynamo's caches and counters are reset."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -261,12 +259,59 @@ def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once(padd
     route_document_attention(model)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend="aot_eager")
+    return model, torch.compile(model, backend="aot_eager")
+
+
+def test_padding_free_batches_of_three_lengths_compile_the_whole_model_once(padding_free_batches):
+    """Padding-free batches (spans whose lengths vary) moved as the step moves them: the row
+    length is dynamic from the first batch, so the whole tiny Llama, compiled as one graph
+    (aot_eager), compiles once for batches of 128, 256 and 384 tokens, not first for one length
+    and again for the rest; each example's logits are the eager model's (fp32, 1e-5)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model, compiled = _routed_tiny_llama_and_its_graph()
     for batch in padding_free_batches("cpu"):
         assert batch["mask"].lengths_vary
         with torch.no_grad():
             args = dict(mask=batch["mask"], input_pos=batch["input_pos"])
             torch.testing.assert_close(compiled(batch["tokens"], **args), model(batch["tokens"], **args),
                                        rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_packs_without_padding_of_three_lengths_compile_the_whole_model_once():
+    """Packs laid end to end without their padding (``padding_free`` on packed data) change
+    length from batch to batch as padding-free rows do: the whole tiny Llama, compiled as one
+    graph (aot_eager), compiles once over three such batches; each document's logits are the
+    eager model's on the packs with their padding (fp32, 1e-5)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torchtune.datasets import PackedDataset
+
+    from tune_recipes.data.collate import packed_collate, packed_padding_free_collate
+    from tune_recipes.training.step.batch import to_device
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"tokens": torch.randint(1, 272, (n,), generator=g).tolist(),
+             "labels": torch.randint(1, 272, (n,), generator=g).tolist()}
+            for n in (50, 70, 100, 120, 30, 200, 40, 90, 160, 60, 110, 25)]
+    packs = list(PackedDataset(rows, max_seq_len=256))
+    model, compiled = _routed_tiny_llama_and_its_graph()
+    lengths = set()
+    for pair in (packs[0:2], packs[2:4], packs[4:6]):
+        free = to_device(packed_padding_free_collate(pair, spans=True), torch.device("cpu"))
+        padded = packed_collate(pair, spans=True)
+        lengths.add(free["tokens"].shape[1])
+        with torch.no_grad():
+            out = compiled(free["tokens"], mask=free["mask"], input_pos=free["input_pos"])
+            ref = model(padded["tokens"], mask=padded["mask"], input_pos=padded["input_pos"])
+        start = 0
+        for i, pack in enumerate(pair):
+            n = 256 - int(pack["seq_lens"][-1])
+            torch.testing.assert_close(out[0, start:start + n], ref[i, :n], rtol=1e-5, atol=1e-5)
+            start += n
+    assert len(lengths) == 3
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
