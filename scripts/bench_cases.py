@@ -307,7 +307,8 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
         levers.append(_v("ours_double_batch", "ours", "our config, twice the micro-batch, half the accumulation",
                          batch_size=2 * ours["batch_size"], gradient_accumulation_steps=ga // 2))
         # both host-time levers at once: a candidate default where the eager step waits on the host
-        levers.append(_v("ours_compiled_double_batch", "ours", "our config, compile=True, twice the micro-batch, half the accumulation",
+        levers.append(_v("ours_compiled_double_batch", "ours",
+                         "our config, compile=True, twice the micro-batch, half the accumulation",
                          compile=True, batch_size=2 * ours["batch_size"], gradient_accumulation_steps=ga // 2))
     return levers
 

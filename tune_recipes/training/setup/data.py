@@ -315,10 +315,10 @@ def make_collate(dataset: Dataset, *, pad_id: int, collate_fn: str, ignore_index
                  spans: bool = False):
     """The batch collation for ``dataset``: packed sequences with their document masks
     (``data.collate.packed_collate``; ``padding_free``: each pack without its padding, the
-    packs end to end, ``data.collate.packed_padding_free_collate``); an unpacked dataset's rows end to end with document
-    masks (``padding_free``: ``data.collate.padding_free_collate``, its row padded on to 16
-    tokens over ``spans``, else 128); or padding by
-    ``collate_fn``, then on to a multiple of ``pad_to_multiple_of`` tokens
+    packs end to end, ``data.collate.packed_padding_free_collate``); an unpacked dataset's rows
+    end to end with document masks (``padding_free``: ``data.collate.padding_free_collate``, its
+    row padded on to 16 tokens over ``spans``, else 128); or padding by ``collate_fn``, then on
+    to a multiple of ``pad_to_multiple_of`` tokens
     (``data.collate.padded_to_a_multiple``; see ``padded_batch_multiple``) but never past
     ``longest_row`` (the tokenizer's ``max_seq_len``) or ``max_seq_len`` (the most tokens the
     model takes in a row). ``spans``: document masks as ``DocumentSpans``
