@@ -1,7 +1,7 @@
 """How much of torchtune's packs is padding: a rows file (alpaca format, such as
 scripts/make_instruction_data.py writes) through torchtune's ``alpaca_dataset`` packed, tokenized
-by the tiny byte-level tokenizer the benchmarks use, and each pack's padding counted (the last
-document ``PackedDataset`` adds to fill a pack to its length, none of it scored).
+by the tiny byte-level tokenizer the benchmarks use, and each pack's padding counted (as
+``tune_recipes.data.collate.pack_padding`` counts it).
 
     python3 scripts/pack_padding.py --rows /tmp/instruct.json --seq-len 2048
 
@@ -19,14 +19,13 @@ def pack_padding(rows_file: str, seq_len: int = 2048) -> dict:
 
     from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX
     from tune_recipes.data import tiny_tokenizer
+    from tune_recipes.data.collate import pack_padding as padding_of
 
     packs = alpaca_dataset(tiny_tokenizer(max_seq_len=seq_len), source="json", data_files=rows_file,
                            split="train", packed=True)
     padding = scored = 0
     for pack in packs:
-        last = int(pack["seq_lens"][-1])
-        if bool((pack["labels"][seq_len - last:] == CROSS_ENTROPY_IGNORE_INDEX).all()):
-            padding += last
+        padding += padding_of(pack)
         scored += int((pack["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum())
     tokens = len(packs) * seq_len
     return {"packs": len(packs), "padding_share": padding / tokens, "padding_a_pack": padding / len(packs),

@@ -249,6 +249,18 @@ def padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
                        pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len, spans=spans)
 
 
+def pack_padding(pack: Dict[str, Any], ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
+    """How many of ``pack``'s tokens are its padding: its last document when none of that
+    document's labels is scored (``PackedDataset`` adds the padding as a document of its own; a
+    trailing document with nothing to score counts too: it attends only to itself and adds
+    nothing to the loss or the gradients), else 0."""
+    lens = [int(n) for n in torch.as_tensor(pack["seq_lens"]).tolist() if int(n) > 0]
+    labels = torch.as_tensor(pack["labels"])
+    if lens and bool((labels[len(labels) - lens[-1]:] == ignore_idx).all()):
+        return lens[-1]
+    return 0
+
+
 def packed_padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
                                 ignore_idx: int = CROSS_ENTROPY_IGNORE_INDEX,
                                 pad_to_multiple_of: Optional[int] = None,
@@ -261,10 +273,7 @@ def packed_padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 
     that fills each pack to its length (on alpaca-like rows of ~430 tokens packed into 2048,
     about 15% of a pack's tokens).
 
-    A pack's padding is its last document when none of that document's labels is scored
-    (``PackedDataset`` adds the padding as a document of its own; a trailing document with
-    nothing to score is dropped too: it attends only to itself and adds nothing to the loss or
-    the gradients). Each pack's first label is set to ``ignore_idx``: in the pack it is nobody's
+    A pack's padding is what ``pack_padding`` counts. Each pack's first label is set to ``ignore_idx``: in the pack it is nobody's
     target (nothing comes before it), and end to end it would be the target of the previous
     pack's last token, which in its pack was scored on nothing (the padding, or the end of the
     row)."""
@@ -274,7 +283,7 @@ def packed_padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 
         y = torch.as_tensor(x["labels"], dtype=torch.long).clone()
         pos = torch.as_tensor(x["input_pos"], dtype=torch.long)
         lens = [int(n) for n in torch.as_tensor(x["seq_lens"]).tolist() if int(n) > 0]
-        if lens and bool((y[len(t) - lens[-1]:] == ignore_idx).all()):
+        if pack_padding(x, ignore_idx):
             lens.pop()
         n = sum(lens)
         if n == 0:

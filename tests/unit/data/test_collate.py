@@ -8,8 +8,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torchtune.data import padded_collate_sft
 
 from tune_recipes.data.collate import (
-    document_block_mask, document_ids, move_block_mask, packed_collate, packed_padding_free_collate,
-    padded_length, padded_to_a_multiple, padding_free_collate)
+    document_block_mask, document_ids, move_block_mask, pack_padding, packed_collate,
+    packed_padding_free_collate, padded_length, padded_to_a_multiple, padding_free_collate)
 from tune_recipes.training.step.batch import count_valid_tokens, shift_labels
 
 pytestmark = pytest.mark.unit
@@ -320,6 +320,7 @@ def test_a_pack_without_padding_and_a_trailing_document_with_nothing_to_score():
             "input_pos": torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]), "seq_lens": torch.tensor([3, 5])}
     masked_last = {"tokens": torch.arange(1, 9), "labels": torch.tensor([1, 2, 3, 4, -100, -100, -100, -100]),
                    "input_pos": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), "seq_lens": torch.tensor([4, 4])}
+    assert pack_padding(full) == 0 and pack_padding(masked_last) == 4
     batch = packed_padding_free_collate([full, masked_last], pad_to_multiple_of=1, spans=True)
     assert batch["tokens"].tolist() == [[*range(1, 9), 1, 2, 3, 4]]
     assert batch["mask"].cu_seqlens.tolist() == [0, 3, 8, 12]
