@@ -1,8 +1,9 @@
-"""The README's "Fastest settings on one H200" commands are the settings that were measured: each
+"""The README's "Fastest settings" commands are the settings that were measured: each
 command's overrides, on top of its shipped config, equal the benchmarked variant of ours
 (scripts/bench_recipes.py) key for key, the shapes the bench ran (batch, LoRA layout, optimizer)
 are the shipped config's, and `tune validate` accepts the command."""
 
+import re
 import shlex
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def _flat(d, prefix=""):
 
 def readme_fast_commands():
     text = (REPO / "README.md").read_text()
-    section = text.split("### Fastest settings on one H200", 1)[1]
+    section = text.split("### Fastest settings\n", 1)[1]
     block = section.split("```bash", 1)[1].split("```", 1)[0]
     joined = block.replace("\\\n", " ")
     commands = [shlex.split(line, comments=True) for line in joined.splitlines()]
@@ -149,7 +150,7 @@ def test_each_fast_config_is_its_base_config_with_overrides_and_says_what_it_mea
         assert registry.recipe_for_config(config) == registry.recipe_for_config(base)
         assert overrides, f"{config} changes nothing"
         header = (REPO / "configs" / f"{config}.yaml").read_text().split("output_dir:")[0]
-        assert "x its tokens/s" in header and "torchtune 0.6.1" in header, config
+        assert re.search(r"\d\.\d+x its (label )?tokens/s", header) and "torchtune 0.6.1" in header, config
 
 
 def test_the_full_row_8b_figure_is_the_fast_configs_settings():
