@@ -160,6 +160,10 @@ CASES = {
         # the memory target (0.75x): compile's recompute chooser keeping 70% of the activations
         _v("ours_budget_07", "ours", "ours: packed settings, compiled graphs saving 70% of activations",
            **OURS_1B_PACKED, activation_memory_budget=0.7),
+        # Packs without their padding run 0.91x the padded packs' rate per token computed: is it
+        # the graph compiled for dynamic lengths? The padded packs, their fixed length marked dynamic.
+        _v("ours_pack_padding_dynamic", "ours", "ours: packed settings, each pack's padding computed, length marked dynamic",
+           env={"BENCH_LENGTHS_VARY": "1"}, **{**OURS_1B_PACKED, "padding_free": False}),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),
         # Which part of the FP8 settings moves the loss (over 220 steps: --steps 220): FP8
         # products alone (no fast accumulation in backward, no e4m3 MLP activations), and those
@@ -213,7 +217,14 @@ CASES = {
            env={"BENCH_GC_FREEZE": "1"}, **_PADDED_PER_LAYER),
         # short steps: the optimizer step's fixed cost weighs more than packed
         _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in compiled batches",
-           **OURS_1B_PADDED, optimizer=_ADAMW8BIT)],
+           **OURS_1B_PADDED, optimizer=_ADAMW8BIT),
+        # The 4-row step is launch-bound (its GPU idle ~30% of the step, the host never waiting):
+        # Inductor's C++ wrapper (launches without Python), and CUDA graphs recorded a length
+        # each, lengths on 256-token multiples (fewer lengths to record).
+        _v("ours_cpp_wrapper", "ours", "ours: padding-free, whole model compiled with Inductor's C++ wrapper",
+           env={"TORCHINDUCTOR_CPP_WRAPPER": "1"}, **OURS_1B_PADDED),
+        _v("ours_cudagraphs_256", "ours", "ours: padding-free on 256-token multiples, CUDA graphs a length",
+           env={"TORCHINDUCTOR_CUDAGRAPHS": "1", "BENCH_SPANS_MULTIPLE": "256"}, **OURS_1B_PADDED)],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     # Unpacked rows, 16 a step: about the examples and tokens of a packed step (4 packs of 2048
     # hold ~16 rows), so a per-token rate against packed's is not a rate of smaller steps.

@@ -29,6 +29,10 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
+#   hostbound  ours' 4-row unpacked 1B step (launch-bound) as shipped, with Inductor's C++
+#              wrapper, and with CUDA graphs over 256-token length multiples, 80 steps    ~5 min
+#   dynamic    1B packed, ours: packs with their padding, the same with the length marked
+#              dynamic, packs without padding: the per-token cost of a dynamic-length graph ~5 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
@@ -132,6 +136,10 @@ for step in "$@"; do
     qlora8b)   bench qlora8b --preset instruct --cases qlora_8b_packed --reps "${REPS:-1}" ;;
     packs)     bench packs --cases full_1b_packed --reps 1 \
                  --only "${ONLY:-stock_best,ours_best,ours_pack_padding,ours_budget_07}" ;;
+    hostbound) bench hostbound --cases full_1b_padded --steps 80 --reps 1 \
+                 --only "${ONLY:-ours_best,ours_cpp_wrapper,ours_cudagraphs_256}" ;;
+    dynamic)   bench dynamic --cases full_1b_packed --reps 1 \
+                 --only "${ONLY:-ours_pack_padding,ours_pack_padding_dynamic,ours_best}" ;;
     rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
     fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
                  --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;

@@ -40,6 +40,12 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   backward: ~0.75 GiB at the 1B (16 layers x 50 MB), ~1.6 GB at 8B. It slices the expanded
   copy back (``k[:, ::group]``), so only while torch.compile traces, where the copy is never
   made: the slice reads the projections' values directly.
+- BENCH_SPANS_MULTIPLE=N: ours' padding-free rows over document spans go on to a multiple of N
+  tokens instead of 16 (``data.collate.SPANS_MULTIPLE``): fewer distinct lengths, e.g. for CUDA
+  graphs recorded a length each (``TORCHINDUCTOR_CUDAGRAPHS=1``). Compare label tokens/s.
+- BENCH_LENGTHS_VARY=1: every batch's document spans in ours count as lengths that vary, so the
+  row length is marked dynamic even where it never changes (packs with their padding): does a
+  graph compiled for dynamic lengths cost time per token at the same length?
 """
 import os
 import sys
@@ -140,3 +146,22 @@ if os.environ.get("BENCH_TORCHTUNE_ROPE") == "1" and _IS_RECIPE:
 
     # The model setup imports the name when the recipe starts, after this hook.
     _rope.use_interleaved_rope = lambda model: 0
+
+if os.environ.get("BENCH_SPANS_MULTIPLE") and _IS_RECIPE:
+    import tune_recipes.data.collate as _collate
+
+    # read when each batch is laid end to end (``_end_to_end``)
+    _collate.SPANS_MULTIPLE = int(os.environ["BENCH_SPANS_MULTIPLE"])
+
+if os.environ.get("BENCH_LENGTHS_VARY") == "1" and _IS_RECIPE:
+    import tune_recipes.training.step.batch as _batch
+
+    _spans_to = _batch._document_spans_to
+
+    def _spans_to_varying(spans, device):
+        moved = _spans_to(spans, device)
+        moved.lengths_vary = True  # to_device then marks the row length dynamic
+        return moved
+
+    # to_device looks the name up when it moves each batch
+    _batch._document_spans_to = _spans_to_varying
