@@ -160,8 +160,9 @@ CASES = {
         # the memory target (0.75x): compile's recompute chooser keeping 70% of the activations
         _v("ours_budget_07", "ours", "ours: packed settings, compiled graphs saving 70% of activations",
            **OURS_1B_PACKED, activation_memory_budget=0.7),
-        # Packs without their padding run 0.91x the padded packs' rate per token computed: is it
-        # the graph compiled for dynamic lengths? The padded packs, their fixed length marked dynamic.
+        # Packs without their padding run 0.91x the padded packs' rate per token computed; the
+        # padded packs with their fixed length marked dynamic measure what a graph compiled for
+        # dynamic lengths costs alone.
         _v("ours_pack_padding_dynamic", "ours", "ours: packed settings, each pack's padding computed, length marked dynamic",
            env={"BENCH_LENGTHS_VARY": "1"}, **{**OURS_1B_PACKED, "padding_free": False}),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),

@@ -18,8 +18,8 @@
 #
 #   tests      the library's GPU tests (pytest -m gpu, tests/unit; fused-loss kernels, FP8,
 #              collate, document attention, the 8-bit optimizer)     (both together ran past 5.5 min: a call each)
-#   rtests     the recipes' GPU tests (tests/recipes: FP8 recipes, padding-free on CUDA): more than
-#              one call's 540 s on a warm H100; split it, PYTEST_K=fp8 then PYTEST_K='not fp8'
+#   rtests     the recipes' GPU tests (tests/recipes: FP8 recipes, padding-free on CUDA): longer
+#              than the step's 540 s; run it in two, PYTEST_K=fp8 then PYTEST_K='not fp8'
 #   packed1b   Llama-3.2-1B full fine-tune on packed instruction rows: stock's best vs
 #              ours' README fastest settings, 2 alternating repetitions                 ~7 min
 #   padded1b   the same on unpacked rows, padded per batch as shipped, 1 repetition (a
@@ -124,7 +124,7 @@ for step in "$@"; do
                dir=tests/unit; [ "$step" = rtests ] && dir=tests/recipes
                files=$(grep -rlE "pytest.mark.gpu|mark\.gpu" $dir --include="*.py")
                [ -n "$files" ] || { echo "no GPU tests under $dir"; exit 2; }
-               # PYTEST_K=expr: a subset (rtests runs past one call's 600 s on a fresh machine)
+               # PYTEST_K=expr: a subset (rtests runs past the 540 s below)
                timeout 540 python3 -m pytest -m gpu -n 0 -p no:cacheprovider -v -rfE --durations=10 \
                  ${PYTEST_K:+-k "$PYTEST_K"} $files > "$OUT/$step.txt" 2>&1
                echo "pytest exit $?" | tee -a "$OUT/$step.txt"

@@ -8,10 +8,11 @@ bytes a token a layer and the saved tensors by shape.
     python3 scripts/saved_activations.py                    # torch's default partition
     python3 scripts/saved_activations.py --budget 0.7       # activation_memory_budget=0.7
 
-The partition is made on the joint forward-backward graph before code generation, so it is
-the GPU's too except where the graph differs: attention here is SDPA on one causal row, which
-saves k and v copied to every query head (torchtune's expansion); over flash attention's document
-spans on a GPU, k and v are saved at their own head count.
+The partition is made on the joint forward-backward graph before code generation, so a GPU's
+follows the same rules, with two differences: the torch version installed here may not be the
+GPU machine's, and attention here is SDPA on one causal row, which saves k and v copied to every
+query head (torchtune's expansion), where over flash attention's document spans on a GPU k and v
+are saved at their own head count.
 """
 
 import argparse

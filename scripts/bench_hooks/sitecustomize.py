@@ -44,8 +44,8 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   tokens instead of 16 (``data.collate.SPANS_MULTIPLE``): fewer distinct lengths, e.g. for CUDA
   graphs recorded a length each (``TORCHINDUCTOR_CUDAGRAPHS=1``). Compare label tokens/s.
 - BENCH_LENGTHS_VARY=1: every batch's document spans in ours count as lengths that vary, so the
-  row length is marked dynamic even where it never changes (packs with their padding): does a
-  graph compiled for dynamic lengths cost time per token at the same length?
+  row length is marked dynamic even where it never changes (packs with their padding): what a
+  graph compiled for dynamic lengths costs per token at one length.
 """
 import os
 import sys
