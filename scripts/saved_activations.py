@@ -66,6 +66,10 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args(argv)
+    if not 0.0 < args.budget <= 1.0:
+        ap.error(f"--budget {args.budget}: activation_memory_budget is a fraction in (0, 1]")
+    if args.layers < 1 or args.tokens < 1:
+        ap.error("--layers and --tokens take positive counts")
     result = saved_activations(args.budget, args.layers, args.tokens)
     print(f"activation_memory_budget {result['budget']}: {result['bytes'] / 1e6:.1f} MB saved, "
           f"{result['bytes_per_token_per_layer'] / 1e3:.1f} KB a token a layer")
