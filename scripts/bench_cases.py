@@ -219,7 +219,7 @@ CASES = {
         # short steps: the optimizer step's fixed cost weighs more than packed
         _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in compiled batches",
            **OURS_1B_PADDED, optimizer=_ADAMW8BIT),
-        # The 4-row step is launch-bound (its GPU idle ~30% of the step, the host never waiting):
+        # The 4-row step is host-bound (its GPU idle ~30% of the step, the host never waiting):
         # Inductor's C++ wrapper (launches without Python), and CUDA graphs recorded a length
         # each, lengths on 256-token multiples (fewer lengths to record).
         _v("ours_cpp_wrapper", "ours", "ours: padding-free, whole model compiled with Inductor's C++ wrapper",

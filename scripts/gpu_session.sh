@@ -29,7 +29,7 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
-#   hostbound  ours' 4-row unpacked 1B step (launch-bound) as shipped, with Inductor's C++
+#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, with Inductor's C++
 #              wrapper, and with CUDA graphs over 256-token length multiples, 80 steps    ~5 min
 #   dynamic    1B packed, ours: packs with their padding, the same with the length marked
 #              dynamic, packs without padding: the per-token cost of a dynamic-length graph ~5 min

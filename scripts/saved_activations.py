@@ -22,9 +22,9 @@ import collections
 def saved_activations(budget: float = 1.0, layers: int = 2, tokens: int = 512,
                       embed_dim: int = 2048, intermediate_dim: int = 8192,
                       num_heads: int = 32, num_kv_heads: int = 8) -> dict:
-    """The forward's saved activations (parameters and buffers excluded) of ``layers`` compiled Llama-3.2
-    layers on one row of ``tokens`` tokens: total bytes, bytes a token a layer and a count by
-    (shape, dtype)."""
+    """The forward's saved activations (parameters and buffers excluded) of ``layers`` compiled
+    Llama-3.2 layers on one row of ``tokens`` tokens: total bytes, bytes a token a layer and a
+    count by (shape, dtype)."""
     import torch
     import torch._functorch.config as functorch_config
     from torchtune.models.llama3_2._component_builders import llama3_2
