@@ -254,11 +254,18 @@ def pack_padding(pack: Dict[str, Any], ignore_idx: int = CROSS_ENTROPY_IGNORE_IN
     document's labels is scored (``PackedDataset`` adds the padding as a document of its own; a
     trailing document with nothing to score counts too: it attends only to itself and adds
     nothing to the loss or the gradients), else 0."""
-    lens = [int(n) for n in torch.as_tensor(pack["seq_lens"]).tolist() if int(n) > 0]
+    lens = _document_lengths(pack)
+    return lens[-1] if _ends_in_padding(pack, lens, ignore_idx) else 0
+
+
+def _document_lengths(pack: Dict[str, Any]) -> List[int]:
+    """The lengths of ``pack``'s documents, its padding (a document of its own) included."""
+    return [int(n) for n in torch.as_tensor(pack["seq_lens"]).tolist() if int(n) > 0]
+
+
+def _ends_in_padding(pack: Dict[str, Any], lens: List[int], ignore_idx: int) -> bool:
     labels = torch.as_tensor(pack["labels"])
-    if lens and bool((labels[len(labels) - lens[-1]:] == ignore_idx).all()):
-        return lens[-1]
-    return 0
+    return bool(lens) and bool((labels[len(labels) - lens[-1]:] == ignore_idx).all())
 
 
 def packed_padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 0,
@@ -282,8 +289,8 @@ def packed_padding_free_collate(batch: List[Dict[str, Any]], padding_idx: int = 
         t = torch.as_tensor(x["tokens"], dtype=torch.long)
         y = torch.as_tensor(x["labels"], dtype=torch.long).clone()
         pos = torch.as_tensor(x["input_pos"], dtype=torch.long)
-        lens = [int(n) for n in torch.as_tensor(x["seq_lens"]).tolist() if int(n) > 0]
-        if pack_padding(x, ignore_idx):
+        lens = _document_lengths(x)
+        if _ends_in_padding(x, lens, ignore_idx):
             lens.pop()
         n = sum(lens)
         if n == 0:
