@@ -160,11 +160,15 @@ CASES = {
         # the memory target (0.75x): compile's recompute chooser keeping 70% of the activations
         _v("ours_budget_07", "ours", "ours: packed settings, compiled graphs saving 70% of activations",
            **OURS_1B_PACKED, activation_memory_budget=0.7),
+        _v("ours_budget_08", "ours", "ours: packed settings, compiled graphs saving 80% of activations",
+           **OURS_1B_PACKED, activation_memory_budget=0.8),
         # Packs without their padding run 0.91x the padded packs' rate per token computed; the
         # padded packs with their fixed length marked dynamic measure what a graph compiled for
         # dynamic lengths costs alone.
         _v("ours_pack_padding_dynamic", "ours", "ours: packed settings, each pack's padding computed, length marked dynamic",
            env={"BENCH_LENGTHS_VARY": "1"}, **{**OURS_1B_PACKED, "padding_free": False}),
+        _v("ours_best_128", "ours", "ours: packs without padding, rows on to 128-token multiples",
+           env={"BENCH_SPANS_MULTIPLE": "128"}, **OURS_1B_PACKED),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),
         # Which part of the FP8 settings moves the loss (over 220 steps: --steps 220): FP8
         # products alone (no fast accumulation in backward, no e4m3 MLP activations), and those
