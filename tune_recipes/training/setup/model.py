@@ -16,6 +16,7 @@ from tune_recipes.modules.document_attention import mark_varying_lengths_dynamic
 from tune_recipes.modules.fp8_mlp import convert_mlps_to_fp8_saved
 from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.nf4 import use_lean_nf4_dequantization
+from tune_recipes.modules.rms_norm import use_fused_rms_norm
 from tune_recipes.modules.rope import use_interleaved_rope
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import LoRASpec
@@ -49,8 +50,8 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
     """A model whose every parameter trains: built in ``dtype`` on ``device``, then
     ``before_load(model)`` (e.g. QAT's swap to fake-quantized linears, which keeps parameter
     names), the swap to FP8 linears when ``fp8_recipe`` names a torchao float8 recipe
-    (``setup.fp8``), compile (or, eager, ``compile_or_lighten``'s lighter RoPE), activation
-    checkpointing of the layers ``ac_interval`` names (``setup.activations``: None none, 1 every
+    (``setup.fp8``), compile (or, eager, ``compile_or_lighten``'s lighter RoPE and RMSNorm),
+    activation checkpointing of the layers ``ac_interval`` names (``setup.activations``: None none, 1 every
     layer, k every k-th; ``ac_reentrant``: through torch's reentrant checkpoint,
     ``setup.activations.checkpoint_reentrant``), and ``state_dict`` loaded strictly.
     ``compile_scope``: ``layers`` (default, torchtune's: each transformer layer its own graph) or
@@ -81,14 +82,15 @@ def setup_full_model(cfg_model: DictConfig, *, dtype, device, state_dict: Dict[s
 
 def compile_or_lighten(model: nn.Module, compile_model: bool, compile_scope: Optional[str] = None,
                        activation_memory_budget: Optional[float] = None) -> None:
-    """Compiled: ``compile_layers_or_model``. Eager: Llama's RoPE computed in fewer kernels, to
-    the same bits (``modules.rope``). NOTE: not under compile, where Inductor fuses torchtune's
-    RoPE into one kernel anyway and the compiled runs measured in docs/benchmarks.md keep
-    their graphs."""
+    """Compiled: ``compile_layers_or_model``. Eager: Llama's RoPE and every RMSNorm computed in
+    fewer kernels, the same arithmetic (``modules.rope``, ``modules.rms_norm``). NOTE: not
+    under compile, where Inductor fuses torchtune's forms into single kernels anyway and the
+    compiled runs measured in docs/benchmarks.md keep their graphs."""
     if compile_model:
         compile_layers_or_model(model, compile_scope, activation_memory_budget)
     else:
         use_interleaved_rope(model)
+        use_fused_rms_norm(model)
 
 
 def build_model(cfg_model: DictConfig, dtype: torch.dtype, device: torch.device,
