@@ -57,6 +57,7 @@ TESTS = {
     "modules/fp8_lora.py": "modules/test_fp8_lora.py",
     "modules/host_embedding.py": "modules/test_host_embedding.py",
     "modules/nf4.py": "modules/test_nf4.py",
+    "modules/rms_norm.py": "modules/test_rms_norm.py",
     "modules/rope.py": "modules/test_rope.py",
     "modules/fp8_mlp.py": "modules/test_fp8_mlp.py",
     "modules/document_attention.py": "modules/test_document_attention.py",
