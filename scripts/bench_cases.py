@@ -160,15 +160,6 @@ CASES = {
         # the memory target (0.75x): compile's recompute chooser keeping 70% of the activations
         _v("ours_budget_07", "ours", "ours: packed settings, compiled graphs saving 70% of activations",
            **OURS_1B_PACKED, activation_memory_budget=0.7),
-        _v("ours_budget_08", "ours", "ours: packed settings, compiled graphs saving 80% of activations",
-           **OURS_1B_PACKED, activation_memory_budget=0.8),
-        # Packs without their padding run 0.91x the padded packs' rate per token computed; the
-        # padded packs with their fixed length marked dynamic measure what a graph compiled for
-        # dynamic lengths costs alone.
-        _v("ours_pack_padding_dynamic", "ours", "ours: packed settings, each pack's padding computed, length marked dynamic",
-           env={"BENCH_LENGTHS_VARY": "1"}, **{**OURS_1B_PACKED, "padding_free": False}),
-        _v("ours_best_128", "ours", "ours: packs without padding, rows on to 128-token multiples",
-           env={"BENCH_SPANS_MULTIPLE": "128"}, **OURS_1B_PACKED),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),
         # Which part of the FP8 settings moves the loss (over 220 steps: --steps 220): FP8
         # products alone (no fast accumulation in backward, no e4m3 MLP activations), and those
@@ -316,6 +307,9 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
     if not ours.get("compile", False) and "qwen" not in ours["model"]["_component_"]:
         levers.append(_v("ours_torchtune_rope", "ours", "our config, torchtune's RoPE (eager)",
                          env={"BENCH_TORCHTUNE_ROPE": "1"}))
+    if not ours.get("compile", False):
+        levers.append(_v("ours_torchtune_rms_norm", "ours", "our config, torchtune's RMSNorm (eager)",
+                         env={"BENCH_TORCHTUNE_RMS_NORM": "1"}))
     if "qlora" in ours["model"]["_component_"]:
         levers.append(_v("ours_torchao_nf4", "ours", "our config, torchao's NF4 dequantization",
                          env={"BENCH_NF4_TORCHAO": "1"}))

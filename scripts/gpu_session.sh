@@ -31,8 +31,6 @@
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
 #   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, with Inductor's C++
 #              wrapper, and with CUDA graphs over 256-token length multiples, 80 steps    ~5 min
-#   dynamic    1B packed, ours: packs with their padding, the same with the length marked
-#              dynamic, packs without padding: the per-token cost of a dynamic-length graph ~5 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
@@ -46,8 +44,9 @@
 #              config; a run of a small model ~1 min, an 8B/7B one ~2, plus its checkpoint once);
 #              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config;
 #              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one);
-#              ours_ac_non_reentrant, ours_torchtune_rope, ours_torchao_nf4 (QLoRA): each
-#              eager-path change undone alone, an A/B against ours (docs/configs.md, eager steps)
+#              ours_ac_non_reentrant, ours_torchtune_rope, ours_torchtune_rms_norm,
+#              ours_torchao_nf4 (QLoRA): each eager-path change undone alone, an A/B against
+#              ours (docs/configs.md, eager steps)
 #   fused      the fused linear + cross-entropy benchmark against its peers              ~5 min
 #   optim      the optimizer step alone at Llama-3.2-1B's shapes, after backward: torch's
 #              AdamW and our AdamW8bit as compile_optimizer_step builds them, then AdamW8bit
@@ -84,7 +83,10 @@ mkdir -p "$OUT" "$W"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, torchtune, torchao; print('torch', torch.__version__, 'triton',
 triton.__version__, 'torchtune', torchtune.__version__, 'torchao', torchao.__version__)" 2>&1 | grep -v Skipping
-  df -h /tmp | tail -1; } > "$W/machine.txt"
+  df -h /tmp | tail -1
+  # The host: an eager or small-batch step waits on it, so its speed is part of the result.
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores," \
+       "load $(cut -d' ' -f1-3 /proc/loadavg)"; } > "$W/machine.txt"
 cat "$W/machine.txt"
 
 # bench NAME ARGS...: one scripts/bench_recipes.py run (540 s at most, 300 s a run; a run cut
@@ -138,8 +140,6 @@ for step in "$@"; do
                  --only "${ONLY:-stock_best,ours_best,ours_pack_padding,ours_budget_07}" ;;
     hostbound) bench hostbound --cases full_1b_padded --steps 80 --reps 1 \
                  --only "${ONLY:-ours_best,ours_cpp_wrapper,ours_cudagraphs_256}" ;;
-    dynamic)   bench dynamic --cases full_1b_packed --reps 1 \
-                 --only "${ONLY:-ours_pack_padding,ours_pack_padding_dynamic,ours_best}" ;;
     rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
     fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
                  --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;

@@ -34,6 +34,9 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 - BENCH_TORCHTUNE_ROPE=1: ours' eager models keep torchtune's Llama RoPE instead of
   tune_recipes/modules/rope.py's (the same bits, 45 operators a call forward and backward
   against 26).
+- BENCH_TORCHTUNE_RMS_NORM=1: ours' eager models keep torchtune's RMSNorm (the composite of
+  many kernels torch falls back to with a bf16 weight) instead of tune_recipes/modules/rms_norm.py's
+  (the same arithmetic through torch's fused kernel).
 - BENCH_SDPA_GQA=1: on unpacked data (no mask), attention takes grouped-query k and v as the
   projections made them (SDPA's ``enable_gqa``) instead of torchtune's copies expanded to every
   query head (``expand(...).flatten(1, 2)`` in MultiHeadAttention.forward), which SDPA saves for
@@ -43,9 +46,6 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 - BENCH_SPANS_MULTIPLE=N: ours' padding-free rows over document spans go on to a multiple of N
   tokens instead of 16 (``data.collate.SPANS_MULTIPLE``): fewer distinct lengths, e.g. for CUDA
   graphs recorded a length each (``TORCHINDUCTOR_CUDAGRAPHS=1``). Compare label tokens/s.
-- BENCH_LENGTHS_VARY=1: every batch's document spans in ours count as lengths that vary, so the
-  row length is marked dynamic even where it never changes (packs with their padding): what a
-  graph compiled for dynamic lengths costs per token at one length.
 """
 import os
 import sys
@@ -147,21 +147,14 @@ if os.environ.get("BENCH_TORCHTUNE_ROPE") == "1" and _IS_RECIPE:
     # The model setup imports the name when the recipe starts, after this hook.
     _rope.use_interleaved_rope = lambda model: 0
 
+if os.environ.get("BENCH_TORCHTUNE_RMS_NORM") == "1" and _IS_RECIPE:
+    import tune_recipes.modules.rms_norm as _rms_norm
+
+    # The model setup imports the name when the recipe starts, after this hook.
+    _rms_norm.use_fused_rms_norm = lambda model: 0
+
 if os.environ.get("BENCH_SPANS_MULTIPLE") and _IS_RECIPE:
     import tune_recipes.data.collate as _collate
 
     # read when each batch is laid end to end (``_end_to_end``)
     _collate.SPANS_MULTIPLE = int(os.environ["BENCH_SPANS_MULTIPLE"])
-
-if os.environ.get("BENCH_LENGTHS_VARY") == "1" and _IS_RECIPE:
-    import tune_recipes.training.step.batch as _batch
-
-    _spans_to = _batch._document_spans_to
-
-    def _spans_to_varying(spans, device):
-        moved = _spans_to(spans, device)
-        moved.lengths_vary = True  # to_device then marks the row length dynamic
-        return moved
-
-    # to_device looks the name up when it moves each batch
-    _batch._document_spans_to = _spans_to_varying

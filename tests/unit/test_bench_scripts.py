@@ -461,30 +461,20 @@ def test_the_size_oblivious_lever_sets_torchs_config_in_our_recipes_process():
 
 
 _SPANS_PROBE = """
-import torch
-from tune_recipes.data.collate import document_mask
 from tune_recipes.training.setup import data
-from tune_recipes.training.step.batch import to_device
 
 rows = [{"tokens": [5] * n, "labels": [6] * n} for n in (3, 130)]
 collate = data.make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
                             ignore_index=-100, padding_free=True, spans=True)
 print("free_length", collate(rows)["tokens"].shape[1])
-# spans of packs of one fixed length, as packs with their padding carry them
-batch = {"tokens": torch.zeros(2, 64, dtype=torch.long), "mask": document_mask([[64], [40, 24]], 64, True)}
-moved = to_device(batch, torch.device("cpu"))
-print("dynamic", sorted(getattr(moved["tokens"], "_dynamo_weak_dynamic_indices", set())))
 """
 
 
-def test_the_spans_levers_pad_padding_free_rows_further_and_mark_fixed_lengths_dynamic():
+def test_the_spans_lever_pads_padding_free_rows_further():
     """BENCH_SPANS_MULTIPLE=256 pads a padding-free row of 133 tokens to 256 (16 by default:
-    144); BENCH_LENGTHS_VARY=1 marks the row length of a fixed-length batch over document spans
-    dynamic (by default only padding-free batches are)."""
-    plain = _run_hook_probe(_SPANS_PROBE).stdout
-    assert "free_length 144" in plain and "dynamic []" in plain, plain
-    levers = _run_hook_probe(_SPANS_PROBE, BENCH_SPANS_MULTIPLE="256", BENCH_LENGTHS_VARY="1").stdout
-    assert "free_length 256" in levers and "dynamic [1]" in levers, levers
+    144)."""
+    assert "free_length 144" in _run_hook_probe(_SPANS_PROBE).stdout
+    assert "free_length 256" in _run_hook_probe(_SPANS_PROBE, BENCH_SPANS_MULTIPLE="256").stdout
 
 
 # Each eager-path lever undoes one change through the name a recipe or setup imports after the
@@ -498,6 +488,10 @@ _EAGER_LEVERS = [
      "from tune_recipes.models import tiny_llama3\n"
      "from tune_recipes.training.setup import model\n"
      "print('result', model.use_interleaved_rope(tiny_llama3()))", "2", "0"),
+    ("BENCH_TORCHTUNE_RMS_NORM",  # the tiny model's five norms, or none
+     "from tune_recipes.models import tiny_llama3\n"
+     "from tune_recipes.training.setup import model\n"
+     "print('result', model.use_fused_rms_norm(tiny_llama3()))", "5", "0"),
     ("BENCH_NF4_TORCHAO",
      "from tune_recipes.training.setup import model\n"
      "print('result', model.use_lean_nf4_dequantization())", "True", "False"),
