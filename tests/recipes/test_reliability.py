@@ -194,6 +194,37 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert not (out / ".lock").exists()
 
 
+def test_ctrl_c_while_resuming_names_the_checkpoint_it_resumes_from(tmp_path):
+    """A run stopped as it resumes has saved nothing itself; its line still names a checkpoint
+    to resume from (the one it was resuming), never "no checkpoint saved by this run"."""
+    import threading
+
+    out = tmp_path / "run"
+    base = [*tune_cmd(), "run", *FULL[:1], "--config", FULL[1], f"output_dir={out}", "max_steps_per_epoch=1"]
+    subprocess.run([*base, "epochs=1"], check=True, capture_output=True, timeout=300)
+    proc = subprocess.Popen([*base, "epochs=200", "resume_from_checkpoint=True"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines, resuming = [], threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if "continuing the finished run" in line:
+                resuming.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert resuming.wait(300), "".join(lines)[-2000:]
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    reader.join(timeout=60)
+    assert proc.returncode == 130, "".join(lines)[-2000:]
+    last = lines[-1].strip()
+    assert "no checkpoint saved" not in last and "resume_from_checkpoint=True" in last, last
+    assert f"{out}/epoch_" in last, last
+
+
 # Mid-epoch checkpoints (save_every_n_steps). A kill is simulated by copying a finished run's
 # output_dir and deleting everything written after the chosen step_<n>/: what remains is what a
 # run killed right after logging its last step would leave (metrics rows after the checkpoint
@@ -300,6 +331,24 @@ def test_a_resume_with_another_lora_rank_is_one_line_naming_the_key(tmp_path):
     assert "the adapter being resumed does not fit this run's LoRA settings (layers.0." in last
     assert "in the checkpoint" in last and "model.lora_rank" in last, last
     assert (out / "epoch_0" / "adapter_model.safetensors").is_file()
+
+
+def test_a_resume_by_the_other_kind_of_recipe_names_the_writer_and_keeps_the_folder(tmp_path):
+    """A LoRA run's mid-epoch folder (adapter only) resumed by the full fine-tune, and a full
+    run's resumed by the LoRA recipe: one line saying another kind of recipe wrote it, never
+    advice to remove a complete checkpoint."""
+    lora = ("lora_finetune_single_device", "tiny/lora_single_device")
+    for writer, reader, holds in ((lora, FULL, "a LoRA adapter"),
+                                  (FULL, lora, "model weights and no LoRA adapter")):
+        out = tmp_path / writer[0]
+        run_recipe(*writer, out, ["max_steps_per_epoch=4", "save_every_n_steps=2", "epochs=2"])
+        shutil.rmtree(out / "epoch_1")  # resume mid-run, from the checkpoints before it
+        proc = run_recipe(*reader, out, ["max_steps_per_epoch=4", "epochs=2",
+                                         "resume_from_checkpoint=True"], check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert f"with this recipe: it holds {holds}" in last and "remove" not in last, last
+        assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0"]
 
 
 @pytest.mark.integration

@@ -170,6 +170,7 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
     cfg = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
     # The state checked here is the one torchtune loads (relative to output_dir).
     _take_from_the_resume_checkpoint(cfg, "recipe_checkpoint", state_path, out, ckpt_dir)
+    refuse_another_recipes_checkpoint(ckpt_dir, full_weights)
     if full_weights:
         files = _model_files(ckpt_dir)
         missing = [f for f in files if not (ckpt_dir / f).is_file()]
@@ -187,6 +188,27 @@ def checkpointer_config_for_resume(cfg_checkpointer: DictConfig, output_dir: str
         raise CheckpointError(f"cannot resume from {ckpt_dir}: {ADAPTER_FILE} is missing; restore "
                               "it, or remove that folder to resume from the checkpoint before it")
     return cfg
+
+
+def refuse_another_recipes_checkpoint(ckpt_dir: Path, full_weights: Optional[bool]) -> None:
+    """A CheckpointError where ``ckpt_dir`` was written by the other kind of recipe: a LoRA
+    adapter where this recipe trains every weight (``full_weights``), or model weights and no
+    adapter where it trains an adapter (None: the recipe is not known, nothing to check).
+
+    NOTE: the message must not say "remove that folder": it is a complete checkpoint of another
+    recipe's run, and every older one in ``output_dir`` would fail the same way."""
+    # Any of a LoRA recipe's adapter files (adapter_model.pt, .safetensors, adapter_config.json):
+    # a LoRA folder that lost one of them is still a LoRA folder, whose own errors say so.
+    has_adapter = any(ckpt_dir.glob("adapter_*"))
+    if full_weights and has_adapter:
+        holds, writer = "a LoRA adapter", "a LoRA-type recipe"
+    elif full_weights is False and not has_adapter and _model_files(ckpt_dir):
+        holds, writer = "model weights and no LoRA adapter", "a recipe that trains every weight"
+    else:
+        return
+    raise CheckpointError(f"cannot resume from {ckpt_dir} with this recipe: it holds {holds}, "
+                          f"written by {writer}; resume it with the recipe that wrote it, or "
+                          "start this recipe's run in another output_dir")
 
 
 def _take_from_the_resume_checkpoint(cfg: DictConfig, key: str, path: Path, out: Path,
@@ -269,6 +291,7 @@ def checkpointer_config_for_finished_run(cfg_checkpointer: DictConfig, point: Re
     ``full_weights=None`` (``tune validate``, which does not know the recipe): the folder
     must hold model weights or an adapter."""
     ckpt_dir = point.checkpoint
+    refuse_another_recipes_checkpoint(ckpt_dir, full_weights)
     files = _model_files(ckpt_dir)
     has_weights = bool(files) and all((ckpt_dir / f).is_file() for f in files)
     has_adapter = (ckpt_dir / ADAPTER_FILE).is_file()

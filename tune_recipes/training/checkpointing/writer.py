@@ -257,9 +257,9 @@ class CheckpointWriter:
                 (written / FINISHED_RUN_FILE).write_text(json.dumps(finished) + "\n")
             # NOTE: announced first: a Ctrl-C between the rename and the record must not
             # report "no checkpoint saved" beside a complete folder.
-            run_status.checkpoint_publishing(written, out / name)
+            run_status.checkpoint_publishing(written, out / name, final=finished is not None)
             publish_dir(written, out / name, staging / "replaced")
-            run_status.checkpoint_saved(out / name)
+            run_status.checkpoint_saved(out / name, final=finished is not None)
             # One line naming where each file ended up (torchtune's lines are dropped above).
             print(saved_line(what, out / name), file=sys.stderr)
             if intermediate and shared_state:

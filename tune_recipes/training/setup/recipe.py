@@ -32,6 +32,7 @@ from tune_recipes.training.checkpointing.io import (
 )
 from tune_recipes.training.checkpointing.lock import OutputDirLock
 from tune_recipes.training.checkpointing.state import RecipeState, SavedState
+from tune_recipes.training.reporting import run_status
 from tune_recipes.training.reporting.progress import StepReporter
 from tune_recipes.training.setup.data import (
     build_dataloader,
@@ -103,6 +104,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
             keep_earlier_checkpoints_aside(cfg.output_dir, read_by_the_run=paths_the_run_reads(cfg))
         checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
         return checkpointer, read_checkpoint(checkpointer, cfg_checkpointer), None
+    run_status.resuming_from(point.checkpoint)  # the checkpoint a Ctrl-C from here names
     if point.finished:
         return _continue_finished_run(cfg, cfg_checkpointer, point, adapter)
     if int(os.environ.get("RANK", "0")) == 0:

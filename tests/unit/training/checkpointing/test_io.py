@@ -58,11 +58,9 @@ def test_resume_names_the_newest_epoch_files(tmp_path):
     cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
     with pytest.raises(ConfigError, match="run without resume_from_checkpoint first"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
-    for n in (0, 1):
+    for n in (0, 1):  # a full fine-tune's folders: model weights only
         (tmp_path / f"epoch_{n}").mkdir()
         (tmp_path / f"epoch_{n}" / "model-00001-of-00001.safetensors").write_bytes(b"")
-        (tmp_path / f"epoch_{n}" / "adapter_model.safetensors").write_bytes(b"")
-        (tmp_path / f"epoch_{n}" / "adapter_model.pt").write_bytes(b"")
     _state(tmp_path, epochs_run=1)
     with pytest.raises(ConfigError, match="written after epoch 0 but the newest checkpoint is"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
@@ -70,6 +68,18 @@ def test_resume_names_the_newest_epoch_files(tmp_path):
     out = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
     assert list(out.checkpoint_files) == ["epoch_1/model-00001-of-00001.safetensors"]
     assert list(cfg.checkpoint_files) == ["model.safetensors"]  # the input is not modified
+    # A LoRA recipe on a full fine-tune's folder: which recipe wrote it, not "remove it".
+    with pytest.raises(ConfigError, match=r"epoch_1 with this recipe: it holds model weights and no "
+                                          r"LoRA adapter, written by a recipe that trains every weight; "
+                                          r"resume it with the recipe that wrote it"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
+    for n in (0, 1):  # a LoRA run's folders: the merged weights and the adapter
+        (tmp_path / f"epoch_{n}" / "adapter_model.safetensors").write_bytes(b"")
+        (tmp_path / f"epoch_{n}" / "adapter_model.pt").write_bytes(b"")
+    # ... and the other way round
+    with pytest.raises(ConfigError, match=r"epoch_1 with this recipe: it holds a LoRA adapter, "
+                                          r"written by a LoRA-type recipe"):
+        checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
     lora = checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
     assert list(lora.checkpoint_files) == ["model.safetensors"]  # base weights stay
     assert lora.adapter_checkpoint == "epoch_1/adapter_model.pt"
@@ -303,8 +313,8 @@ def test_a_finished_runs_final_epoch_is_a_point_to_continue_from(tmp_path):
     full = checkpointer_config_for_output_dir(cfg, str(tmp_path), True, full_weights=True)
     assert list(full.checkpoint_files) == [
         str((tmp_path / "epoch_1" / "model-00001-of-00001.safetensors").resolve())]
-    with pytest.raises(ConfigError, match=r"epoch_1 is the final checkpoint of a finished run "
-                                          r"and holds no adapter \(adapter_model.pt\)"):
+    with pytest.raises(ConfigError, match=r"epoch_1 with this recipe: it holds model weights and no "
+                                          r"LoRA adapter, written by a recipe that trains every weight"):
         checkpointer_config_for_output_dir(cfg, str(tmp_path), True, full_weights=False)
 
 
@@ -322,12 +332,13 @@ def test_a_resume_takes_weights_adapter_and_state_from_one_checkpoint(tmp_path, 
 
     (tmp_path / "epoch_0").mkdir()
     (tmp_path / "epoch_0" / "model-00001-of-00001.safetensors").write_bytes(b"")
-    (tmp_path / "epoch_0" / ADAPTER_FILE).write_bytes(b"")
     _state(tmp_path, epochs_run=1)
     step = tmp_path / "step_6"
     step.mkdir()
     (step / "model-00001-of-00001.safetensors").write_bytes(b"")
-    (step / ADAPTER_FILE).write_bytes(b"")
+    if not full_weights:  # a LoRA run's folders hold its adapter too
+        (tmp_path / "epoch_0" / ADAPTER_FILE).write_bytes(b"")
+        (step / ADAPTER_FILE).write_bytes(b"")
     torch.save({"epochs_run": 1, GLOBAL_STEP_KEY: 6, RANK_STATES_KEY: [{}]}, step / EPOCH_STATE_FILE)
     torchtunes_way = OmegaConf.create({
         "checkpoint_dir": str(tmp_path / "epoch_0"), "checkpoint_files": ["model.safetensors"],

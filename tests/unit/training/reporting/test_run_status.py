@@ -32,3 +32,41 @@ def test_a_checkpoint_counts_once_its_folder_is_renamed_into_place(monkeypatch, 
     assert f"last checkpoint {final};" in run_status.interrupted_message("r/full.py", [])
     run_status.checkpoint_saved(final)
     assert run_status.last_checkpoint() == str(final)
+
+
+def _fresh(monkeypatch):
+    monkeypatch.setattr(run_status, "_status", {"step": 0, "checkpoint": None, "publishing": None,
+                                                "final": False, "resumed_from": None})
+
+
+def test_a_run_stopped_while_resuming_names_the_checkpoint_it_resumes_from(monkeypatch):
+    """Stopped before its first step, a resumed run has saved nothing, but the checkpoint it
+    resumes from is intact: the line names it and the command that resumes it again."""
+    _fresh(monkeypatch)
+    run_status.resuming_from("/tmp/o/step_50")
+    line = run_status.interrupted_message("r/lora.py", ["output_dir=/tmp/o", "resume_from_checkpoint=True"])
+    assert line == ("interrupted while resuming from /tmp/o/step_50, before its first step; resume "
+                    "with: tune run lora output_dir=/tmp/o resume_from_checkpoint=True")
+    run_status.step_finished(53)  # steps after the resume: the step, and still that checkpoint
+    assert run_status.interrupted_message("r/lora.py", []).startswith(
+        "interrupted at step 53; last checkpoint /tmp/o/step_50; resume with:")
+    run_status.checkpoint_saved("/tmp/o/step_60")
+    assert "last checkpoint /tmp/o/step_60;" in run_status.interrupted_message("r/lora.py", [])
+
+
+def test_a_run_stopped_after_its_final_checkpoint_has_nothing_to_resume(monkeypatch, tmp_path):
+    _fresh(monkeypatch)
+    run_status.step_finished(3)
+    run_status.checkpoint_saved(tmp_path / "step_2")
+    assert "resume with:" in run_status.interrupted_message("r/lora.py", [])
+    staged, final = tmp_path / ".saving" / "epoch_0", tmp_path / "epoch_0"
+    staged.mkdir(parents=True)
+    run_status.checkpoint_publishing(staged, final, final=True)
+    # not yet renamed into place: the earlier checkpoint is the one to resume from
+    assert f"last checkpoint {tmp_path / 'step_2'};" in run_status.interrupted_message("r/lora.py", [])
+    staged.rename(final)  # renamed, before checkpoint_saved: the final folder counts
+    line = run_status.interrupted_message("r/lora.py", [])
+    assert line == (f"interrupted after the run finished (step 3); its final checkpoint {final} "
+                    "is complete, nothing to resume")
+    run_status.checkpoint_saved(final, final=True)
+    assert run_status.interrupted_message("r/lora.py", []) == line
