@@ -55,6 +55,11 @@ def test_ls_lists_recipes_with_configs(capsys):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["run", "no_such_recipe", "--config", "tiny/lora_single_device"], "unknown recipe 'no_such_recipe'"),
+    (["run", "lora_finetune_singl_device", "--config", "tiny/lora_single_device"],
+     "unknown recipe 'lora_finetune_singl_device' (not ours, not torchtune's; did you mean "
+     "lora_finetune_single_device?)"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/lora_singl_device"],
+     "did you mean tiny/lora_single_device?"),
     (["run", "lora_finetune_single_device", "--config", "tiny/nope"], "unknown config 'tiny/nope'"),
     (["run", "lora_finetune_single_device", "--config", "missing.yaml"], "config file not found: missing.yaml"),
     (["run", "missing_recipe.py", "--config", "tiny/lora_single_device"], "recipe file not found"),

@@ -41,7 +41,8 @@ def _recipe_or_fail(name: str) -> registry.Resolved:
     if r is None:
         if name.endswith(".py"):
             raise CliError(f"recipe file not found: {name}")
-        raise CliError(f"unknown recipe '{name}' (not ours, not torchtune's); see `tune ls`")
+        raise CliError(f"unknown recipe '{name}' (not ours, not torchtune's"
+                       f"{_did_you_mean(name, registry.list_recipes())}); see `tune ls`")
     return r
 
 
@@ -50,8 +51,17 @@ def _config_or_fail(name: str) -> registry.Resolved:
     if c is None:
         if name.endswith((".yaml", ".yml")):
             raise CliError(f"config file not found: {name}")
-        raise CliError(f"unknown config '{name}' (not ours, not torchtune's); see `tune ls`")
+        raise CliError(f"unknown config '{name}' (not ours, not torchtune's"
+                       f"{_did_you_mean(name, registry.list_configs())}); see `tune ls`")
     return c
+
+
+def _did_you_mean(name: str, names: List[str]) -> str:
+    """``; did you mean 'x'?`` for the closest of our ``names``, or nothing."""
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def cmd_run(args: argparse.Namespace, rest: List[str]) -> int:
