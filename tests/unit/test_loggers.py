@@ -135,3 +135,30 @@ def test_an_earlier_different_config_in_the_folder_is_kept_not_overwritten(tmp_p
     assert OmegaConf.load(out).optimizer.lr == 3.0
     assert OmegaConf.load(tmp_path / "config.1.yaml").optimizer.lr == 1.0
     assert OmegaConf.load(tmp_path / "config.2.yaml").optimizer.lr == 2.0
+
+
+def test_a_fresh_run_moves_the_earlier_runs_resume_configs_aside_with_it(tmp_path):
+    """config.<k>.yaml (an earlier run resumed with other settings) is that run's: a fresh run
+    keeps it under the earlier run's suffix, not beside its own config.yaml."""
+    from tune_recipes.training.metrics import JsonlMetricLogger
+
+    first = JsonlMetricLogger(log_dir=tmp_path)
+    first.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 1.0}}))
+    first.log_dict({"loss": 1.0}, step=1)
+    first.close()
+    resumed = JsonlMetricLogger(log_dir=tmp_path)
+    resumed.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 2.0}}))
+    resumed.begin_run(1)  # a resume: the rows continue, the earlier settings kept aside
+    resumed.close()
+    assert (tmp_path / "config.1.yaml").is_file()  # the first settings, kept on the resume
+    fresh = JsonlMetricLogger(log_dir=tmp_path)
+    fresh.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 3.0}}))
+    fresh.log_dict({"loss": 3.0}, step=1)
+    fresh.close()
+    configs = sorted(p.name for p in tmp_path.glob("config*.yaml"))
+    assert "config.1.yaml" not in configs and "config.yaml" in configs, configs
+    (metrics_kept,) = tmp_path.glob("metrics.*.jsonl")
+    suffix = metrics_kept.name[len("metrics."):-len(".jsonl")]
+    assert OmegaConf.load(tmp_path / f"config.{suffix}.yaml").optimizer.lr == 2.0
+    assert OmegaConf.load(tmp_path / f"config.{suffix}.1.yaml").optimizer.lr == 1.0
+    assert OmegaConf.load(tmp_path / "config.yaml").optimizer.lr == 3.0

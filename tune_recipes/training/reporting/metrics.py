@@ -106,6 +106,13 @@ class JsonlMetricLogger:
         elif config.is_file():
             os.replace(config, config_kept)
             kept.append(config_kept)
+        # The earlier run's own earlier configs (config.<k>.yaml, kept when it resumed with
+        # other settings) go with it: beside this run's config.yaml they would read as this run's.
+        for resumed in sorted(self.path.parent.glob("config.*.yaml")):
+            k = resumed.name[len("config."):-len(".yaml")]
+            if k.isdigit():
+                kept.append(resumed.with_name(f"config.{suffix}.{k}.yaml"))
+                os.replace(resumed, kept[-1])
         self._fh = open(self.path, "a", buffering=1)
         print(f"{self.path.parent} held an earlier run's metrics: kept as "
               f"{', '.join(p.name for p in kept)}; this run starts a new {self.path.name} "
