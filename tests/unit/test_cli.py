@@ -738,3 +738,27 @@ def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, mon
     script.write_text("raise RuntimeError('CUDA out of memory')\n")
     with pytest.raises(RuntimeError, match="out of memory"):
         run_script(script, [])
+
+
+def test_a_stopped_torchrun_launch_names_its_resume_or_that_the_run_finished(tmp_path):
+    """`tune` (torchrun's agent) prints the line for every rank from what output_dir holds: a
+    resume command beside an intermediate checkpoint, nothing to resume beside a final one."""
+    from tune_recipes._cli.launch import Launch
+    from tune_recipes._cli.main import _how_to_continue
+
+    launch = Launch(argv=["--nproc_per_node", "2"], nproc_per_node=2, min_nodes=1, max_nodes=1)
+    argv = ["recipes/full_finetune_distributed.py", "--config", "c.yaml", f"output_dir={tmp_path}"]
+    assert _how_to_continue(launch, argv, str(tmp_path)) == f"no checkpoint in {tmp_path}"
+    (tmp_path / "epoch_0").mkdir()
+    (tmp_path / "epoch_0" / "model.safetensors").write_bytes(b"")
+    # no recipe state anywhere: the run's final epoch
+    assert _how_to_continue(launch, argv, str(tmp_path)) == (
+        f"the run finished: its final checkpoint {tmp_path / 'epoch_0'} is complete, nothing to resume")
+    import torch
+
+    # with its recipe state: an intermediate epoch, one of two
+    torch.save({"epochs_run": 1, "total_epochs": 2, "seed": 0, "max_steps_per_epoch": None},
+               tmp_path / "epoch_0" / "recipe_state.pt")
+    line = _how_to_continue(launch, argv, str(tmp_path))
+    assert line.startswith(f"newest checkpoint {tmp_path / 'epoch_0'}; resume with: tune run "
+                           "--nproc_per_node 2 full_finetune_distributed"), line

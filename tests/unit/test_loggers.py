@@ -137,26 +137,34 @@ def test_an_earlier_different_config_in_the_folder_is_kept_not_overwritten(tmp_p
     assert OmegaConf.load(tmp_path / "config.2.yaml").optimizer.lr == 2.0
 
 
-def test_a_fresh_run_moves_the_earlier_runs_resume_configs_aside_with_it(tmp_path):
-    """config.<k>.yaml (an earlier run resumed with other settings) is that run's: a fresh run
-    keeps it under the earlier run's suffix, not beside its own config.yaml."""
+def _jsonl_logger(d):
     from tune_recipes.training.metrics import JsonlMetricLogger
 
-    first = JsonlMetricLogger(log_dir=tmp_path)
-    first.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 1.0}}))
-    first.log_dict({"loss": 1.0}, step=1)
-    first.close()
-    resumed = JsonlMetricLogger(log_dir=tmp_path)
-    resumed.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 2.0}}))
-    resumed.begin_run(1)  # a resume: the rows continue, the earlier settings kept aside
-    resumed.close()
-    assert (tmp_path / "config.1.yaml").is_file()  # the first settings, kept on the resume
-    fresh = JsonlMetricLogger(log_dir=tmp_path)
-    fresh.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": 3.0}}))
-    fresh.log_dict({"loss": 3.0}, step=1)
-    fresh.close()
+    return JsonlMetricLogger(log_dir=d)
+
+
+@pytest.mark.parametrize("make", [
+    _jsonl_logger,
+    lambda d: loggers.StdoutLogger(log_dir=d),
+    lambda d: loggers.TensorBoardLogger(log_dir=d),
+], ids=["jsonl", "stdout", "tensorboard"])
+def test_a_fresh_run_moves_the_earlier_runs_resume_configs_aside_with_it(make, tmp_path):
+    """config.<k>.yaml (an earlier run resumed with other settings) is that run's: a fresh run
+    keeps it under the earlier run's suffix, not beside its own config.yaml, and leaves no copy
+    of the earlier config there either."""
+    def run(lr, resume_step=None):
+        logger = make(tmp_path)
+        logger.log_config(OmegaConf.create({"output_dir": str(tmp_path), "optimizer": {"lr": lr}}))
+        logger.begin_run(resume_step)
+        logger.log_dict({"loss": lr}, step=1 if resume_step is None else resume_step + 1)
+        logger.close()
+
+    run(1.0)
+    run(2.0, resume_step=1)  # a resume: the rows continue, the earlier settings kept aside
+    assert OmegaConf.load(tmp_path / "config.1.yaml").optimizer.lr == 1.0
+    run(3.0)  # a fresh run
     configs = sorted(p.name for p in tmp_path.glob("config*.yaml"))
-    assert "config.1.yaml" not in configs and "config.yaml" in configs, configs
+    assert len(configs) == 3 and "config.1.yaml" not in configs, configs
     (metrics_kept,) = tmp_path.glob("metrics.*.jsonl")
     suffix = metrics_kept.name[len("metrics."):-len(".jsonl")]
     assert OmegaConf.load(tmp_path / f"config.{suffix}.yaml").optimizer.lr == 2.0

@@ -166,6 +166,9 @@ def reports_to_tune(script: Path) -> bool:
 def run_script(path: Path, args: List[str]) -> None:
     """Execute ``path`` as ``__main__`` with ``sys.argv = [path, *args]``; like ``python path``,
     the script's folder comes first on ``sys.path``."""
+    from tune_recipes.training.reporting import run_status
+
+    run_status.reset()  # a run of its own, also where one process runs several (tests)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(Path(path).parent))
     try:

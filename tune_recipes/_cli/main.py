@@ -57,7 +57,7 @@ def _config_or_fail(name: str) -> registry.Resolved:
 
 
 def _did_you_mean(name: str, names: List[str]) -> str:
-    """``; did you mean 'x'?`` for the closest of our ``names``, or nothing."""
+    """``; did you mean x?`` for the closest of our ``names``, or nothing."""
     import difflib
 
     close = difflib.get_close_matches(name, names, n=1)
@@ -138,15 +138,18 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 def _how_to_continue(launch: Launch, recipe_argv: List[str], output_dir) -> str:
     """``newest checkpoint ...; resume with: ...``, read from output_dir (the processes that
     knew where the run stood are gone)."""
-    from tune_recipes.training.checkpointing.io import newest_checkpoint_dir
+    from tune_recipes.training.checkpointing.io import newest_checkpoint_dir, resume_point
     from tune_recipes.training.reporting.run_status import resume_hint
 
     try:
         newest = newest_checkpoint_dir(Path(output_dir)) if isinstance(output_dir, str) else None
+        finished = newest is not None and resume_point(output_dir, True).finished
     except ConfigError:  # a step_<n>/ it cannot read: the recipe will say so on resume
-        newest = None
+        newest, finished = None, False
     if newest is None:
         return f"no checkpoint in {output_dir}"
+    if finished:
+        return f"the run finished: its final checkpoint {newest} is complete, nothing to resume"
     launcher = [a for a in launch.argv if a != "--standalone"]  # the one-node default
     hint = resume_hint(Path(recipe_argv[0]), recipe_argv[1:], newest, launcher=launcher)
     return f"newest checkpoint {newest}; {hint}"

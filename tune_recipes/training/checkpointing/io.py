@@ -197,13 +197,17 @@ def refuse_another_recipes_checkpoint(ckpt_dir: Path, full_weights: Optional[boo
 
     NOTE: the message must not say "remove that folder": it is a complete checkpoint of another
     recipe's run, and every older one in ``output_dir`` would fail the same way."""
-    # Any of a LoRA recipe's adapter files (adapter_model.pt, .safetensors, adapter_config.json):
-    # a LoRA folder that lost one of them is still a LoRA folder, whose own errors say so.
-    has_adapter = any(ckpt_dir.glob("adapter_*"))
+    # The adapter's weights (adapter_model.pt or .safetensors), which only a LoRA-type recipe
+    # writes: a LoRA folder that lost one of the two is still a LoRA folder, whose own errors
+    # say so. NOTE: not adapter_config.json: torchtune's checkpointer copies that file from
+    # checkpoint_dir into a full fine-tune's folders too (a run started from a LoRA run's
+    # merged weights, or a Hub repo that ships one).
+    has_adapter = any((ckpt_dir / name).is_file() for name in (ADAPTER_FILE, "adapter_model.safetensors"))
     if full_weights and has_adapter:
         holds, writer = "a LoRA adapter", "a LoRA-type recipe"
     elif full_weights is False and not has_adapter and _model_files(ckpt_dir):
-        holds, writer = "model weights and no LoRA adapter", "a recipe that trains every weight"
+        holds, writer = ("model weights and no LoRA adapter",
+                         "a recipe that trains every weight (or it lost its adapter files)")
     else:
         return
     raise CheckpointError(f"cannot resume from {ckpt_dir} with this recipe: it holds {holds}, "

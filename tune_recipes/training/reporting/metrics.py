@@ -53,6 +53,12 @@ class JsonlMetricLogger:
         self._earlier_config: Optional[str] = None
         # log_config's text, written when the run begins (see the class docstring).
         self._pending_config: Optional[str] = None
+        # The earlier run's config.<k>.yaml (kept when it resumed with other settings), as the
+        # folder holds them before this run writes anything (a logger that writes config.yaml
+        # itself may add one for this run's own start).
+        self._earlier_resume_configs = sorted(
+            p for p in Path(log_dir).glob("config.*.yaml")
+            if p.name[len("config."):-len(".yaml")].isdigit())
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Append mode writes nothing yet: whether the rows are kept aside or continued is
@@ -106,13 +112,22 @@ class JsonlMetricLogger:
         elif config.is_file():
             os.replace(config, config_kept)
             kept.append(config_kept)
-        # The earlier run's own earlier configs (config.<k>.yaml, kept when it resumed with
-        # other settings) go with it: beside this run's config.yaml they would read as this run's.
-        for resumed in sorted(self.path.parent.glob("config.*.yaml")):
-            k = resumed.name[len("config."):-len(".yaml")]
-            if k.isdigit():
+        # The earlier run's own earlier configs go with it: beside this run's config.yaml they
+        # would read as this run's.
+        for resumed in self._earlier_resume_configs:
+            if resumed.is_file():
+                k = resumed.name[len("config."):-len(".yaml")]
                 kept.append(resumed.with_name(f"config.{suffix}.{k}.yaml"))
                 os.replace(resumed, kept[-1])
+        # A logger that wrote config.yaml at log_config (``loggers.write_config``) kept the
+        # earlier one as config.<k>.yaml then, not yet knowing this run is fresh: it is the
+        # config.<suffix>.yaml just kept, twice.
+        if self._earlier_config is not None:
+            for copy in self.path.parent.glob("config.*.yaml"):
+                k = copy.name[len("config."):-len(".yaml")]
+                if (k.isdigit() and copy not in self._earlier_resume_configs
+                        and copy.read_text() == self._earlier_config):
+                    copy.unlink()
         self._fh = open(self.path, "a", buffering=1)
         print(f"{self.path.parent} held an earlier run's metrics: kept as "
               f"{', '.join(p.name for p in kept)}; this run starts a new {self.path.name} "

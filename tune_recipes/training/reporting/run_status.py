@@ -10,7 +10,16 @@ import shlex
 from pathlib import Path
 from typing import List, Optional
 
-_status = {"step": 0, "checkpoint": None, "publishing": None, "final": False, "resumed_from": None}
+_status = {}
+
+
+def reset() -> None:
+    """A new run: no step, no checkpoint."""
+    _status.clear()
+    _status.update(step=0, checkpoint=None, publishing=None, final=False, resumed_from=None)
+
+
+reset()
 
 
 def step_finished(global_step: int) -> None:

@@ -58,9 +58,10 @@ def test_resume_names_the_newest_epoch_files(tmp_path):
     cfg = OmegaConf.create({"checkpoint_dir": "/base", "checkpoint_files": ["model.safetensors"]})
     with pytest.raises(ConfigError, match="run without resume_from_checkpoint first"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
-    for n in (0, 1):  # a full fine-tune's folders: model weights only
-        (tmp_path / f"epoch_{n}").mkdir()
+    for n in (0, 1):  # a full fine-tune's folders: model weights (and torchtune's copy of the
+        (tmp_path / f"epoch_{n}").mkdir()  # base's adapter_config.json, where it has one)
         (tmp_path / f"epoch_{n}" / "model-00001-of-00001.safetensors").write_bytes(b"")
+        (tmp_path / f"epoch_{n}" / "adapter_config.json").write_text("{}")
     _state(tmp_path, epochs_run=1)
     with pytest.raises(ConfigError, match="written after epoch 0 but the newest checkpoint is"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
@@ -70,8 +71,9 @@ def test_resume_names_the_newest_epoch_files(tmp_path):
     assert list(cfg.checkpoint_files) == ["model.safetensors"]  # the input is not modified
     # A LoRA recipe on a full fine-tune's folder: which recipe wrote it, not "remove it".
     with pytest.raises(ConfigError, match=r"epoch_1 with this recipe: it holds model weights and no "
-                                          r"LoRA adapter, written by a recipe that trains every weight; "
-                                          r"resume it with the recipe that wrote it"):
+                                          r"LoRA adapter, written by a recipe that trains every weight "
+                                          r"\(or it lost its adapter files\); resume it with the recipe "
+                                          r"that wrote it"):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=False)
     for n in (0, 1):  # a LoRA run's folders: the merged weights and the adapter
         (tmp_path / f"epoch_{n}" / "adapter_model.safetensors").write_bytes(b"")

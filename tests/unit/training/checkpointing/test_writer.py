@@ -290,3 +290,21 @@ def test_an_interrupt_right_after_the_rename_still_reports_the_checkpoint(tmp_pa
             model, torch.optim.SGD(model.parameters(), lr=0.1), state, epoch=0)
     assert (tmp_path / "epoch_0" / "model.safetensors").exists()
     assert run_status.last_checkpoint() == str(tmp_path / "epoch_0")
+
+
+@pytest.mark.parametrize("total_epochs,final", [(2, False), (1, True)])
+def test_the_final_checkpoint_leaves_nothing_to_resume_in_the_interrupt_line(tmp_path, monkeypatch,
+                                                                             total_epochs, final):
+    """The writer tells the run's status whether a checkpoint is the run's last (it carries
+    finished_run.json): a Ctrl-C after it has nothing to resume; after any other, a resume."""
+    from tune_recipes.training.reporting import run_status
+
+    monkeypatch.setattr(run_status, "_status", {})
+    run_status.reset()
+    model = tiny_llama3()
+    state = RecipeState(seed=0, total_epochs=total_epochs, max_steps_per_epoch=None, epochs_run=1)
+    CheckpointWriter(_Checkpointer(tmp_path), output_dir=str(tmp_path)).save(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), state, epoch=0)
+    assert (tmp_path / "epoch_0" / "finished_run.json").exists() == final
+    line = run_status.interrupted_message("r/full.py", [])
+    assert ("nothing to resume" in line) == final and ("resume with:" in line) != final, line
