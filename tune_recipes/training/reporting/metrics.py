@@ -56,9 +56,7 @@ class JsonlMetricLogger:
         # The earlier run's config.<k>.yaml (kept when it resumed with other settings), as the
         # folder holds them before this run writes anything (a logger that writes config.yaml
         # itself may add one for this run's own start).
-        self._earlier_resume_configs = sorted(
-            p for p in Path(log_dir).glob("config.*.yaml")
-            if p.name[len("config."):-len(".yaml")].isdigit())
+        self._earlier_resume_configs = _resume_configs(Path(log_dir))
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Append mode writes nothing yet: whether the rows are kept aside or continued is
@@ -114,19 +112,16 @@ class JsonlMetricLogger:
             kept.append(config_kept)
         # The earlier run's own earlier configs go with it: beside this run's config.yaml they
         # would read as this run's.
-        for resumed in self._earlier_resume_configs:
+        for k, resumed in self._earlier_resume_configs.items():
             if resumed.is_file():
-                k = resumed.name[len("config."):-len(".yaml")]
                 kept.append(resumed.with_name(f"config.{suffix}.{k}.yaml"))
                 os.replace(resumed, kept[-1])
         # A logger that wrote config.yaml at log_config (``loggers.write_config``) kept the
         # earlier one as config.<k>.yaml then, not yet knowing this run is fresh: it is the
         # config.<suffix>.yaml just kept, twice.
         if self._earlier_config is not None:
-            for copy in self.path.parent.glob("config.*.yaml"):
-                k = copy.name[len("config."):-len(".yaml")]
-                if (k.isdigit() and copy not in self._earlier_resume_configs
-                        and copy.read_text() == self._earlier_config):
+            for k, copy in _resume_configs(self.path.parent).items():
+                if k not in self._earlier_resume_configs and copy.read_text() == self._earlier_config:
                     copy.unlink()
         self._fh = open(self.path, "a", buffering=1)
         print(f"{self.path.parent} held an earlier run's metrics: kept as "
@@ -190,6 +185,12 @@ class JsonlMetricLogger:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _resume_configs(folder: Path) -> Dict[str, Path]:
+    """The ``config.<k>.yaml`` files in ``folder`` (``keep_a_different_config``'s), by k."""
+    found = {p.name[len("config."):-len(".yaml")]: p for p in folder.glob("config.*.yaml")}
+    return {k: p for k, p in sorted(found.items()) if k.isdigit()}
 
 
 def keep_a_different_config(out: Path, text: str) -> Optional[Path]:
