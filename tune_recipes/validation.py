@@ -812,9 +812,24 @@ def optimizer_problem(cfg: DictConfig) -> Optional[str]:
         except Exception:  # noqa: BLE001 - only looking for the argument to name
             continue
         if alone is not None:
-            return f"optimizer.{key}={_show(value)}: {component} refuses it: {alone}"
+            return (f"optimizer.{key}={_show(value)}: {component} refuses it: {alone}"
+                    f"{_default_of(fn, key)}")
     shown = ", ".join(f"{k}={_show(v)}" for k, v in kwargs.items())
     return f"optimizer ({component} with {shown}): {problem}"
+
+
+def _default_of(fn, key: str) -> str:
+    """`` (its default: key=value)`` from ``fn``'s signature: what a well-formed value looks
+    like where the refusal (e.g. an IndexError) does not say; empty where there is none."""
+    import inspect
+
+    try:
+        default = inspect.signature(fn).parameters[key].default
+    except (TypeError, ValueError, KeyError):
+        return ""
+    if default is inspect.Parameter.empty:
+        return ""
+    return f" (its default: {key}={_show(default)})"
 
 
 # The label that marks a token without a loss in every dataset torchtune builds (its
