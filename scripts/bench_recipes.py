@@ -31,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -294,6 +295,16 @@ def loss_gaps(rows: list) -> list:
     return found
 
 
+def error_cell(error: str) -> str:
+    """A failed run's error for a table cell: its last exception line (the message, from its
+    start) and the reason, each cut to fit, the cell's pipes escaped."""
+    lines = [l.strip() for l in error.splitlines() if l.strip()]
+    reason = lines.pop() if lines and lines[-1].startswith("[failed") else ""
+    message = next((l for l in reversed(lines) if "Error" in l or "Exception" in l), lines[-1] if lines else "")
+    message = re.sub(r"^\[rank\d+\]:?\s*", "", message)
+    return " ".join(x[:160] for x in (message, reason) if x).replace("|", "\\|")
+
+
 def table(result: dict) -> str:
     """The summary as a Markdown table, and the loss gaps below it."""
     out = ["| case | variant | tokens/s (each rep) | label tokens/s | x stock | label x stock | "
@@ -301,7 +312,7 @@ def table(result: dict) -> str:
            "|---" * 12 + "|"]
     for s in result["summary"]:
         if "error" in s:
-            out.append(f"| {s['case']} | {s['label']} | error: {s['error'][-80:]!r} ||||||||||")
+            out.append(f"| {s['case']} | {s['label']} | error: {error_cell(s['error'])} ||||||||||")
             continue
         each = " / ".join(f"{x:,}" for x in s["each"]) + (f"; {s['failed_runs']} failed" if s["failed_runs"] else "")
         loss = f"{s['final_loss']:.4f}" if s["final_loss"] is not None else ""

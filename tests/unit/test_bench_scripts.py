@@ -176,6 +176,20 @@ def test_merged_runs_number_each_variants_reps_on():
         ("stock_best", 0), ("stock_best", 1), ("stock_best", 2), ("ours_best", 0)]
 
 
+def test_a_failed_runs_table_cell_shows_the_exception_from_its_start_and_the_reason():
+    """The error cell keeps the message a reader needs (the exception line, not the tail of a
+    long one) and the reason, and escapes pipes that would split the Markdown row."""
+    bench = _bench()
+    error = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n"
+             "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB | "
+             + "y" * 300 + "\n[failed: out of memory (exit 1)]")
+    cell = bench.error_cell(error)
+    assert cell.startswith("torch.OutOfMemoryError: CUDA out of memory.") and "\\|" in cell
+    assert cell.endswith("[failed: out of memory (exit 1)]") and len(cell) < 400
+    summary = [{"case": "full_1b", "label": "ours", "error": error}]
+    assert "| error: torch.OutOfMemoryError" in bench.table({"summary": summary, "loss_gaps": []})
+
+
 def test_a_failed_run_keeps_its_reason_last(tmp_path):
     """A row keeps only the error's tail: the reason (timeout, out of memory) goes last."""
     bench = _bench()
