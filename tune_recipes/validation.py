@@ -1288,15 +1288,6 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
 
             if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
                 raise ConfigError("dtype=bf16: this GPU does not support bf16; set dtype=fp32")
-    for key, needs, what in NO_EFFECT_WITHOUT:
-        # An explicit False (or null) asks for nothing, so it cannot be without effect.
-        value = cfg.get(key, None)
-        if (keys is None or key in keys) and value is not None and value is not False \
-                and _feature_off(cfg, needs):
-            # A warning, not an error: a config may set both and a command line turn one off.
-            _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
-    if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
-        _warmup_warning(cfg)
     # NOTE: padding_free=True with dataset.packed=True is a valid pair, not a conflict: the
     # shipped single-device configs set padding_free and the documented way to pack is
     # dataset.packed=True on top; padding-free, each pack's padding is removed.
@@ -1306,6 +1297,16 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
         problem = rule(cfg)
         if problem:
             raise ConfigError(problem)
+    # Warnings last: a config that an error above stops prints that error alone.
+    for key, needs, what in NO_EFFECT_WITHOUT:
+        # An explicit False (or null) asks for nothing, so it cannot be without effect.
+        value = cfg.get(key, None)
+        if (keys is None or key in keys) and value is not None and value is not False \
+                and _feature_off(cfg, needs):
+            # A warning, not an error: a config may set both and a command line turn one off.
+            _warn(f"{key}={_show(cfg.get(key))} has no effect without {needs}: it {what}")
+    if keys is None or {"lr_scheduler", "epochs", "max_steps_per_epoch"} <= keys:
+        _warmup_warning(cfg)
 
 
 def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, env: bool = True,

@@ -909,6 +909,12 @@ def test_warmup_longer_than_the_run_is_a_warning_naming_both(capsys, monkeypatch
     assert "num_warmup_steps" not in capsys.readouterr().err
     # as long as the run: its last step is still warming up (lr x 3/4 at most for 4 steps)
     assert v.warmup_problem(5, 4) and v.warmup_problem(4, 4) and v.warmup_problem(3, 4) is None
+    # A config an error stops prints that error alone, not the warning before it.
+    monkeypatch.setattr(v, "_WARNED", set())  # the warning above printed once already
+    assert main(["validate", "tiny/full_single_device", "lr_scheduler.num_warmup_steps=100", "epochs=2",
+                 "max_steps_per_epoch=3", "enable_fp8_training=True", "device=cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "enable_fp8_training" in err and "num_warmup_steps" not in err, err
 
 
 @pytest.mark.unit
