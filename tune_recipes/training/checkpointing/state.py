@@ -2,6 +2,7 @@
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -113,6 +114,24 @@ class SavedState:
                 f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, this run has "
                 f"optimizer_in_bwd={bool(in_bwd)}: resume with "
                 f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, or {fresh}")
+
+
+    def check_epochs(self, cfg: DictConfig, checkpoint: Path) -> None:
+        """Refuse to resume this state with ``cfg.epochs`` at or below the epochs it has run:
+        there is nothing to train from ``checkpoint`` (a mid-epoch one is inside epoch
+        ``epochs_run``; an epoch one is after it). NOTE: a ConfigError, not the quiet exit of a
+        finished run continued (``_continue_finished_run``): a run that stopped before its
+        last epoch only reaches this with ``epochs`` lowered since, and the resume would
+        otherwise rewrite config.yaml and the metrics of a run that trains nothing."""
+        epochs = cfg.get("epochs", None)
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs > self.epochs_run:
+            return
+        where = (f"at step {self.global_step}, inside epoch {self.epochs_run + 1}" if self.mid_epoch
+                 else f"after epoch {self.epochs_run}")
+        raise ConfigError(
+            f"resume_from_checkpoint: the checkpoint being resumed, {checkpoint}, is {where} of "
+            f"the {self.total_epochs} it was written for; epochs={epochs} leaves nothing to train "
+            f"from there: resume with epochs={self.total_epochs} (or more than {self.epochs_run})")
 
 
 def _same_state_family(a: str, b: str) -> bool:

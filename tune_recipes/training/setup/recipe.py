@@ -123,6 +123,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     # Before anything is written to output_dir (config.yaml, metrics): the saved optimizer
     # state must fit this run's optimizer.
     saved.check_optimizer(cfg)
+    saved.check_epochs(cfg, point.checkpoint)
     return checkpointer, ckpt, saved
 
 

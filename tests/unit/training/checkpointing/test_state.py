@@ -98,3 +98,22 @@ def test_a_state_of_the_other_optimizer_in_bwd_form_is_refused(saved_in_bwd, res
         restored.check_optimizer(run(resumed_in_bwd))
     del entries["optimizer_in_bwd"]  # an older checkpoint: nothing recorded, nothing refused here
     SavedState.from_checkpoint(entries).check_optimizer(run(resumed_in_bwd))
+
+
+def test_a_resume_with_no_epochs_left_from_its_checkpoint_is_refused(tmp_path):
+    """Inside epoch 2 (1 run, mid-epoch at step 7) of 3: epochs=1 leaves nothing to train,
+    epochs=2 finishes that epoch; after epoch 2 (2 run): epochs=2 leaves nothing."""
+    from types import SimpleNamespace
+
+    state = RecipeState(seed=1, total_epochs=3, max_steps_per_epoch=None, epochs_run=1)
+    position = SimpleNamespace(global_step=7, ranks=[{}])
+    mid = SavedState.from_checkpoint(state.checkpoint_entries(None, position=position))
+    with pytest.raises(ConfigError, match=r"step_7, is at step 7, inside epoch 2 of the 3 it was "
+                                          r"written for; epochs=1 leaves nothing to train"):
+        mid.check_epochs(OmegaConf.create({"epochs": 1}), tmp_path / "step_7")
+    mid.check_epochs(OmegaConf.create({"epochs": 2}), tmp_path / "step_7")
+    state.epochs_run = 2
+    after = SavedState.from_checkpoint(state.checkpoint_entries(None))
+    with pytest.raises(ConfigError, match=r"is after epoch 2 of the 3 .*resume with epochs=3 \(or more than 2\)"):
+        after.check_epochs(OmegaConf.create({"epochs": 2}), tmp_path / "epoch_1")
+    after.check_epochs(OmegaConf.create({"epochs": 3}), tmp_path / "epoch_1")
