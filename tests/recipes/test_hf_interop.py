@@ -86,3 +86,25 @@ def test_kd_merged_student_loads_in_transformers(tmp_path):
     # Base + adapter through PEFT equals the merged weights to fp32 rounding of the merge.
     torch.testing.assert_close(_hf_logits(epoch), _our_logits(merged, tmp_path),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_full_run_started_from_a_lora_runs_folder_saves_plain_model_folders(tmp_path):
+    """torchtune's checkpointer copies checkpoint_dir's small files into every save: started
+    from a LoRA run's final folder, a full run's folders would hold that run's
+    adapter_config.json (transformers then loads them as an adapter, and fails) and its
+    finished_run.json (a false record in a folder that is not final). Neither is kept."""
+    lora = tmp_path / "lora"
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", lora,
+               ["max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1"])
+    source = lora / "epoch_0"
+    assert (source / "adapter_config.json").is_file() and (source / "finished_run.json").is_file()
+    out = tmp_path / "full"
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", out,
+               ["max_steps_per_epoch=2", "epochs=2", "lr_scheduler.num_warmup_steps=1",
+                f"checkpointer.checkpoint_dir={source}", f"checkpointer.checkpoint_files=[{WEIGHTS}]"])
+    for epoch in ("epoch_0", "epoch_1"):
+        assert not (out / epoch / "adapter_config.json").exists()
+        assert (out / epoch / "config.json").is_file()  # the model's own files are still copied
+    assert not (out / "epoch_0" / "finished_run.json").exists()
+    assert '"epochs_run": 2' in (out / "epoch_1" / "finished_run.json").read_text()
+    _check_epoch_folder(out / "epoch_1", tmp_path)

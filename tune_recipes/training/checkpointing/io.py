@@ -29,6 +29,7 @@ EPOCH_STATE_FILE = "recipe_state.pt"
 # epochs run): it holds no recipe_state.pt (no optimizer state to resume).
 FINISHED_RUN_FILE = "finished_run.json"
 ADAPTER_FILE = "adapter_model.pt"  # torchtune's name for the adapter it loads on resume
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # the PEFT adapter's config
 # Keys of a mid-epoch checkpoint's recipe state (tune_recipes.training.checkpointing.state).
 GLOBAL_STEP_KEY = "global_step"
 RANK_STATES_KEY = "rank_states"
@@ -201,7 +202,8 @@ def refuse_another_recipes_checkpoint(ckpt_dir: Path, full_weights: Optional[boo
     # writes: a LoRA folder that lost one of the two is still a LoRA folder, whose own errors
     # say so. NOTE: not adapter_config.json: torchtune's checkpointer copies that file from
     # checkpoint_dir into a full fine-tune's folders too (a run started from a LoRA run's
-    # merged weights, or a Hub repo that ships one).
+    # merged weights, or a Hub repo that ships one); the writer drops that copy
+    # (``drop_another_runs_records``), but folders written by torchtune's recipes keep it.
     has_adapter = any((ckpt_dir / name).is_file() for name in (ADAPTER_FILE, "adapter_model.safetensors"))
     if full_weights and has_adapter:
         holds, writer = "a LoRA adapter", "a LoRA-type recipe"
@@ -522,7 +524,7 @@ def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) 
     repo; transformers' ``from_pretrained(epoch_dir)`` and PEFT's auto classes then fail with a
     KeyError. Pointing it at the base checkpoint folder makes the adapter folder loadable as is.
     """
-    path = Path(epoch_dir) / "adapter_config.json"
+    path = Path(epoch_dir) / ADAPTER_CONFIG_FILE
     if not path.is_file():
         return
     cfg = json.loads(path.read_text())

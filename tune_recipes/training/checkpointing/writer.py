@@ -20,6 +20,7 @@ from tune_recipes.config import positive_int_or_none
 from tune_recipes.validation import brief
 from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
 from tune_recipes.training.checkpointing.io import (
+    ADAPTER_CONFIG_FILE,
     EPOCH_STATE_FILE,
     FINISHED_RUN_FILE,
     RECIPE_STATE_FILE,
@@ -98,6 +99,19 @@ def _without_torchtune_save_lines():
         yield
     finally:
         logger.removeFilter(f)
+
+
+def drop_another_runs_records(folder: Path, adapter_saved: bool) -> None:
+    """Remove from a checkpoint ``folder`` the records torchtune's HF checkpointer copied from
+    ``checkpoint_dir`` (it copies every small non-weight file, so a run started from another
+    run's checkpoint folder inherits that run's): its ``finished_run.json`` (this run writes
+    its own, in its final folder only) and, where this save holds no adapter, its
+    ``adapter_config.json``, which makes transformers and PEFT load the folder as an adapter
+    whose weights are not there. The model's own files (config.json, tokenizer, generation
+    config) stay."""
+    (folder / FINISHED_RUN_FILE).unlink(missing_ok=True)
+    if not adapter_saved:
+        (folder / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
 
 
 def _size(n: int) -> str:
@@ -248,6 +262,7 @@ class CheckpointWriter:
                 self.checkpointer._output_dir = real_output_dir
             # torchtune names its folder by the epoch; a step checkpoint is renamed below.
             written = staging / f"epoch_{epoch}"
+            drop_another_runs_records(written, adapter_saved=training.ADAPTER_CONFIG in ckpt)
             if self.lora is not None:
                 complete_peft_adapter_config(written, self.base_checkpoint_dir)
             if intermediate:
