@@ -775,7 +775,7 @@ def test_an_ignored_section_without_the_deciding_field_is_shown_whole(capsys, mo
 
 @pytest.mark.unit
 @pytest.mark.parametrize("config,resume,folders,fragment", [
-    ("tiny/full_single_device", True, [], "holds no epoch_<n>/ or step_<n>/"),
+    ("tiny/full_single_device", True, [], "holds no checkpoint to resume (an epoch_<n>/ or step_<n>/ folder with its recipe_state.pt)"),
     ("tiny/lora_single_device", True, ["epoch_0"], "final checkpoint of a finished run"),
     ("tiny/lora_single_device", False, ["step_3"], "holds mid-epoch checkpoints of an earlier run"),
     ("tiny/kd_distributed", False, ["epoch_0", "step_3"], "not written by this recipe's checkpoint"),

@@ -276,8 +276,8 @@ def resume_point(output_dir: str, resume: Union[bool, str]) -> Optional[ResumePo
         moved = (f" (an earlier run's, moved aside by a fresh run: {', '.join(kept)}/; move its "
                  "folders back to resume it)") if kept else ""
         raise ConfigError(
-            f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ or step_<n>/ "
-            f"checkpoint with a {RECIPE_STATE_FILE} beside it{moved}; run without "
+            f"resume_from_checkpoint=True but {out} holds no checkpoint to resume (an "
+            f"epoch_<n>/ or step_<n>/ folder with its recipe_state.pt){moved}; run without "
             "resume_from_checkpoint first (or with resume_from_checkpoint=auto)"
         )
     if STEP_DIR.match(newest.name) or (newest / EPOCH_STATE_FILE).is_file():
@@ -502,8 +502,8 @@ def _checked_epoch_dir(out: Path) -> Path:
         )
     if epoch_dir is None or not state_path.is_file():
         raise ConfigError(
-            f"resume_from_checkpoint=True but {out} holds no epoch_<n>/ or step_<n>/ "
-            f"checkpoint with a {RECIPE_STATE_FILE} beside it; run without "
+            f"resume_from_checkpoint=True but {out} holds no checkpoint to resume (an "
+            f"epoch_<n>/ or step_<n>/ folder with its recipe_state.pt); run without "
             "resume_from_checkpoint first"
         )
     state = load_recipe_state(state_path)
