@@ -108,3 +108,10 @@ def test_a_full_run_started_from_a_lora_runs_folder_saves_plain_model_folders(tm
     assert not (out / "epoch_0" / "finished_run.json").exists()
     assert '"epochs_run": 2' in (out / "epoch_1" / "finished_run.json").read_text()
     _check_epoch_folder(out / "epoch_1", tmp_path)
+    # The weights are as readable as the folder's other files (safetensors alone writes 0600).
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((out / "epoch_1" / WEIGHTS).stat().st_mode) == 0o666 & ~umask

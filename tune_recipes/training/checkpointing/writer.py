@@ -114,6 +114,19 @@ def drop_another_runs_records(folder: Path, adapter_saved: bool) -> None:
         (folder / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
 
 
+def readable_as_umask_allows(folder: Path) -> None:
+    """Give the files in ``folder`` the permissions a plain write gets under the process's
+    umask (0644 under the usual 022). NOTE: safetensors writes through a private temporary
+    file (mode 0600) renamed into place, so its weight files would be readable by their owner
+    alone while every other file of the checkpoint is not: on a shared machine, teammates
+    could read the config but not the weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -263,6 +276,7 @@ class CheckpointWriter:
             # torchtune names its folder by the epoch; a step checkpoint is renamed below.
             written = staging / f"epoch_{epoch}"
             drop_another_runs_records(written, adapter_saved=training.ADAPTER_CONFIG in ckpt)
+            readable_as_umask_allows(written)
             if self.lora is not None:
                 complete_peft_adapter_config(written, self.base_checkpoint_dir)
             if intermediate:

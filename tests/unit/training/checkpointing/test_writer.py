@@ -308,3 +308,27 @@ def test_the_final_checkpoint_leaves_nothing_to_resume_in_the_interrupt_line(tmp
     assert (tmp_path / "epoch_0" / "finished_run.json").exists() == final
     line = run_status.interrupted_message("r/full.py", [])
     assert ("nothing to resume" in line) == final and ("resume with:" in line) != final, line
+
+
+def test_checkpoint_files_get_the_permissions_the_umask_allows(tmp_path):
+    """safetensors writes through a private temporary file (0600): the weights of a checkpoint
+    end up readable as every other file of it is (0644 under umask 022; 0640 under 027)."""
+    import os
+    import stat
+
+    from tune_recipes.training.checkpointing.writer import readable_as_umask_allows
+
+    (tmp_path / "sub").mkdir()
+    files = [tmp_path / "model.safetensors", tmp_path / "sub" / "x.json"]
+    for f in files:
+        f.write_bytes(b"x")
+        f.chmod(0o600)
+    old = os.umask(0o027)
+    try:
+        readable_as_umask_allows(tmp_path)
+        assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o640, 0o640]
+        os.umask(0o022)
+        readable_as_umask_allows(tmp_path)
+        assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o644, 0o644]
+    finally:
+        os.umask(old)
