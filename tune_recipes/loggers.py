@@ -29,6 +29,8 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
+from tune_recipes.validation import resolved_config_yaml
+
 PathLike = Union[str, Path]
 
 
@@ -50,7 +52,7 @@ def write_config(config: DictConfig, log_dir: Optional[PathLike]) -> Optional[Pa
         return None
     out = Path(where) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = OmegaConf.to_yaml(config, resolve=True)
+    text = resolved_config_yaml(config)
     from tune_recipes.training.reporting.metrics import keep_a_different_config
 
     keep_a_different_config(out, text)
@@ -159,7 +161,7 @@ class TensorBoardLogger(_WithJsonl):
     def log_config(self, config: DictConfig) -> None:
         self._write_config(config)
         if self._tb._writer is not None:
-            text = OmegaConf.to_yaml(config, resolve=True)
+            text = resolved_config_yaml(config)
             # Markdown: indent by 4 so TensorBoard shows it as a code block.
             self._tb._writer.add_text("config", "\n".join("    " + l for l in text.splitlines()))
 

@@ -2,6 +2,8 @@
 
     from tune_recipes.plotting import plot_runs
     plot_runs(["outputs/run_a", "outputs/run_b"])       # -> outputs/run_a/metrics.png
+    plot_runs(["outputs/run_a/metrics.20261205-215244.jsonl"])
+                                              # -> outputs/run_a/metrics.20261205-215244.png
 
 Four panels against the optimizer step: loss (train solid, validation ``val_loss`` dashed with
 markers), learning rate, gradient norm, tokens/s per GPU. One colour per run; the legend names
@@ -19,11 +21,15 @@ global state, safe to call at the end of a training run.
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+# The logger whose metrics.jsonl this module reads, as the shipped configs name it (its
+# package sits above this one, so it is named here rather than imported).
+JSONL_LOGGER = "tune_recipes.training.metrics.JsonlMetricLogger"
 
 # (metric keys drawn in the panel, y label, panel title). The first key of the loss panel is
 # drawn solid, the second dashed.
@@ -62,6 +68,70 @@ def metrics_path(run: PathLike) -> Path:
     return p if p.is_file() else p / METRICS_FILE
 
 
+def plot_path(run: PathLike) -> Path:
+    """The picture ``plot_runs`` draws ``run`` into by default: the one that belongs to its log.
+
+    An output_dir or its ``metrics.jsonl``: ``metrics.png`` beside it. A log of another name is
+    drawn under its own name with ``.png`` (``metrics.<time>.jsonl`` -> ``metrics.<time>.png``,
+    the name a fresh run keeps an earlier run's picture under) wherever ``metrics.png`` can be
+    another log's picture: its name has a second suffix, as a kept earlier run's has, or a
+    ``metrics.jsonl`` is beside it. A log named by ``metric_logger.filename`` (``train.jsonl``)
+    keeps ``metrics.png``, the picture the end of its run draws.
+    """
+    path = metrics_path(run)
+    if path.name == METRICS_FILE:
+        return path.parent / PLOT_FILE
+    if len(path.suffixes) > 1 or (path.parent / METRICS_FILE).exists():
+        return path.with_suffix(".png")
+    return path.parent / PLOT_FILE
+
+
+# A run's checkpoint folders: epoch_<n>/, step_<n>/, recipe_state/.
+_CHECKPOINT_FOLDER = re.compile(r"(epoch|step)_\d+|recipe_state")
+
+
+def _run_folder_signs(folder: Path) -> List[str]:
+    """What marks ``folder`` as a training run's output_dir (or its logs folder): a config
+    written by the run, checkpoint folders, torchtune DiskLogger logs (``log_<time>.txt``);
+    empty when nothing does."""
+    signs = [f.name for f in (folder / "config.yaml", folder / "torchtune_config.yaml")
+             if f.is_file()]
+    signs += sorted(f"{d.name}/" for d in folder.iterdir()
+                    if d.is_dir() and _CHECKPOINT_FOLDER.fullmatch(d.name))
+    return signs
+
+
+def _disk_logs(folder: Path) -> List[str]:
+    """torchtune DiskLogger logs in ``folder`` or one level down (stock configs log into
+    ``${output_dir}/logs``), relative to ``folder``."""
+    return sorted(str(f.relative_to(folder)) for pattern in ("log_*.txt", "*/log_*.txt")
+                  for f in folder.glob(pattern) if f.is_file())
+
+
+def _no_metrics_error(run: PathLike) -> PlotError:
+    """Why ``run``, a folder, has nothing to plot, and what to give or change instead."""
+    folder = Path(run)
+    try:
+        others = sorted(f.name for f in folder.glob("*.jsonl")) + sorted(
+            str(f.relative_to(folder)) for f in folder.glob(f"*/{METRICS_FILE}"))
+        disk_logs = _disk_logs(folder)
+        signs = _run_folder_signs(folder)
+    except OSError as e:
+        return PlotError(f"cannot read {run}: {e.strerror or e}")
+    if others:
+        return PlotError(f"no {METRICS_FILE} in {run}; it holds {', '.join(others[:3])}: give "
+                         "that file (a metric logger's filename or log_dir)")
+    if disk_logs or signs:
+        what = (f"its metric logger wrote {disk_logs[0]}, a torchtune DiskLogger log"
+                if disk_logs else f"it holds {', '.join(signs[:3])}")
+        return PlotError(
+            f"no {METRICS_FILE} in {run}: the run wrote none ({what}); `tune plot` reads the "
+            f"{METRICS_FILE} of our JsonlMetricLogger: train with "
+            f"metric_logger._component_={JSONL_LOGGER} (the loggers of tune_recipes.loggers "
+            "write it too)")
+    return PlotError(f"no {METRICS_FILE} in {run} (is it a run's output_dir?)")
+
+
 def load_metrics(run: PathLike) -> Dict[str, Series]:
     """Every numeric metric of a run as ``{key: (steps, values)}``, steps ascending and unique.
 
@@ -74,12 +144,16 @@ def load_metrics(run: PathLike) -> Dict[str, Series]:
         raise PlotError(f"{run}: no such file or folder (give a run's output_dir or its "
                         f"{METRICS_FILE})")
     if not path.is_file():
-        others = sorted(f.name for f in Path(run).glob("*.jsonl")) if Path(run).is_dir() else []
-        hint = (f"; it holds {', '.join(others[:3])}: give that file (a metric logger's "
-                "filename)" if others else " (is it a run's output_dir?)")
-        raise PlotError(f"no {METRICS_FILE} in {run}{hint}")
+        raise _no_metrics_error(run)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise PlotError(f"{path} is not a metrics log (not text); give a run's output_dir or "
+                        f"its {METRICS_FILE}") from None
+    except OSError as e:
+        raise PlotError(f"cannot read {path}: {e.strerror or e}") from None
     by_key: Dict[str, Dict[int, float]] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
@@ -99,13 +173,21 @@ def load_metrics(run: PathLike) -> Dict[str, Series]:
 
 
 def run_labels(runs: Sequence[PathLike]) -> List[str]:
-    """Short legend names: each run folder's name, or more of its path where names collide."""
-    dirs = [metrics_path(r).resolve().parent for r in runs]
-    for depth in range(1, 1 + max(len(d.parts) for d in dirs)):
-        labels = ["/".join(d.parts[-depth:]) for d in dirs]
-        if len(set(labels)) == len(labels):
-            return labels
-    return [str(d) for d in dirs]  # the same folder twice
+    """Short legend names: each run folder's name, or more of its path where names collide;
+    two logs of one folder (a run and the earlier run kept beside it as
+    ``metrics.<time>.jsonl``) are told apart by the name of any log but ``metrics.jsonl``."""
+    paths = [metrics_path(r).resolve() for r in runs]
+
+    def label(path: Path, depth: int, with_file: bool) -> str:
+        folder = "/".join(path.parent.parts[-depth:])
+        return f"{folder}/{path.name}" if with_file and path.name != METRICS_FILE else folder
+
+    for with_file in (False, True):
+        for depth in range(1, 1 + max(len(p.parent.parts) for p in paths)):
+            labels = [label(p, depth, with_file) for p in paths]
+            if len(set(labels)) == len(labels):
+                return labels
+    return [str(p) for p in paths]  # the same log twice
 
 
 def _finite(series: Series) -> Tuple[List[int], List[float], int]:
@@ -120,7 +202,8 @@ def plot_runs(runs: Sequence[PathLike], out: Optional[PathLike] = None,
               title: Optional[str] = None) -> Path:
     """Draw ``runs`` (output dirs or metrics.jsonl files) into a PNG; returns its path.
 
-    Default ``out``: ``metrics.png`` in the first run's folder.
+    Default ``out``: the first run's own picture (``plot_path``): ``metrics.png`` in its folder,
+    or for a kept earlier run's ``metrics.<time>.jsonl`` its ``metrics.<time>.png``.
     """
     if not runs:
         raise PlotError("no run to plot")
@@ -130,7 +213,7 @@ def plot_runs(runs: Sequence[PathLike], out: Optional[PathLike] = None,
             raise PlotError(f"{metrics_path(run)} holds no readable row (none with a step and a "
                             "number): nothing to plot")
     labels = run_labels(runs)
-    out = Path(out) if out is not None else metrics_path(runs[0]).parent / PLOT_FILE
+    out = Path(out) if out is not None else plot_path(runs[0])
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -143,6 +226,9 @@ def plot_runs(runs: Sequence[PathLike], out: Optional[PathLike] = None,
     elif out.suffix.lstrip(".").lower() not in formats:
         raise PlotError(f"{out}: cannot draw a {out.suffix} file; name a .png (or "
                         f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+    if any(out.resolve() == metrics_path(r).resolve() for r in runs):
+        raise PlotError(f"{out} is a log being plotted: the picture would replace it; name "
+                        "another file to draw into (--out)")
 
     # Fixed margins, not layout="constrained": the panels never change, and the constraint
     # solver took 0.8 s of a 1.7 s plot at the end of every run.

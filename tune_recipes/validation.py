@@ -8,10 +8,12 @@ and value; the caller exits with status 2.
 What is checked, in order:
 
 1. top-level keys against the recipe's ``CONFIG_KEYS`` (``check_top_level_keys``): a typo is
-   an error with a did-you-mean; a torchtune 0.6.1 key the recipe does not implement
-   (``TORCHTUNE_KEYS``) is an error only when its value turns the feature on, otherwise a
-   one-line warning. A key in ``CONFIG_KEYS`` is never looked up in ``TORCHTUNE_KEYS``: a
-   recipe that implements a feature declares its key and this table steps aside.
+   an error with a did-you-mean; a helper key that another value reads through interpolation
+   (``base_dir: /data`` with ``output_dir: ${base_dir}/run``) is accepted; a torchtune 0.6.1
+   key the recipe does not implement (``TORCHTUNE_KEYS``) is an error only when its value
+   turns the feature on, otherwise a one-line warning. A key in ``CONFIG_KEYS`` is never
+   looked up in ``TORCHTUNE_KEYS``: a recipe that implements a feature declares its key and
+   this table steps aside.
 2. required keys (``REQUIRED``), those the recipe declares only.
 3. each value in ``SCHEMA`` whose key the recipe declares and the config has (type, range,
    enum; ``env=True`` rules look at this machine: paths exist, device and dtype available).
@@ -25,6 +27,7 @@ another machine (the stock configs' ``/tmp/<model>`` paths, ``device: cuda`` on 
 
 import difflib
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +114,7 @@ DETERMINISTIC_MODES = ("default", "warn", "error")
 def deterministic_mode(v) -> Optional[str]:
     if v in DETERMINISTIC_MODES or (isinstance(v, int) and 0 <= v <= 2):
         return None
-    quoted = f" (the string '{v}': write it unquoted)" if isinstance(v, str) and v.strip().isdigit() else ""
-    return ("expected null, default, warn, error, 0, 1 or 2 (torch.set_deterministic_debug_mode)"
-            + quoted)
+    return "expected null, default, warn, error, 0, 1 or 2 (torch.set_deterministic_debug_mode)"
 
 
 def optional(check: Check) -> Check:
@@ -760,7 +761,8 @@ def fsdp_offload_problem(cfg: DictConfig) -> Optional[str]:
                 "takes only cpu_offload (the same as fsdp_cpu_offload)")
     nested = section.get("cpu_offload", None)
     if nested is not None and not isinstance(nested, bool):
-        return f"fsdp.cpu_offload={_show(nested)}: expected True or False"
+        return (f"fsdp.cpu_offload={_show(nested)}: expected True or False"
+                f"{_string_note(nested, boolean)}")
     flat = cfg.get("fsdp_cpu_offload", None)
     if flat is not None and nested is not None and bool(flat) != nested:
         return (f"fsdp_cpu_offload={flat} contradicts fsdp.cpu_offload={nested}: they are one "
@@ -812,8 +814,9 @@ def optimizer_problem(cfg: DictConfig) -> Optional[str]:
         except Exception:  # noqa: BLE001 - only looking for the argument to name
             continue
         if alone is not None:
+            unquoted = _string_note(value, lambda v, k=key: _call_problem(fn, (params(),), {k: v}))
             return (f"optimizer.{key}={_show(value)}: {component} refuses it: {alone}"
-                    f"{_default_of(fn, key)}")
+                    f"{unquoted or _default_of(fn, key)}")
     shown = ", ".join(f"{k}={_show(v)}" for k, v in kwargs.items())
     return f"optimizer ({component} with {shown}): {problem}"
 
@@ -1180,19 +1183,188 @@ def _warn(line: str) -> None:
         print(f"warning: {line}", file=sys.stderr)
 
 
+# How ``_show`` spells values YAML spells otherwise: a string spelt so is quoted, and its note
+# names YAML's spelling (the string "None" is not null; null is written null).
+_PYTHON_SPELLINGS = {"None": (None, "null"), "inf": (math.inf, ".inf"),
+                     "-inf": (-math.inf, "-.inf"), "nan": (math.nan, ".nan")}
+
+
+def _unquoted(text: str) -> Any:
+    """What ``text`` reads as written without quotes, in a YAML file or a ``key=value``
+    override (OmegaConf's YAML: ``4`` an int, ``3e-2`` a float, ``yes`` a bool, ``~`` null,
+    ``[a, b]`` a list); ``text`` itself where that is a string or does not parse."""
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]), resolve=False)["v"]
+    except Exception:  # noqa: BLE001 - not YAML (an unmatched quote, a stray %): a string
+        return text
+
+
+def _other_reading(text: str) -> Optional[tuple]:
+    """(value, spelling) where the string ``text`` would be a value of another type written
+    without quotes (``'4'``: (4, "4"), ``'yes'``: (True, "True"), ``'None'``: (None, "null")),
+    or where ``_show`` spells such a value so; None for an ordinary string (a path, a name)."""
+    if text.strip() in _PYTHON_SPELLINGS:
+        return _PYTHON_SPELLINGS[text.strip()]
+    value = _unquoted(text)
+    if isinstance(value, str):
+        return None
+    if value is None or isinstance(value, bool):
+        return value, {None: "null", True: "True", False: "False"}[value]
+    return value, text.strip()
+
+
 def _show(v: Any) -> str:
+    """A value as a message shows it: a string as written (``/tmp/out``, ``torch.optim.AdamW``),
+    quoted where it would read as another type (``'4'``, ``'True'``, ``'None'``, ``''``), so a
+    number written in quotes is not shown as a number; anything else as Python prints it."""
     if isinstance(v, (DictConfig, ListConfig)):
         v = OmegaConf.to_container(v, resolve=False)
-    s = str(v) if not isinstance(v, str) else (v if v else "''")
+    if isinstance(v, str):
+        s = repr(v) if not v or _other_reading(v) is not None else v
+    else:
+        s = str(v)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _string_note(value: Any, check: Check) -> str:
+    """`` (a string; write 4 without quotes)`` for a string that ``check`` refuses where it
+    accepts what the same text reads as unquoted (``'4'``, ``'3e-2'``, ``'True'``; ``'None'``:
+    null); empty otherwise (``'0'`` for an integer >= 1: the quotes ``_show`` puts around it
+    already say it is a string, and unquoted it is refused too)."""
+    if not isinstance(value, str):
+        return ""
+    other = _other_reading(value)
+    if other is None:
+        return ""
+    try:
+        accepted = check(other[0]) is None
+    except Exception:  # noqa: BLE001 - a check that cannot take that type: no advice
+        accepted = False
+    return f" (a string; write {other[1]} without quotes)" if accepted else ""
+
+
+# OmegaConf's resolvers whose first argument names a config key (``${oc.select:base_dir,/tmp}``).
+_KEY_RESOLVERS = ("oc.select", "oc.dict.keys", "oc.dict.values")
+
+
+def _interpolated_keys(text: str) -> List[tuple]:
+    """The config keys the string ``text`` reads through OmegaConf interpolation, each as
+    (leading dots, first key): ``${base_dir}/run`` gives (0, "base_dir"), ``${a.b}`` (0, "a"),
+    ``${..lr}`` (2, "lr") (relative: one dot is the mapping or list holding the value, each
+    further dot the one above). Parsed with OmegaConf's
+    grammar: ``\\${x}`` is no interpolation, a resolver (``${oc.env:HOME}``) is no key but the
+    interpolations in its arguments are, and so is the key ``oc.select`` and ``oc.dict.*``
+    take; ``${${k}}`` gives ``k`` (the outer key is known only once it resolves). Empty for
+    text that does not parse (OmegaConf names that when the value is read)."""
+    if "${" not in text:
+        return []
+    try:
+        from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as G
+        from omegaconf.grammar_parser import parse
+
+        tree = parse(text)
+    except Exception:  # noqa: BLE001 - GrammarParseError, or a grammar this code does not know
+        return []
+    found: List[tuple] = []
+
+    def key_path(spelling: str) -> None:
+        # a key written as a resolver's argument: dots, then parts split on . and [ ]
+        rest = spelling.lstrip(".")
+        first = rest.replace("[", ".").split(".")[0].rstrip("]")
+        if first:
+            found.append((len(spelling) - len(rest), first))
+
+    def walk(node) -> None:
+        if isinstance(node, G.InterpolationNodeContext):
+            dots = 0
+            for child in node.getChildren():
+                if isinstance(child, G.ConfigKeyContext):
+                    if not isinstance(child.getChild(0), G.InterpolationContext):
+                        # unescaped as OmegaConf does (a\.b is the key "a.b")
+                        found.append((dots, re.sub(r"\\([\\.\[\]:=])", r"\1", child.getText())))
+                    break
+                if child.getText() == ".":
+                    dots += 1
+        elif isinstance(node, G.InterpolationResolverContext) and node.getChildCount() == 5 \
+                and node.getChild(1).getText() in _KEY_RESOLVERS:
+            first = node.getChild(3).getChild(0)
+            spelling = first.getText().strip() if isinstance(first, G.ElementContext) else ""
+            if len(spelling) >= 2 and spelling[0] in "'\"" and spelling[-1] == spelling[0]:
+                spelling = spelling[1:-1]  # ${oc.select:'base_dir',/tmp}
+            if spelling and "${" not in spelling and spelling[0] not in "[{'\"":
+                key_path(spelling)
+        for i in range(node.getChildCount()):  # a terminal (a token) has none
+            walk(node.getChild(i))
+
+    try:
+        walk(tree)
+    except Exception:  # noqa: BLE001 - a grammar this code does not know: the key stays unread
+        pass
+    return found
+
+
+def interpolated_top_level_keys(cfg: DictConfig) -> set:
+    """The top-level keys that a value under another top-level key reads through interpolation
+    (``output_dir: ${base_dir}/run`` reads ``base_dir``; so does ``${..base_dir}`` one level
+    down), read from the raw, unresolved values, nested ones included. A key read only from
+    inside itself (``a: {x: 1, y: ${a.x}}``) is not counted."""
+    found: set = set()
+
+    def walk(value: Any, where: list) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, where + [k])
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, where + [i])
+        elif isinstance(value, str):
+            container = where[:-1]
+            for dots, first in _interpolated_keys(value):
+                if dots == 0:
+                    top = first
+                elif dots - 1 <= len(container):
+                    base = container[:len(container) - (dots - 1)]
+                    top = base[0] if base else first
+                else:
+                    continue  # above the root: OmegaConf refuses it when the value is read
+                if str(top) != str(where[0]):
+                    found.add(str(top))
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    for key, value in raw.items():
+        walk(value, [key])
+    return found
+
+
+# The helper keys of this process's run, as ``check_top_level_keys`` last found them: the run's
+# saved config.yaml leaves them out (``resolved_config_yaml``): its values are resolved there, so
+# nothing reads them, and kept they would make that file fail this check when run again.
+RUN_HELPER_KEYS: set = set()
+
+
+def resolved_config_yaml(config: DictConfig) -> str:
+    """``config`` as a run saves it (config.yaml, a logger's copy): interpolations resolved, and
+    the helper keys only interpolations read (``RUN_HELPER_KEYS``) left out."""
+    if not RUN_HELPER_KEYS or not isinstance(config, DictConfig):
+        return OmegaConf.to_yaml(config, resolve=True)
+    values = OmegaConf.to_container(config, resolve=True)
+    return OmegaConf.to_yaml({k: v for k, v in values.items() if k not in RUN_HELPER_KEYS})
 
 
 def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:
     """Unknown keys: a typo is an error with a did-you-mean; a torchtune key whose feature
-    ``recipe`` does not implement is an error when the value asks for it, else a warning."""
+    ``recipe`` does not implement is an error when the value asks for it, else a warning. A key
+    another value reads through interpolation (``base_dir`` for ``output_dir:
+    ${base_dir}/run``) is a helper, not a typo: accepted, as torchtune accepts any key."""
     known = set(known)
     unknown = [str(k) for k in cfg.keys() if k not in known]
+    stock = [k for k in unknown if k in TORCHTUNE_KEYS]
     typos = [k for k in unknown if k not in TORCHTUNE_KEYS]
+    RUN_HELPER_KEYS.clear()
+    if typos:
+        helpers = interpolated_top_level_keys(cfg)
+        RUN_HELPER_KEYS.update(k for k in typos if k in helpers)
+        typos = [k for k in typos if k not in helpers]
     if typos:
         parts = []
         for k in typos:
@@ -1202,7 +1374,7 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
             parts.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         hint = "" if any("did you mean" in p for p in parts) else f"; its keys are: {', '.join(sorted(known))}"
         raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
-    for k in unknown:
+    for k in stock:
         spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)
         shown = f"{k}={_show(value)}"
         if spec.field and isinstance(value, dict) and spec.field in value:
@@ -1264,7 +1436,8 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
             continue
         problem = rule.check(value)
         if problem:
-            raise ConfigError(f"{rule.key}={_show(value)}: {problem}")
+            note = _string_note(value, rule.check)
+            raise ConfigError(f"{rule.key}={_show(value)}: {problem}{note}")
     if env:
         for key in ("checkpointer", "teacher_checkpointer"):
             if keys is None or key in keys:

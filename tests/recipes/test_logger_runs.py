@@ -164,3 +164,28 @@ def test_a_run_shorter_than_its_log_interval_logs_its_last_step_and_config(tmp_p
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [(r["step"], r["steps_in_window"]) for r in rows] == [(2, 2)]
     assert (out / "metrics.png").is_file()
+
+
+@pytest.mark.parametrize("logger", ["training.metrics.JsonlMetricLogger", "loggers.TensorBoardLogger"])
+def test_a_runs_config_yaml_leaves_out_its_helper_keys_and_runs_again(tmp_path, logger):
+    """A config with a helper key (``base_dir``, read only through ``output_dir:
+    ${base_dir}/run``) trains; its saved config.yaml holds the resolved values without the
+    helper, which nothing reads there: that file passes the key check a run makes (the helper
+    kept, it refused the file)."""
+    from helpers import tune
+
+    if "TensorBoard" in logger:
+        pytest.importorskip("tensorboard")
+    from tune_recipes._cli.registry import resolve_config
+
+    text = resolve_config("tiny/full_single_device").path.read_text()
+    config = tmp_path / "helper.yaml"
+    config.write_text(text.replace("\noutput_dir: ", f"\nbase_dir: {tmp_path}\noutput_dir: ${{base_dir}}/run\n"
+                                                     "old_output_dir: ", 1).replace("\nold_output_dir: ", "\n# ", 1))
+    out = tmp_path / "run"
+    args = ["max_steps_per_epoch=1", f"metric_logger._component_=tune_recipes.{logger}"]
+    tune("run", "full_finetune_single_device", "--config", str(config), *args)
+    saved = (out / "config.yaml").read_text()
+    assert f"output_dir: {out}" in saved and "base_dir" not in saved
+    proc = tune("validate", str(out / "config.yaml"), "--recipe", "full_finetune_single_device")
+    assert "config is valid" in proc.stdout

@@ -762,3 +762,72 @@ def test_a_stopped_torchrun_launch_names_its_resume_or_that_the_run_finished(tmp
     line = _how_to_continue(launch, argv, str(tmp_path))
     assert line.startswith(f"newest checkpoint {tmp_path / 'epoch_0'}; resume with: tune run "
                            "--nproc_per_node 2 full_finetune_distributed"), line
+
+
+# --------------------------------------------------------------------------- cat
+def test_cat_prints_a_shipped_config_as_written(capsys):
+    for name in ("tiny/lora_single_device", "llama3_2/1B_full_single_device"):
+        rc, out, err = _run(capsys, "cat", name)
+        assert rc == 0 and not err
+        assert out == (registry.configs_dir() / f"{name}.yaml").read_text()
+
+
+def test_cat_sort_prints_the_same_config_with_its_keys_sorted(capsys):
+    from omegaconf import OmegaConf
+
+    from tune_recipes.config import load_config
+
+    rc, out, _ = _run(capsys, "cat", "tiny/lora_single_device", "--sort")
+    assert rc == 0
+    printed = OmegaConf.create(out)
+    assert printed == load_config(registry.configs_dir() / "tiny/lora_single_device.yaml")
+    assert list(printed) == sorted(printed) and list(printed.model) == sorted(printed.model)
+    # Interpolations are printed as written, not resolved.
+    assert "${output_dir}" in out and "#" not in out
+
+
+def test_cat_reads_a_yaml_file_and_falls_back_to_torchtunes_names(tmp_path, capsys):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("# my run\nb: 1\na: {d: 2, c: 3}\n")
+    assert _run(capsys, "cat", str(mine))[1] == mine.read_text()
+    assert _run(capsys, "cat", str(mine), "--sort")[1] == "a:\n  c: 3\n  d: 2\nb: 1\n"
+    stock = registry.resolve_config("llama2/7B_lora_dpo_single_device")
+    rc, out, _ = _run(capsys, "cat", "llama2/7B_lora_dpo_single_device")
+    assert rc == 0 and stock.origin == "torchtune" and out == stock.path.read_text()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["cat", "tiny/lora_singl_device"], "unknown config 'tiny/lora_singl_device' (not ours, not "
+                                        "torchtune's; did you mean tiny/lora_single_device?); "
+                                        "see `tune ls`"),
+    (["cat", "lora_finetune_single_device"], "'lora_finetune_single_device' is a recipe, not a "
+                                             "config"),
+    (["cat", "missing.yaml"], "config file not found: missing.yaml"),
+    (["cat", "NOTES"], "NOTES: not a .yaml or .yml file"),
+    (["cat", "bad.yaml"], "cannot parse bad.yaml"),
+    (["cat", "list.yaml"], "list.yaml must hold a mapping of keys"),
+    (["cat", "tiny/lora_single_device", "batch_size=4"], "unrecognized arguments: batch_size=4"),
+])
+def test_cat_mistakes_are_one_line(argv, fragment, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "NOTES").write_text("a: 1\n")
+    (tmp_path / "bad.yaml").write_text("a: [1\nb: 2\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own checks
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2 and not out
+    assert err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
+
+
+def test_tune_help_lists_cat(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "{run,ls,cp,cat,validate,plot,download}" in out
+    assert any(line.split()[:1] == ["cat"] for line in out.splitlines())
+    with pytest.raises(SystemExit):
+        main(["cat", "--help"])
+    assert "--sort" in capsys.readouterr().out

@@ -119,3 +119,137 @@ def test_tune_plot_cli(tmp_path, capsys):
     assert "tune: error: no metrics.jsonl in" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nope")]) == 2
     assert "nope: no such file or folder" in capsys.readouterr().err
+
+
+# ------------------------------------------------- where the picture goes, and folders without a log
+def _two_runs_in_one_output_dir(out_dir: Path) -> Path:
+    """A run, then a fresh run in the same output_dir (the first one's rows and picture kept
+    aside by the logger, as a recipe's does); returns the first run's kept log."""
+    from tune_recipes.training.metrics import JsonlMetricLogger
+
+    first = JsonlMetricLogger(out_dir)
+    for step in (1, 2, 3):
+        first.log_dict({"loss": 5.0 / step}, step=step)
+    first.close()
+    plot_runs([out_dir])  # the first run's picture, drawn at its end
+    second = JsonlMetricLogger(out_dir)
+    second.begin_run(None)
+    for step in (1, 2):
+        second.log_dict({"loss": 3.0 / step}, step=step)
+    second.close()
+    (kept,) = out_dir.glob("metrics.*.jsonl")
+    return kept
+
+
+def test_an_earlier_runs_kept_log_is_drawn_into_its_own_picture(tmp_path, capsys):
+    out_dir = tmp_path / "r4"
+    kept = _two_runs_in_one_output_dir(out_dir)
+    kept_png = kept.with_suffix(".png")
+    assert kept_png.is_file()  # the first run's picture, kept under the log's name
+    (out_dir / "metrics.png").write_bytes(b"the current run's picture")
+    kept_png.unlink()
+    capsys.readouterr()
+    assert main(["plot", str(kept)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {kept_png}"
+    assert kept_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out_dir / "metrics.png").read_bytes() == b"the current run's picture"
+    # The output_dir itself, or its metrics.jsonl, still draws the current run's metrics.png.
+    assert plot_runs([out_dir / "metrics.jsonl"]) == out_dir / "metrics.png"
+
+
+def test_overlaying_a_run_and_its_kept_predecessor_writes_the_first_ones_picture(tmp_path):
+    out_dir = tmp_path / "r4"
+    kept = _two_runs_in_one_output_dir(out_dir)
+    (out_dir / "metrics.png").write_bytes(b"the current run's picture")
+    assert plot_runs([kept, out_dir]) == kept.with_suffix(".png")
+    assert (out_dir / "metrics.png").read_bytes() == b"the current run's picture"
+    # The legend tells the two logs of one folder apart.
+    assert run_labels([kept, out_dir]) == [f"r4/{kept.name}", "r4"]
+    assert run_labels([out_dir, kept, tmp_path]) == ["r4", f"r4/{kept.name}", tmp_path.name]
+    # Led by the current run, the overlay is the current run's picture, as before.
+    assert plot_runs([out_dir, kept]) == out_dir / "metrics.png"
+
+
+def test_the_default_picture_is_the_logs_own(tmp_path):
+    from tune_recipes.plotting import plot_path
+
+    run = _write(tmp_path / "run", _rows(2))
+    assert plot_path(run) == plot_path(run / "metrics.jsonl") == run / "metrics.png"
+    # Beside a metrics.jsonl, metrics.png is that log's: another log draws under its own name.
+    (run / "exported.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n")
+    assert plot_path(run / "exported.jsonl") == run / "exported.png"
+    # A logger's own filename (metric_logger.filename): metrics.png, as the end of its run
+    # draws it; that log kept aside by a fresh run: its own name.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "train.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n")
+    (logs / "train.20261205-215244.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n")
+    assert plot_path(logs / "train.jsonl") == logs / "metrics.png"
+    assert plot_path(logs / "train.20261205-215244.jsonl") == logs / "train.20261205-215244.png"
+
+
+def test_a_picture_given_for_a_log_is_one_line_and_never_drawn_over(tmp_path, capsys):
+    run = _write(tmp_path / "run", _rows(3))
+    plot_runs([run])
+    assert main(["plot", str(run / "metrics.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{run / 'metrics.png'} is not a metrics log (not text)" in err
+    # A log whose picture name would be itself (a log saved as .png): refused, never replaced.
+    log_as_png = run / "rows.png"
+    log_as_png.write_text((run / "metrics.jsonl").read_text())
+    with pytest.raises(PlotError, match="is a log being plotted"):
+        plot_runs([log_as_png])
+    assert log_as_png.read_text() == (run / "metrics.jsonl").read_text()
+
+
+def test_a_run_that_logged_with_torchtunes_disklogger_is_named_as_such(tmp_path, capsys):
+    from torchtune.training.metric_logging import DiskLogger
+
+    run = tmp_path / "st1"
+    logger = DiskLogger(log_dir=str(run / "logs"))  # as a stock config sets it
+    logger.log_dict({"loss": 2.0}, step=1)
+    logger.close()
+    capsys.readouterr()
+    assert main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is it a run's output_dir" not in err
+    assert f"no metrics.jsonl in {run}: the run wrote none" in err
+    assert f"its metric logger wrote logs/{logger.path_to_log_file().name}" in err
+    assert ("metric_logger._component_=tune_recipes.training.metrics.JsonlMetricLogger"
+            in err)
+    # The folder of the logs themselves, and an output_dir known by its checkpoints.
+    with pytest.raises(PlotError, match="the run wrote none"):
+        plot_runs([run / "logs"])
+    ckpt_only = tmp_path / "ckpt"
+    (ckpt_only / "epoch_0").mkdir(parents=True)
+    (ckpt_only / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(PlotError, match=r"the run wrote none \(it holds config.yaml, epoch_0/\)"):
+        plot_runs([ckpt_only])
+    # Not a run's folder: the message as before.
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("")
+    with pytest.raises(PlotError, match=r"no metrics.jsonl in .*plain \(is it a run's output_dir\?\)"):
+        plot_runs([tmp_path / "plain"])
+
+
+def test_the_logger_named_in_the_hint_is_the_one_the_shipped_configs_use():
+    from tune_recipes._cli import registry
+    from tune_recipes.config import resolve_component
+    from tune_recipes.plotting import JSONL_LOGGER
+    from tune_recipes.training.metrics import JsonlMetricLogger
+
+    spelled = {line.split(":", 1)[1].strip()
+               for path in registry.configs_dir().rglob("*.yaml")
+               for line in path.read_text().splitlines()
+               if line.strip().startswith("_component_:") and "JsonlMetricLogger" in line}
+    assert spelled == {JSONL_LOGGER}
+    assert resolve_component(JSONL_LOGGER) is JsonlMetricLogger
+
+
+def test_a_stock_configs_logs_folder_with_a_metrics_jsonl_is_pointed_at(tmp_path):
+    # metric_logger._component_ switched to ours, log_dir left at the stock ${output_dir}/logs.
+    run = tmp_path / "st2"
+    _write(run / "logs", _rows(2))
+    with pytest.raises(PlotError, match=r"it holds logs/metrics.jsonl: give that file"):
+        plot_runs([run])

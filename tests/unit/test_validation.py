@@ -199,10 +199,10 @@ CASES = [
     ("tiny/full_single_device", ["enable_activation_offloading=1"],
      "enable_activation_offloading=1: expected True or False"),
     ("tiny/lora_distributed", ['enable_activation_offloading="yes"'],
-     "enable_activation_offloading=yes: expected True or False"),
+     "enable_activation_offloading='yes': expected True or False (a string; write True without quotes)"),
     ("tiny/full_distributed", ["fsdp_cpu_offload=1"], "fsdp_cpu_offload=1: expected True or False"),
     ("tiny/qat_lora_distributed", ['fsdp_cpu_offload="yes"'],
-     "fsdp_cpu_offload=yes: expected True or False"),
+     "fsdp_cpu_offload='yes': expected True or False (a string; write True without quotes)"),
     # offloading without checkpointing: refused by validate, as the recipe refuses it at start
     ("tiny/full_single_device", ["enable_activation_offloading=True"],
      "enable_activation_offloading=True needs enable_activation_checkpointing=True"),
@@ -988,3 +988,117 @@ def test_the_compiled_step_takes_our_adamw8bit(capsys):
         assert main(["validate", "tiny/full_single_device", "compile_optimizer_step=True",
                      f"optimizer._component_={optimizer}"]) in (0, None), capsys.readouterr().err
         assert "config is valid" in capsys.readouterr().out
+
+
+# A top-level helper key that another value reads through interpolation (torchtune ignores keys
+# its recipe does not read; ours refuse typos, and such a key is none).
+HELPER_KEYS = [
+    # (what the config adds, accepted)
+    ({"base_dir": "/tmp/x", "output_dir": "${base_dir}/run"}, True),
+    ({"paths": {"ckpt": "/tmp/c"}, "checkpointer": {"checkpoint_dir": "${paths.ckpt}"}}, True),
+    # one level down, relative; inside a list; from a resolver's argument; oc.select's key
+    ({"base_dir": "/tmp/x", "checkpointer": {"output_dir": "${..base_dir}/ckpt"}}, True),
+    ({"mods": "q_proj", "model": {"lora_attn_modules": ["${mods}", "v_proj"]}}, True),
+    ({"base_dir": "/tmp/x", "output_dir": "${oc.env:NO_SUCH_VAR_VALFIX,${base_dir}}/run"}, True),
+    ({"base_dir": "/tmp/x", "output_dir": "${oc.select:base_dir,/tmp}/run"}, True),
+    # a chain of helpers
+    ({"root": "/tmp", "base_dir": "${root}/x", "output_dir": "${base_dir}/run"}, True),
+    # read by nothing; a resolver's argument spelt like it; escaped; read only from inside itself
+    ({"base_dir": "/tmp/x"}, False),
+    ({"base_dir": "/tmp/x", "output_dir": "${oc.env:base_dir,/tmp}/run"}, False),
+    ({"base_dir": "/tmp/x", "output_dir": "\\${base_dir}/run"}, False),
+    ({"base_dir": {"a": "/tmp", "b": "${base_dir.a}/x"}}, False),
+    ({"base_dir": {"a": "/tmp", "b": "${.a}/x"}}, False),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("added,accepted", HELPER_KEYS)
+def test_a_helper_key_read_through_interpolation_is_not_a_typo(added, accepted, capsys):
+    recipe = "lora_finetune_single_device"
+    cfg = OmegaConf.merge(_tiny("tiny/lora_single_device"), OmegaConf.create(added))
+    if accepted:
+        check_top_level_keys(cfg, _keys(recipe), recipe)
+        assert capsys.readouterr().err == ""
+    else:
+        with pytest.raises(ConfigError, match=rf"^{recipe} does not use config key\(s\) 'base_dir'"):
+            check_top_level_keys(cfg, _keys(recipe), recipe)
+    # A typo beside a helper is still one.
+    cfg.bach_size = 4
+    with pytest.raises(ConfigError, match=r"'bach_size' \(did you mean 'batch_size'\?\)$"):
+        check_top_level_keys(cfg, _keys(recipe), recipe)
+
+
+@pytest.mark.unit
+def test_tune_validate_and_tune_run_accept_a_copied_config_with_a_helper_key(tmp_path, capsys,
+                                                                              monkeypatch):
+    """`tune cp` a config, add ``base_dir`` and ``output_dir: ${base_dir}/run``: validate (the
+    recipe named by the copy's header) and run check the keys alike and pass; a key that nothing
+    reads fails both, with the same line."""
+    import tune_recipes._cli.main as cli
+
+    started = []
+    monkeypatch.setattr(cli, "run_script", lambda *a, **k: started.append(a))
+    copy = tmp_path / "helper.yaml"
+    assert main(["cp", "tiny/lora_single_device", str(copy)]) == 0
+    text = copy.read_text()
+    assert "\noutput_dir: " in text
+    copy.write_text(text.replace("\noutput_dir: ", f"\nbase_dir: {tmp_path}/x\noutput_dir: ${{base_dir}}/run\n"
+                                                   "old_output_dir: ", 1))
+    capsys.readouterr()
+    # old_output_dir is read by nothing
+    assert main(["validate", str(copy)]) == 2
+    validate_line = _one_error_line(capsys.readouterr().err)
+    assert main(["run", "lora_finetune_single_device", "--config", str(copy)]) == 2
+    assert _one_error_line(capsys.readouterr().err) == validate_line
+    assert "does not use config key(s) 'old_output_dir'" in validate_line
+    assert "base_dir" not in validate_line.split(";")[0] and not started
+    copy.write_text(copy.read_text().replace("\nold_output_dir: ", "\n# old_output_dir: ", 1))
+    assert main(["validate", str(copy)]) == 0
+    assert "config is valid" in capsys.readouterr().out
+    assert main(["run", "lora_finetune_single_device", "--config", str(copy)]) == 0
+    assert len(started) == 1
+
+
+# A value written in quotes where the key takes a number, a bool or null: the message shows the
+# quotes and says what to write; an ordinary string is shown as written.
+QUOTED = [
+    ('batch_size: "4"', "batch_size='4': expected an integer >= 1 (a string; write 4 without quotes)"),
+    ('optimizer: {lr: "3e-2"}', "optimizer.lr='3e-2': expected a number > 0 (a string; write 3e-2 without quotes)"),
+    ("resume_from_checkpoint: 'True'",
+     "resume_from_checkpoint='True': expected True, False or auto (a string; write True without quotes)"),
+    ('shuffle: "yes"', "shuffle='yes': expected True or False (a string; write True without quotes)"),
+    ("seed: None", "seed='None': expected an integer >= 0 (a string; write null without quotes)"),
+    ('cudnn_deterministic_mode: "2"', "cudnn_deterministic_mode='2': expected null, default, warn, "
+     "error, 0, 1 or 2 (torch.set_deterministic_debug_mode) (a string; write 2 without quotes)"),
+    ('model: {lora_attn_modules: "[q_proj, v_proj]"}', "model.lora_attn_modules='[q_proj, v_proj]': "
+     "expected a non-empty list (a string; write [q_proj, v_proj] without quotes)"),
+    ('optimizer: {eps: "1e-8"}', "optimizer.eps='1e-8': torch.optim.AdamW refuses it: TypeError: "),
+    # unquoted it is refused too: the quotes alone say it is a string
+    ('batch_size: "0"', "batch_size='0': expected an integer >= 1"),
+    # ordinary strings as written
+    ("batch_size: four", "batch_size=four: expected an integer >= 1"),
+    ("dtype: fp16", "dtype=fp16: expected one of bf16, fp32"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("line,message", QUOTED)
+def test_a_quoted_value_is_shown_as_a_string(line, message, tmp_path):
+    path = tmp_path / "quoted.yaml"
+    path.write_text(line + "\n")
+    cfg = OmegaConf.merge(_tiny("tiny/lora_single_device"), OmegaConf.load(path))
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, "lora_finetune_single_device", _keys("lora_finetune_single_device"),
+                     env=False)
+    assert str(e.value).startswith(message), str(e.value)
+    if message.endswith("expected an integer >= 1"):
+        assert str(e.value) == message
+
+
+@pytest.mark.unit
+def test_a_quoted_value_from_the_command_line_is_shown_as_a_string(capsys):
+    rc = main(["validate", "tiny/qat_lora_distributed", "fsdp.cpu_offload='True'"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and line.endswith(
+        "fsdp.cpu_offload='True': expected True or False (a string; write True without quotes)"), line

@@ -1,4 +1,4 @@
-"""The ``tune`` command: run, ls, cp, validate, plot, download.
+"""The ``tune`` command: run, ls, cp, cat, validate, plot, download.
 
 Names resolve to our recipes and configs first; a name we do not ship falls back to torchtune
 0.6.1's stock recipe or config, so the baseline stays one command away. Installed as both
@@ -241,6 +241,36 @@ def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
     return 0
 
 
+def cmd_cat(args: argparse.Namespace, rest: List[str]) -> int:
+    """Print a config (ours, torchtune's stock one, or a YAML file) as it is written, comments
+    included; ``--sort``: its keys sorted at every level (the YAML written anew, so without
+    comments). Interpolations (``${output_dir}``) are printed as written, not resolved."""
+    config = registry.resolve_config(args.config)
+    if config is None:
+        if not args.config.endswith((".yaml", ".yml")):
+            if registry.resolve_recipe(args.config) is not None:
+                raise CliError(f"'{args.config}' is a recipe, not a config: `tune cat` prints "
+                               "configs (`tune ls` lists each recipe's); `tune cp "
+                               f"{args.config} DEST.py` copies the recipe")
+            if Path(args.config).is_file():
+                raise CliError(f"{args.config}: not a .yaml or .yml file; `tune cat` prints "
+                               "a config: a name from `tune ls` or a YAML file")
+        config = _config_or_fail(args.config)
+    cfg = load_config(config.path)  # a file that is not a config fails here, naming the line
+    if args.sort:
+        from omegaconf import OmegaConf
+
+        text = OmegaConf.to_yaml(cfg, resolve=False, sort_keys=True)
+    else:
+        try:
+            text = config.path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"cannot read {config.path}: {getattr(e, 'strerror', None) or e}") \
+                from None
+    sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     config = _config_or_fail(args.config)
     recipe_name = (args.recipe or registry.recipe_for_config(args.config)
@@ -447,7 +477,7 @@ def build_parser(launcher: bool = True) -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=version_line(),
                    help="print our version and torch/torchtune/torchao's, then exit")
-    sub = p.add_subparsers(dest="command", metavar="{run,ls,cp,validate,plot,download}")
+    sub = p.add_subparsers(dest="command", metavar="{run,ls,cp,cat,validate,plot,download}")
     run = sub.add_parser(
         "run", help="run a recipe with a config and key=value overrides", formatter_class=fmt,
         usage="tune run [LAUNCHER OPTIONS] RECIPE --config CONFIG [key=value ...] [~key ...]",
@@ -492,6 +522,25 @@ examples:
     cp.add_argument("--make-parents", action="store_true",
                     help="accepted as torchtune's; missing parent folders are always created")
     cp.set_defaults(fn=cmd_cp)
+    cat = sub.add_parser(
+        "cat", help="print a config, to see the keys `tune run` can override",
+        formatter_class=fmt,
+        description="Print CONFIG as its file is written, comments included: ours (the names\n"
+                    "`tune ls` shows), else torchtune 0.6.1's stock config of that name, or a\n"
+                    ".yaml file. Interpolations (${output_dir}) are printed as written.",
+        epilog="""examples:
+  tune cat tiny/lora_single_device
+  tune cat llama3_2/1B_full_single_device --sort
+  tune cat my_config.yaml
+
+then override what you found:
+  tune run lora_finetune_single_device --config tiny/lora_single_device batch_size=4
+""")
+    cat.add_argument("config", help="config name (see `tune ls`) or path to a .yaml file")
+    cat.add_argument("--sort", action="store_true",
+                     help="print the keys sorted at every level (the YAML written anew, "
+                          "without the file's comments)")
+    cat.set_defaults(fn=cmd_cat)
     val = sub.add_parser(
         "validate", help="check a config: components resolve and kwargs bind",
         formatter_class=fmt,
@@ -522,15 +571,20 @@ example:
         formatter_class=fmt,
         description="Read each OUTPUT_DIR's metrics.jsonl and draw train (and validation)\n"
                     "loss, learning rate, gradient norm and tokens/s against the step into one\n"
-                    "PNG; several runs are overlaid, the legend naming each by its folder.",
+                    "PNG; several runs are overlaid, the legend naming each by its folder.\n"
+                    "An earlier run's metrics.<time>.jsonl, kept aside when a fresh run\n"
+                    "started in its output_dir, is drawn into its own metrics.<time>.png.",
         epilog="""examples:
   tune plot outputs/tiny_lora_single_device
+  tune plot outputs/tiny_lora_single_device/metrics.20261205-215244.jsonl
   tune plot outputs/run_a outputs/run_b --out compare.png
 """)
     plot.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR",
                       help="a run's output_dir (or its metrics.jsonl)")
     plot.add_argument("--out", default=None,
-                      help="PNG to write (default: FIRST_OUTPUT_DIR/metrics.png)")
+                      help="PNG to write (default: the first run's own picture: "
+                           "FIRST_OUTPUT_DIR/metrics.png; for a metrics.<time>.jsonl, "
+                           "metrics.<time>.png beside it)")
     plot.set_defaults(fn=cmd_plot)
     dl = sub.add_parser("download", help="download a model (delegates to torchtune)",
                         add_help=False)
@@ -563,7 +617,7 @@ def _main(argv: Optional[List[str]]) -> int:
     if getattr(args, "fn", None) is None:
         parser.print_help()
         return 2
-    if args.command in ("ls", "cp", "plot") and rest:
+    if args.command in ("ls", "cp", "cat", "plot") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.fn(args, rest)

@@ -164,9 +164,9 @@ class JsonlMetricLogger:
         self._fh.write(json.dumps(row) + "\n")
 
     def log_config(self, config) -> None:
-        from omegaconf import OmegaConf
+        from tune_recipes.validation import resolved_config_yaml
 
-        text = OmegaConf.to_yaml(config, resolve=True)
+        text = resolved_config_yaml(config)
         if self._begun:
             self._write_config(text)
         else:
