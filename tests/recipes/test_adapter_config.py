@@ -28,3 +28,15 @@ def test_hub_id_when_the_checkpoint_folder_records_one_else_the_local_path(tmp_p
     run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "hub",
                [*STEPS, f"checkpointer.checkpoint_dir={base}"])
     assert _base_name(tmp_path / "hub") == "meta-llama/Llama-3.2-1B"
+
+
+def test_every_lora_checkpoint_holds_its_adapter_config(tmp_path):
+    """The intermediate epoch folder too (torchtune's save pops the adapter entries from the
+    state dict it writes the recipe state from: a check made after it would take the folder
+    for one without an adapter and drop its config)."""
+    out = tmp_path / "run"
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+               ["max_steps_per_epoch=1", "epochs=2"])
+    for epoch in ("epoch_0", "epoch_1"):
+        assert json.loads((out / epoch / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    assert (out / "epoch_0" / "recipe_state.pt").is_file()  # the intermediate one

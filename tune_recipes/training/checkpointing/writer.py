@@ -259,6 +259,9 @@ class CheckpointWriter:
                 else f"the epoch {epoch} checkpoint")
         # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
         # at the staging folder for one call is what makes their writes atomic here.
+        # NOTE: read before the save: torchtune's save pops the adapter entries from ``ckpt``
+        # when it writes the recipe state.
+        adapter_saved = training.ADAPTER_CONFIG in ckpt
         real_output_dir = self.checkpointer._output_dir
         out = Path(real_output_dir)
         staging = out / STAGING_DIR
@@ -275,7 +278,7 @@ class CheckpointWriter:
                 self.checkpointer._output_dir = real_output_dir
             # torchtune names its folder by the epoch; a step checkpoint is renamed below.
             written = staging / f"epoch_{epoch}"
-            drop_another_runs_records(written, adapter_saved=training.ADAPTER_CONFIG in ckpt)
+            drop_another_runs_records(written, adapter_saved=adapter_saved)
             readable_as_umask_allows(written)
             if self.lora is not None:
                 complete_peft_adapter_config(written, self.base_checkpoint_dir)
