@@ -222,11 +222,6 @@ CASES = {
         # been overwritten", raised in its input check).
         _v("ours_cpp_wrapper", "ours", "ours: padding-free, whole model compiled with Inductor's C++ wrapper",
            env={"TORCHINDUCTOR_CPP_WRAPPER": "1"}, **OURS_1B_PADDED),
-        # The profile's largest host cost: 5.5 ms a step inside aten::mm before its launches.
-        # Rows on 16-token multiples rarely repeat a length, so each product may pay cuBLAS's
-        # choice of kernel for a new shape; on 128- or 256-token multiples lengths repeat.
-        *(_v(f"ours_spans_{m}", "ours", f"ours: padding-free rows on to {m}-token multiples",
-             env={"BENCH_SPANS_MULTIPLE": str(m)}, **OURS_1B_PADDED) for m in (128, 256)),
         _v("ours_cudagraphs_256", "ours", "ours: padding-free on 256-token multiples, CUDA graphs a length",
            env={"TORCHINDUCTOR_CUDAGRAPHS": "1", "BENCH_SPANS_MULTIPLE": "256"},
            **{**OURS_1B_PADDED, "compile_optimizer_step": False})],

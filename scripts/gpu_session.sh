@@ -29,9 +29,9 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
-#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, and its rows on to 128- and
-#              256-token multiples (lengths that repeat), 80 steps; ONLY=ours_cpp_wrapper
-#              (Inductor's C++ wrapper), ONLY=ours_cudagraphs_256 (CUDA graphs a length)  ~7 min
+#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, and with CUDA graphs
+#              recorded a length (rows on 256-token multiples), 80 steps;
+#              ONLY=ours_cpp_wrapper (Inductor's C++ wrapper)                             ~5 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
@@ -140,7 +140,7 @@ for step in "$@"; do
     packs)     bench packs --cases full_1b_packed --reps 1 \
                  --only "${ONLY:-stock_best,ours_best,ours_pack_padding,ours_budget_07}" ;;
     hostbound) bench hostbound --cases full_1b_padded --steps 80 --reps 1 \
-                 --only "${ONLY:-ours_best,ours_spans_128,ours_spans_256}" ;;
+                 --only "${ONLY:-ours_best,ours_cudagraphs_256}" ;;
     rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
     fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
                  --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;
