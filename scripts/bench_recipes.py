@@ -251,7 +251,7 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
         line = {"case": case_name, "variant": v["name"], "label": v["label"], "runs": len(ok),
                 "failed_runs": len(runs) - len(ok)}
         if runs and not ok:
-            lines.append({**line, "error": runs[0]["error"][-300:]})
+            lines.append({**line, "error": runs[0]["error"]})  # error_cell cuts it to fit
         elif ok:
             tps = statistics.mean(r["tokens_per_s"] for r in ok)
             # paged_gib: bitsandbytes' paged optimizer states, on the GPU but outside torch's counts

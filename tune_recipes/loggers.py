@@ -13,8 +13,8 @@ What they add to torchtune 0.6.1's loggers (which are used underneath where they
   write ``torchtune_config.yaml`` with interpolations unresolved.
 - ``metrics.jsonl`` too (``jsonl=True``, the default), so ``tune plot`` and the end-of-run plot
   work whichever logger a run used.
-- torchtune's ``StdoutLogger`` and ``MLFlowLogger`` take no ``log_dir``: our configs fail with
-  them unless ``~metric_logger.log_dir`` is added. Ours accept it.
+- torchtune's ``MLFlowLogger`` takes no ``log_dir``: our configs fail with it unless
+  ``~metric_logger.log_dir`` is added (its ``StdoutLogger`` ignores the key). Ours accept it.
 - MLflow: a local file store under ``log_dir/mlruns`` by default (MLflow 3.x refuses file stores
   unless ``MLFLOW_ALLOW_FILE_STORE=true``; we set it for file URIs only), through an
   ``MlflowClient`` bound to that URI instead of torchtune's process-global ``mlflow.set_*`` calls

@@ -69,21 +69,13 @@ def metrics_path(run: PathLike) -> Path:
 
 
 def plot_path(run: PathLike) -> Path:
-    """The picture ``plot_runs`` draws ``run`` into by default: the one that belongs to its log.
-
-    An output_dir or its ``metrics.jsonl``: ``metrics.png`` beside it. A log of another name is
-    drawn under its own name with ``.png`` (``metrics.<time>.jsonl`` -> ``metrics.<time>.png``,
-    the name a fresh run keeps an earlier run's picture under) wherever ``metrics.png`` can be
-    another log's picture: its name has a second suffix, as a kept earlier run's has, or a
-    ``metrics.jsonl`` is beside it. A log named by ``metric_logger.filename`` (``train.jsonl``)
-    keeps ``metrics.png``, the picture the end of its run draws.
-    """
-    path = metrics_path(run)
-    if path.name == METRICS_FILE:
-        return path.parent / PLOT_FILE
-    if len(path.suffixes) > 1 or (path.parent / METRICS_FILE).exists():
-        return path.with_suffix(".png")
-    return path.parent / PLOT_FILE
+    """The picture ``plot_runs`` draws ``run`` into by default: its log's name with ``.png``.
+    An output_dir or its ``metrics.jsonl``: ``metrics.png``; an earlier run's rows kept as
+    ``metrics.<time>.jsonl``: ``metrics.<time>.png`` (the name its picture was kept under); a
+    log named by ``metric_logger.filename`` (``train.jsonl``): ``train.png``. NOTE: the same
+    name the metrics logger keeps an earlier run's picture under (``_keep_earlier_run``), so a
+    fresh run never draws over another run's picture."""
+    return metrics_path(run).with_suffix(".png")
 
 
 # A run's checkpoint folders: epoch_<n>/, step_<n>/, recipe_state/.

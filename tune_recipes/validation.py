@@ -31,7 +31,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -1240,7 +1240,11 @@ def _string_note(value: Any, check: Check) -> str:
         accepted = check(other[0]) is None
     except Exception:  # noqa: BLE001 - a check that cannot take that type: no advice
         accepted = False
-    return f" (a string; write {other[1]} without quotes)" if accepted else ""
+    if not accepted:
+        return ""
+    if value.strip() in _PYTHON_SPELLINGS:  # written without quotes, likely: YAML's word differs
+        return f" (YAML reads {value.strip()} as a string; write {other[1]})"
+    return f" (a string; write {other[1]} without quotes)"
 
 
 # OmegaConf's resolvers whose first argument names a config key (``${oc.select:base_dir,/tmp}``).
@@ -1303,12 +1307,12 @@ def _interpolated_keys(text: str) -> List[tuple]:
     return found
 
 
-def interpolated_top_level_keys(cfg: DictConfig) -> set:
-    """The top-level keys that a value under another top-level key reads through interpolation
+def interpolation_reads(cfg: DictConfig) -> Dict[str, set]:
+    """For each top-level key, the other top-level keys its values read through interpolation
     (``output_dir: ${base_dir}/run`` reads ``base_dir``; so does ``${..base_dir}`` one level
-    down), read from the raw, unresolved values, nested ones included. A key read only from
-    inside itself (``a: {x: 1, y: ${a.x}}``) is not counted."""
-    found: set = set()
+    down), from the raw, unresolved values, nested ones included. A key read only from inside
+    itself (``a: {x: 1, y: ${a.x}}``) is not counted."""
+    reads: Dict[str, set] = {}
 
     def walk(value: Any, where: list) -> None:
         if isinstance(value, dict):
@@ -1328,11 +1332,25 @@ def interpolated_top_level_keys(cfg: DictConfig) -> set:
                 else:
                     continue  # above the root: OmegaConf refuses it when the value is read
                 if str(top) != str(where[0]):
-                    found.add(str(top))
+                    reads.setdefault(str(where[0]), set()).add(str(top))
 
     raw = OmegaConf.to_container(cfg, resolve=False)
     for key, value in raw.items():
         walk(value, [key])
+    return reads
+
+
+def helper_keys(cfg: DictConfig, known: Iterable[str]) -> set:
+    """The top-level keys outside ``known`` that a key in ``known`` reads through interpolation,
+    directly or through other helpers (``base_dir`` for ``output_dir: ${base_dir}/run``). A key
+    that only unknown keys read is not one: ``micro_bach: ${bach_size}`` leaves both typos."""
+    reads, known = interpolation_reads(cfg), set(known)
+    found, todo = set(), [k for k in reads if k in known]
+    while todo:
+        for key in reads.get(todo.pop(), ()):
+            if key not in known and key not in found:
+                found.add(key)
+                todo.append(key)
     return found
 
 
@@ -1362,7 +1380,7 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
     typos = [k for k in unknown if k not in TORCHTUNE_KEYS]
     RUN_HELPER_KEYS.clear()
     if typos:
-        helpers = interpolated_top_level_keys(cfg)
+        helpers = helper_keys(cfg, known)
         RUN_HELPER_KEYS.update(k for k in typos if k in helpers)
         typos = [k for k in typos if k not in helpers]
     if typos:
@@ -1519,6 +1537,7 @@ def check_config(cfg: DictConfig, recipe: str, keys: Optional[Iterable[str]], *,
                  env: bool = True, nproc_per_node: Optional[int] = None, nodes: int = 1) -> None:
     """Everything above, for ``recipe`` (its CONFIG_KEYS as ``keys``; None: a recipe that
     declares none, e.g. torchtune's stock one, gets no schema: its rules are its own)."""
+    RUN_HELPER_KEYS.clear()  # a recipe without CONFIG_KEYS has none; a stale set must not stay
     if keys is None:
         return
     check_top_level_keys(cfg, keys, recipe)

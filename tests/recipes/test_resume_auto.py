@@ -91,8 +91,8 @@ def test_resuming_an_unfinished_run_with_no_epochs_left_is_refused_before_anythi
     proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
                       [*args, "epochs=2", "resume_from_checkpoint=True"], check=False)
     assert proc.returncode != 0
-    assert (f"the checkpoint being resumed, {tmp_path / 'epoch_1'}, is after epoch 2 of the 3 it was "
-            "written for; epochs=2 leaves nothing to train from there: resume with epochs=3") in proc.stderr, proc.stderr
+    assert (f"epochs=2: the checkpoint being resumed, {tmp_path / 'epoch_1'}, is after epoch 2 of the 3 "
+            "it was written for, so nothing is left to train from there: resume with epochs=3") in proc.stderr, proc.stderr
     assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
     proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
                       [*args, "epochs=3", "resume_from_checkpoint=True"])

@@ -178,13 +178,13 @@ def test_the_default_picture_is_the_logs_own(tmp_path):
     # Beside a metrics.jsonl, metrics.png is that log's: another log draws under its own name.
     (run / "exported.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n")
     assert plot_path(run / "exported.jsonl") == run / "exported.png"
-    # A logger's own filename (metric_logger.filename): metrics.png, as the end of its run
-    # draws it; that log kept aside by a fresh run: its own name.
+    # A logger's own filename (metric_logger.filename): its name too, as the end of its run
+    # draws it and a fresh run keeps it aside; that log kept aside: its own name.
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "train.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n")
     (logs / "train.20261205-215244.jsonl").write_text(json.dumps(_rows(1)[0]) + "\n")
-    assert plot_path(logs / "train.jsonl") == logs / "metrics.png"
+    assert plot_path(logs / "train.jsonl") == logs / "train.png"
     assert plot_path(logs / "train.20261205-215244.jsonl") == logs / "train.20261205-215244.png"
 
 

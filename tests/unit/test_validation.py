@@ -1009,6 +1009,8 @@ HELPER_KEYS = [
     ({"base_dir": "/tmp/x", "output_dir": "\\${base_dir}/run"}, False),
     ({"base_dir": {"a": "/tmp", "b": "${base_dir.a}/x"}}, False),
     ({"base_dir": {"a": "/tmp", "b": "${.a}/x"}}, False),
+    # read only by a key the recipe does not read: both are typos
+    ({"base_dir": "/tmp/x", "old_output_dir": "${base_dir}/run"}, False),
 ]
 
 
@@ -1023,9 +1025,12 @@ def test_a_helper_key_read_through_interpolation_is_not_a_typo(added, accepted, 
     else:
         with pytest.raises(ConfigError, match=rf"^{recipe} does not use config key\(s\) 'base_dir'"):
             check_top_level_keys(cfg, _keys(recipe), recipe)
-    # A typo beside a helper is still one.
+    # A typo beside a helper is still one, and so is a typo only another typo reads.
     cfg.bach_size = 4
     with pytest.raises(ConfigError, match=r"'bach_size' \(did you mean 'batch_size'\?\)$"):
+        check_top_level_keys(cfg, _keys(recipe), recipe)
+    cfg.micro_bach = "${bach_size}"
+    with pytest.raises(ConfigError, match=r"'bach_size' \(did you mean 'batch_size'\?\)"):
         check_top_level_keys(cfg, _keys(recipe), recipe)
 
 
@@ -1068,7 +1073,7 @@ QUOTED = [
     ("resume_from_checkpoint: 'True'",
      "resume_from_checkpoint='True': expected True, False or auto (a string; write True without quotes)"),
     ('shuffle: "yes"', "shuffle='yes': expected True or False (a string; write True without quotes)"),
-    ("seed: None", "seed='None': expected an integer >= 0 (a string; write null without quotes)"),
+    ("seed: None", "seed='None': expected an integer >= 0 (YAML reads None as a string; write null)"),
     ('cudnn_deterministic_mode: "2"', "cudnn_deterministic_mode='2': expected null, default, warn, "
      "error, 0, 1 or 2 (torch.set_deterministic_debug_mode) (a string; write 2 without quotes)"),
     ('model: {lora_attn_modules: "[q_proj, v_proj]"}', "model.lora_attn_modules='[q_proj, v_proj]': "

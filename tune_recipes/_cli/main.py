@@ -247,7 +247,7 @@ def cmd_cat(args: argparse.Namespace, rest: List[str]) -> int:
     comments). Interpolations (``${output_dir}``) are printed as written, not resolved."""
     config = registry.resolve_config(args.config)
     if config is None:
-        if not args.config.endswith((".yaml", ".yml")):
+        if not args.config.lower().endswith((".yaml", ".yml")):
             if registry.resolve_recipe(args.config) is not None:
                 raise CliError(f"'{args.config}' is a recipe, not a config: `tune cat` prints "
                                "configs (`tune ls` lists each recipe's); `tune cp "

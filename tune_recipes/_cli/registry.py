@@ -64,7 +64,7 @@ def recipe_for_config(config_name: str) -> Optional[str]:
     ``configs/llama3_1/8B_lora_single_device.yaml``, a ``..._fast`` variant, or a copy named
     alike); None if unknown."""
     stem = Path(config_name).name
-    if stem.endswith((".yaml", ".yml")):  # a path: the name without its suffix
+    if stem.lower().endswith((".yaml", ".yml")):  # a path: the name without its suffix
         stem = stem.rsplit(".", 1)[0]
     stem = stem.removesuffix(FAST_SUFFIX)
     for suffix in sorted(CONFIG_SUFFIX_TO_RECIPE, key=len, reverse=True):
@@ -148,10 +148,10 @@ def resolve_recipe(name: str) -> Optional[Resolved]:
 
 def resolve_config(name: str) -> Optional[Resolved]:
     ours = configs_dir() / f"{name}.yaml"
-    if not name.endswith((".yaml", ".yml")) and ours.is_file():
+    if not name.lower().endswith((".yaml", ".yml")) and ours.is_file():
         return Resolved(ours, "tune-recipes")
     p = Path(name)
-    if name.endswith((".yaml", ".yml")):
+    if name.lower().endswith((".yaml", ".yml")):  # X.YAML too
         return Resolved(p, "file") if p.is_file() else None
     recipes, root = _stock()
     for r in recipes:

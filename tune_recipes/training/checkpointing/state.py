@@ -129,9 +129,9 @@ class SavedState:
         where = (f"at step {self.global_step}, inside epoch {self.epochs_run + 1}" if self.mid_epoch
                  else f"after epoch {self.epochs_run}")
         raise ConfigError(
-            f"resume_from_checkpoint: the checkpoint being resumed, {checkpoint}, is {where} of "
-            f"the {self.total_epochs} it was written for; epochs={epochs} leaves nothing to train "
-            f"from there: resume with epochs={self.total_epochs} (or more than {self.epochs_run})")
+            f"epochs={epochs}: the checkpoint being resumed, {checkpoint}, is {where} of the "
+            f"{self.total_epochs} it was written for, so nothing is left to train from there: "
+            f"resume with epochs={self.total_epochs} (or more than {self.epochs_run})")
 
 
 def _same_state_family(a: str, b: str) -> bool:

@@ -114,14 +114,27 @@ def drop_another_runs_records(folder: Path, adapter_saved: bool) -> None:
         (folder / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux reports it (setting and
+    restoring it would race with another thread creating a file meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it
+    os.umask(mask)
+    return mask
+
+
 def readable_as_umask_allows(folder: Path) -> None:
     """Give the files in ``folder`` the permissions a plain write gets under the process's
     umask (0644 under the usual 022). NOTE: safetensors writes through a private temporary
     file (mode 0600) renamed into place, so its weight files would be readable by their owner
     alone while every other file of the checkpoint is not: on a shared machine, teammates
     could read the config but not the weights."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = _umask()
     for path in folder.rglob("*"):
         if path.is_file() and not path.is_symlink():
             path.chmod(0o666 & ~mask)

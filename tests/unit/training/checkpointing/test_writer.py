@@ -26,7 +26,7 @@ class _Checkpointer:
         self.fail_with = fail_with
 
     def save_checkpoint(self, ckpt, epoch, intermediate_checkpoint, adapter_only):
-        self.saved.append((ckpt, epoch, intermediate_checkpoint, adapter_only))
+        self.saved.append((dict(ckpt), epoch, intermediate_checkpoint, adapter_only))
         d = self._output_dir / f"epoch_{epoch}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "model.safetensors").write_bytes(b"half")
@@ -36,6 +36,9 @@ class _Checkpointer:
         if training.ADAPTER_CONFIG in ckpt:
             (d / "adapter_config.json").write_text("{}")
         if intermediate_checkpoint:
+            # as torchtune's: the state dict loses its weights and adapter entries here
+            for key in (training.MODEL_KEY, training.ADAPTER_KEY, training.ADAPTER_CONFIG):
+                ckpt.pop(key, None)
             (self._output_dir / "recipe_state").mkdir(exist_ok=True)
             torch.save({training.EPOCHS_KEY: ckpt[training.EPOCHS_KEY]},
                        self._output_dir / "recipe_state" / "recipe_state.pt")

@@ -247,7 +247,8 @@ def test_log_level_warning_turns_the_bar_off(tmp_path):
 
 
 def test_the_picture_is_drawn_from_the_file_the_logger_writes(tmp_path):
-    """metric_logger.filename / log_dir elsewhere: metrics.png is drawn beside that file."""
+    """metric_logger.filename / log_dir elsewhere: the picture is drawn beside that file, under
+    its name (train.png: the name a fresh run keeps it under)."""
     from omegaconf import OmegaConf
 
     from tune_recipes.training.setup.recipe import build_reporter
@@ -260,7 +261,7 @@ def test_the_picture_is_drawn_from_the_file_the_logger_writes(tmp_path):
     assert rep.plot_from == str(tmp_path / "logs" / "train.jsonl")
     _steps(rep)
     rep.close()
-    assert (tmp_path / "logs" / "metrics.png").is_file()
+    assert (tmp_path / "logs" / "train.png").is_file()
 
 
 def test_a_logger_that_writes_no_jsonl_gets_no_picture_and_no_note(tmp_path, capsys):
