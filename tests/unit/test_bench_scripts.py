@@ -186,8 +186,10 @@ def test_a_failed_runs_table_cell_shows_the_exception_from_its_start_and_the_rea
     cell = bench.error_cell(error)
     assert cell.startswith("torch.OutOfMemoryError: CUDA out of memory.") and "\\|" in cell
     assert cell.endswith("[failed: out of memory (exit 1)]") and len(cell) < 400
-    summary = [{"case": "full_1b", "label": "ours", "error": error}]
-    assert "| error: torch.OutOfMemoryError" in bench.table({"summary": summary, "loss_gaps": []})
+    # through the summary a run's failure goes through (it keeps the error whole for the cell)
+    rows = [dict(case="full_1b", variant="ours_best", side="ours", rep=0, error=error)]
+    summary = bench.aggregate("full_1b", bench.CASES["full_1b"], rows)
+    assert "| error: torch.OutOfMemoryError: CUDA out of memory." in bench.table({"summary": summary, "loss_gaps": []})
 
 
 def test_a_failed_run_keeps_its_reason_last(tmp_path):
