@@ -25,6 +25,7 @@ What is checked, in order:
 another machine (the stock configs' ``/tmp/<model>`` paths, ``device: cuda`` on a laptop).
 """
 
+import contextlib
 import difflib
 import math
 import re
@@ -1171,16 +1172,40 @@ _WARNED: set = set()
 WARNED_ENV = "TUNE_RECIPES_CONFIG_WARNED"
 
 
+# Warnings held back while a check that may still fail runs (``warnings_after_checks``).
+_HELD: List[List[str]] = []
+
+
 def _warn(line: str) -> None:
     # Once per run: the @parse hook and the recipe's own check both see the config, and so
     # does every torchrun process after the parent.
     import os
 
-    if os.environ.get(WARNED_ENV) == "1":
+    if os.environ.get(WARNED_ENV) == "1" or line in _WARNED:
         return
-    if line not in _WARNED:
-        _WARNED.add(line)
-        print(f"warning: {line}", file=sys.stderr)
+    if _HELD:
+        if line not in _HELD[-1]:
+            _HELD[-1].append(line)
+        return
+    _WARNED.add(line)
+    print(f"warning: {line}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def warnings_after_checks(print_them: bool = True):
+    """Hold the config warnings raised inside until it ends: printed then if nothing inside
+    raised (``print_them``), dropped if something did, so a config an error stops prints that
+    error alone, whichever check comes last (the keys, the launch, output_dir)."""
+    _HELD.append([])
+    try:
+        yield
+    except BaseException:
+        _HELD.pop()
+        raise
+    held = _HELD.pop()
+    if print_them:
+        for line in held:
+            _warn(line)
 
 
 # How ``_show`` spells values YAML spells otherwise: a string spelt so is quoted, and its note
@@ -1540,6 +1565,7 @@ def check_config(cfg: DictConfig, recipe: str, keys: Optional[Iterable[str]], *,
     RUN_HELPER_KEYS.clear()  # a recipe without CONFIG_KEYS has none; a stale set must not stay
     if keys is None:
         return
-    check_top_level_keys(cfg, keys, recipe)
-    check_values(cfg, keys, env=env)
-    check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys, nodes=nodes)
+    with warnings_after_checks():
+        check_top_level_keys(cfg, keys, recipe)
+        check_values(cfg, keys, env=env)
+        check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys, nodes=nodes)

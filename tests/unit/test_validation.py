@@ -915,6 +915,15 @@ def test_warmup_longer_than_the_run_is_a_warning_naming_both(capsys, monkeypatch
                  "max_steps_per_epoch=3", "enable_fp8_training=True", "device=cpu"]) != 0
     err = capsys.readouterr().err
     assert "enable_fp8_training" in err and "num_warmup_steps" not in err, err
+    # ... whichever check comes last: the launch, and tune validate's retry without this
+    # machine's paths and devices (which passes, and must not print its warnings either)
+    long_warmup = ["lr_scheduler.num_warmup_steps=100", "max_steps_per_epoch=2"]
+    for argv in (["run", "--nproc_per_node", "3", "full_finetune_distributed", "--config",
+                  "tiny/full_distributed", "tensor_parallel_dim=2", *long_warmup],
+                 ["validate", "tiny/full_single_device", "device=cuda:7", *long_warmup]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tune: error: ") and "num_warmup_steps" not in err, err
 
 
 @pytest.mark.unit

@@ -29,7 +29,7 @@ from tune_recipes._cli.launch import (
     run_script,
 )
 from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
-from tune_recipes.validation import WARNED_ENV, check_config
+from tune_recipes.validation import WARNED_ENV, check_config, warnings_after_checks
 
 
 class CliError(Exception):
@@ -167,10 +167,11 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
         if nproc_per_node is not None and nproc_per_node < 1:
             raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
         return False
-    check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node,
-                 nodes=nodes)
-    if env and output_dir_check:
-        _check_output_dir(cfg, known, nodes)
+    with warnings_after_checks():
+        check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node,
+                     nodes=nodes)
+        if env and output_dir_check:
+            _check_output_dir(cfg, known, nodes)
     return True
 
 
@@ -276,23 +277,25 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     recipe_name = (args.recipe or registry.recipe_for_config(args.config)
                    or registry.recipe_named_in_header(config.path))
     recipe = _recipe_or_fail(recipe_name) if recipe_name else None
-    try:
-        cfg, note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
-    except ConfigError as e:
-        if args.portable:
-            raise
-        # A path or device of another machine (a GPU config on a laptop): say so, if the
-        # portable checks pass.
+    with warnings_after_checks():
         try:
-            _validate(config, rest, recipe, recipe_name, portable=True)
-        except ConfigError:
-            raise e from None
-        raise ConfigError(f"{e} (a config written for another machine: add --portable to skip "
-                          "this machine's paths and devices)") from None
-    # Not a matter of another machine: what this output_dir holds (a live run, a checkpoint).
-    known = registry.recipe_config_keys(recipe.path) if recipe is not None else None
-    if not args.portable and known is not None:
-        _check_output_dir(cfg, known)
+            cfg, note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
+        except ConfigError as e:
+            if args.portable:
+                raise
+            # A path or device of another machine (a GPU config on a laptop): say so, if the
+            # portable checks pass (their warnings unprinted: the error is the answer).
+            try:
+                with warnings_after_checks(print_them=False):
+                    _validate(config, rest, recipe, recipe_name, portable=True)
+            except ConfigError:
+                raise e from None
+            raise ConfigError(f"{e} (a config written for another machine: add --portable to "
+                              "skip this machine's paths and devices)") from None
+        # Not a matter of another machine: what this output_dir holds (a live run, a checkpoint).
+        known = registry.recipe_config_keys(recipe.path) if recipe is not None else None
+        if not args.portable and known is not None:
+            _check_output_dir(cfg, known)
     # NOTE: not "valid" where the keys, values and paths went unchecked.
     if recipe is None:
         print(f"components bind: {config.path} ({note}); its recipe is named neither by the "
