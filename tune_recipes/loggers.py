@@ -29,7 +29,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
-from tune_recipes.validation import resolved_config_yaml
+from tune_recipes.validation import resolved_config, resolved_config_yaml
 
 PathLike = Union[str, Path]
 
@@ -220,7 +220,7 @@ class WandBLogger(_WithJsonl):
         path = self._write_config(config)
         run = self.run
         if run is not None:
-            run.config.update(OmegaConf.to_container(config, resolve=True),
+            run.config.update(resolved_config(config),
                               allow_val_change=self._wb.config_allow_val_change)
             if path is not None:
                 run.save(str(path), base_path=str(path.parent), policy="now")
@@ -303,7 +303,7 @@ class MLFlowLogger(_WithJsonl):
         from torchtune.training.metric_logging import flatten_dict
 
         path = self._write_config(config)
-        flat: Dict[str, Any] = flatten_dict(OmegaConf.to_container(config, resolve=True))
+        flat: Dict[str, Any] = flatten_dict(resolved_config(config))
         params = [Param(k, str(v)[:6000]) for k, v in flat.items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[i:i + 100])

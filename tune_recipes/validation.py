@@ -1385,13 +1385,18 @@ def helper_keys(cfg: DictConfig, known: Iterable[str]) -> set:
 RUN_HELPER_KEYS: set = set()
 
 
+def resolved_config(config: DictConfig) -> dict:
+    """``config`` as a run records it (config.yaml, W&B's and MLflow's copies): interpolations
+    resolved, and the helper keys only interpolations read (``RUN_HELPER_KEYS``) left out."""
+    values = OmegaConf.to_container(config, resolve=True)
+    return {k: v for k, v in values.items() if k not in RUN_HELPER_KEYS}
+
+
 def resolved_config_yaml(config: DictConfig) -> str:
-    """``config`` as a run saves it (config.yaml, a logger's copy): interpolations resolved, and
-    the helper keys only interpolations read (``RUN_HELPER_KEYS``) left out."""
+    """``resolved_config`` as YAML (a plain value as OmegaConf writes it)."""
     if not RUN_HELPER_KEYS or not isinstance(config, DictConfig):
         return OmegaConf.to_yaml(config, resolve=True)
-    values = OmegaConf.to_container(config, resolve=True)
-    return OmegaConf.to_yaml({k: v for k, v in values.items() if k not in RUN_HELPER_KEYS})
+    return OmegaConf.to_yaml(resolved_config(config))
 
 
 def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:
