@@ -115,7 +115,6 @@ class SavedState:
                 f"optimizer_in_bwd={bool(in_bwd)}: resume with "
                 f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, or {fresh}")
 
-
     def check_epochs(self, cfg: DictConfig, checkpoint: Path) -> None:
         """Refuse to resume this state with ``cfg.epochs`` at or below the epochs it has run:
         there is nothing to train from ``checkpoint`` (a mid-epoch one is inside epoch

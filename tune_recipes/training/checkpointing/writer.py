@@ -270,11 +270,11 @@ class CheckpointWriter:
         adapter_only = self.adapter_only if adapter_only is None else adapter_only
         what = (f"the step {name[len('step_'):]} checkpoint" if STEP_DIR.match(name)
                 else f"the epoch {epoch} checkpoint")
-        # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
-        # at the staging folder for one call is what makes their writes atomic here.
         # NOTE: read before the save: torchtune's save pops the adapter entries from ``ckpt``
         # when it writes the recipe state.
         adapter_saved = training.ADAPTER_CONFIG in ckpt
+        # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
+        # at the staging folder for one call is what makes their writes atomic here.
         real_output_dir = self.checkpointer._output_dir
         out = Path(real_output_dir)
         staging = out / STAGING_DIR
