@@ -141,6 +141,10 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
     except ConfigError:
         raise
     except Exception as e:  # every converter failure, whatever its class
+        if _interrupted(e):
+            # NOTE: a Ctrl-C that landed inside the read (torchtune turns whatever the file
+            # reader raised into a ValueError) is the user's stop, not a broken checkpoint.
+            raise KeyboardInterrupt from e
         base = f"{cfg_checkpointer.get('checkpoint_dir')} (model_type={cfg_checkpointer.get('model_type')})"
         where, way_on = base, ""
         if resuming_from is not None:
@@ -151,6 +155,17 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
         raise ConfigError(
             f"{key}: {cfg_checkpointer.get('_component_')} could not load {where}: "
             f"{type(e).__name__}: {brief(e)}{way_on}") from None
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among ``error``'s causes and contexts."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt) or "KeyboardInterrupt" in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def finished_run_record(final_checkpoint: Path, output_dir: Path) -> Dict[str, Any]:

@@ -301,3 +301,28 @@ def test_a_finished_runs_record_is_read_from_its_final_folder_else_its_last_stat
     (final / "finished_run.json").write_text('{"seed": 5, ')
     with pytest.raises(CheckpointError, match="finished_run.json is unreadable"):
         finished_run_record(final, tmp_path)
+
+
+def test_a_ctrl_c_inside_a_checkpoint_read_stays_a_ctrl_c():
+    """torchtune wraps what its file reader raised in a ValueError; an interrupt among its
+    causes is the user's stop (exit 130, the resume line), not an unreadable checkpoint."""
+    from omegaconf import OmegaConf
+
+    from tune_recipes.config import ConfigError
+    from tune_recipes.training.setup.recipe import read_checkpoint
+
+    class Reader:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def load_checkpoint(self):
+            try:
+                raise self.inner
+            except BaseException as e:
+                raise ValueError("Unable to load checkpoint from x.safetensors. ") from e
+
+    cfg = OmegaConf.create({"_component_": "c", "checkpoint_dir": "/d", "model_type": "LLAMA3"})
+    with pytest.raises(KeyboardInterrupt):
+        read_checkpoint(Reader(KeyboardInterrupt()), cfg)
+    with pytest.raises(ConfigError, match="could not load /d"):
+        read_checkpoint(Reader(OSError("truncated")), cfg)
