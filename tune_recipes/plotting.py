@@ -25,6 +25,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from tune_recipes.constants import EPOCH_DIR_PATTERN, STEP_DIR_PATTERN
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 # The logger whose metrics.jsonl this module reads, as the shipped configs name it (its
@@ -79,7 +81,7 @@ def plot_path(run: PathLike) -> Path:
 
 
 # A run's checkpoint folders: epoch_<n>/, step_<n>/, recipe_state/.
-_CHECKPOINT_FOLDER = re.compile(r"(epoch|step)_\d+|recipe_state")
+_CHECKPOINT_FOLDERS = [re.compile(p) for p in (EPOCH_DIR_PATTERN, STEP_DIR_PATTERN, r"^recipe_state$")]
 
 
 def _run_folder_signs(folder: Path) -> List[str]:
@@ -89,7 +91,7 @@ def _run_folder_signs(folder: Path) -> List[str]:
     signs = [f.name for f in (folder / "config.yaml", folder / "torchtune_config.yaml")
              if f.is_file()]
     signs += sorted(f"{d.name}/" for d in folder.iterdir()
-                    if d.is_dir() and _CHECKPOINT_FOLDER.fullmatch(d.name))
+                    if d.is_dir() and any(p.match(d.name) for p in _CHECKPOINT_FOLDERS))
     return signs
 
 

@@ -14,14 +14,15 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import training
 from torchtune.utils import get_logger
 
+from tune_recipes.constants import EPOCH_DIR_PATTERN, STEP_DIR_PATTERN
 from tune_recipes.config import ConfigError
 from tune_recipes.validation import brief
 
 log = get_logger("INFO")
 
-_EPOCH_DIR = re.compile(r"^epoch_(\d+)$")
+_EPOCH_DIR = re.compile(EPOCH_DIR_PATTERN)
 # Mid-epoch checkpoints (save_every_n_steps), named by the global optimizer step.
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(STEP_DIR_PATTERN)
 RECIPE_STATE_FILE = Path("recipe_state") / "recipe_state.pt"
 # Each intermediate epoch folder holds its own copy: a folder and its state appear together.
 EPOCH_STATE_FILE = "recipe_state.pt"
