@@ -81,12 +81,16 @@ def test_resuming_an_unfinished_run_with_no_epochs_left_is_refused_before_anythi
     """A run stopped after epoch 2 of 3 (its final folder gone, as if the run died saving it),
     resumed with epochs=2: nothing is left to train, and the resume says so naming the
     checkpoint and the epochs it was written for, before config.yaml or the metrics are
-    rewritten (a quiet exit here would look like a finished run)."""
+    rewritten (a quiet exit here would look like a finished run), and before the weights are
+    read: the checkpoint's weights are cut short here, and the refusal is still the epochs one."""
     import shutil
 
     args = ["max_steps_per_epoch=2", "~lr_scheduler"]
     run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path, [*args, "epochs=3"])
     shutil.rmtree(tmp_path / "epoch_2")
+    (weights_file,) = (tmp_path / "epoch_1").glob("*.safetensors")
+    whole = weights_file.read_bytes()
+    weights_file.write_bytes(whole[:64])
     files = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
                       [*args, "epochs=2", "resume_from_checkpoint=True"], check=False)
@@ -94,6 +98,7 @@ def test_resuming_an_unfinished_run_with_no_epochs_left_is_refused_before_anythi
     assert (f"epochs=2: the checkpoint being resumed, {tmp_path / 'epoch_1'}, is after epoch 2 of the 3 "
             "it was written for, so nothing is left to train from there: resume with epochs=3") in proc.stderr, proc.stderr
     assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+    weights_file.write_bytes(whole)
     proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", tmp_path,
                       [*args, "epochs=3", "resume_from_checkpoint=True"])
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -107,8 +107,14 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     run_status.resuming_from(point.checkpoint)  # the checkpoint a Ctrl-C from here names
     if point.finished:
         return _continue_finished_run(cfg, cfg_checkpointer, point, adapter)
+    state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
+    # Before the weights are read (a minute for an 8B) and before anything is written to
+    # output_dir (config.yaml, metrics): the recipe state alone decides whether this run can
+    # continue it (the saved optimizer state must fit this run's optimizer; epochs must be left).
+    saved = SavedState.from_checkpoint(load_recipe_state(state_file))
+    saved.check_optimizer(cfg)
+    saved.check_epochs(cfg, point.checkpoint)
     if int(os.environ.get("RANK", "0")) == 0:
-        state_file = Path(cfg.output_dir) / cfg_checkpointer.recipe_checkpoint
         print(f"resuming from {state_file.parent}", file=sys.stderr)
     checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
     ckpt = read_checkpoint(checkpointer, cfg_checkpointer,
@@ -119,12 +125,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
             f"resume_from_checkpoint={setting} but no adapter checkpoint was found under "
             f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
         )
-    saved = SavedState.from_checkpoint(ckpt)
-    # Before anything is written to output_dir (config.yaml, metrics): the saved optimizer
-    # state must fit this run's optimizer.
-    saved.check_optimizer(cfg)
-    saved.check_epochs(cfg, point.checkpoint)
-    return checkpointer, ckpt, saved
+    return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
