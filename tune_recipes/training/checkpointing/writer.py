@@ -57,6 +57,20 @@ from tune_recipes.training.step.driver import Position
 from tune_recipes.training.step.nonfinite import NonFiniteError
 
 
+def with_own_storage(state):
+    """``state`` (nested dicts and lists of tensors) with each tensor that views a larger
+    storage copied into one of its own size. Gathered FSDP shards of a dimension the ranks do
+    not divide evenly are views of the padded all-gather buffer, and ``torch.save`` (the adapter's
+    .pt file, the optimizer state) writes a view's whole storage, padding included."""
+    if isinstance(state, dict):
+        return {k: with_own_storage(v) for k, v in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(with_own_storage(v) for v in state)
+    if isinstance(state, torch.Tensor) and \
+            state.untyped_storage().nbytes() > state.numel() * state.element_size():
+        return state.clone()
+    return state
+
 
 # torch.save's zip writer (PytorchStreamWriter) raises RuntimeError, not OSError, when a write
 # fails: on a full disk "[enforce fail at inline_container.cc:...] . unexpected pos ..." (a
@@ -349,8 +363,8 @@ class CheckpointWriter:
         # only, not a gather or copy of the whole base model (8B+ at every save_every_n_steps).
         if self.distributed:
             # Collective: every rank gathers its shards; fresh full CPU tensors on the main rank.
-            return training.gather_cpu_state_dict(model, self.is_main, device=None,
-                                                  adapter_weights_only=adapter_only)
+            return with_own_storage(training.gather_cpu_state_dict(
+                model, self.is_main, device=None, adapter_weights_only=adapter_only))
         if adapter_only:
             from torchtune.modules.peft import get_adapter_state_dict
 
@@ -366,5 +380,6 @@ class CheckpointWriter:
 
     def _optimizer_state_dict(self, model: nn.Module, optimizer):
         if self.distributed:
-            return training.get_full_optimizer_state_dict(model, optimizer, self.is_main, device=None)
+            return with_own_storage(training.get_full_optimizer_state_dict(
+                model, optimizer, self.is_main, device=None))
         return optimizer.state_dict()

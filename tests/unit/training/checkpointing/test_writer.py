@@ -335,3 +335,45 @@ def test_checkpoint_files_get_the_permissions_the_umask_allows(tmp_path):
         assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o644, 0o644]
     finally:
         os.umask(old)
+
+
+def test_a_distributed_save_writes_no_all_gather_padding(tmp_path, monkeypatch):
+    """Gathered FSDP shards of a dimension the ranks do not divide evenly come back as views of
+    the padded all-gather buffer; torch.save (the adapter's .pt, the optimizer state) would write
+    each view's whole storage. What reaches the checkpointer owns storage of its own size, with
+    the same values."""
+    from tune_recipes.training.checkpointing import writer as writer_module
+
+    def padded(t):  # t's values at the front of a storage 1/8 larger, as FSDP's gather leaves
+        buffer = torch.zeros(t.numel() + t.numel() // 8, dtype=t.dtype)
+        buffer[:t.numel()] = t.reshape(-1)
+        return buffer[:t.numel()].view(t.shape)
+
+    model = _lora_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    monkeypatch.setattr(writer_module.training, "gather_cpu_state_dict",
+                        lambda m, is_main, device=None, adapter_weights_only=False:
+                        {k: padded(v.detach()) for k, v in m.state_dict().items()})
+    monkeypatch.setattr(writer_module.training, "get_full_optimizer_state_dict",
+                        lambda m, o, is_main, device=None: {
+                            "state": {i: {k: padded(v) if v.dim() else v for k, v in s.items()}
+                                      for i, s in o.state_dict()["state"].items()},
+                            "param_groups": o.state_dict()["param_groups"]})
+    monkeypatch.setattr(writer_module.dist, "barrier", lambda: None)
+    ckpt = _Checkpointer(tmp_path)
+    CheckpointWriter(ckpt, output_dir=str(tmp_path), lora=_spec(), base_checkpoint_dir="/b",
+                     distributed=True).save(
+        model, opt, RecipeState(seed=0, total_epochs=2, max_steps_per_epoch=None, epochs_run=1),
+        epoch=0)
+    saved = ckpt.saved[0][0]
+    tensors = [*saved[training.ADAPTER_KEY].values(),
+               *(v for s in saved[training.OPT_KEY]["state"].values() for v in s.values())]
+    assert len(tensors) > 4
+    for t in tensors:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    for k, v in saved[training.ADAPTER_KEY].items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    exp_avg = next(iter(saved[training.OPT_KEY]["state"].values()))["exp_avg"]
+    assert torch.equal(exp_avg, next(iter(opt.state_dict()["state"].values()))["exp_avg"])
