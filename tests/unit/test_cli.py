@@ -711,6 +711,36 @@ def test_ctrl_c_in_a_torchtune_recipe_claims_no_step_or_checkpoint(ours, tmp_pat
 
 
 @pytest.mark.parametrize("torchrun_rank", [True, False])
+def test_ctrl_c_while_a_rank_imports_torch_is_no_traceback(torchrun_rank, tmp_path, monkeypatch, capsys):
+    """A terminal's Ctrl-C reaches every rank, and in a run's first seconds a rank is still
+    importing torch (the training package): under torchrun it stops silently (`tune` prints the
+    line for all ranks), alone it says it stopped before anything ran; never a traceback."""
+    from tune_recipes._cli.launch import run_script
+
+    class InterruptedImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "tune_recipes.training.reporting":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "tune_recipes.training.reporting")
+    monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
+    if torchrun_rank:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    script = tmp_path / "full_finetune_distributed.py"
+    script.write_text("raise AssertionError('the script ran')\n")
+    with pytest.raises(SystemExit) as stopped:
+        run_script(script, [])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == ("" if torchrun_rank else
+                                       "\ninterrupted while starting full_finetune_distributed, before anything ran\n")
+
+
+@pytest.mark.parametrize("torchrun_rank", [True, False])
 def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, monkeypatch, capsys):
     """gloo's error in the surviving rank would bury the failed rank's own line under a
     traceback; under torchrun it is one line instead. Outside torchrun it is not ours to hide."""

@@ -166,8 +166,15 @@ def reports_to_tune(script: Path) -> bool:
 def run_script(path: Path, args: List[str]) -> None:
     """Execute ``path`` as ``__main__`` with ``sys.argv = [path, *args]``; like ``python path``,
     the script's folder comes first on ``sys.path``."""
-    from tune_recipes.training.reporting import run_status
-
+    try:
+        # The first import of torch (through the training package): seconds in which a torchrun
+        # rank, started by `tune` a moment ago, may already get the terminal's Ctrl-C.
+        from tune_recipes.training.reporting import run_status
+    except KeyboardInterrupt as e:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun `tune` prints the line
+            print(f"\n{how_stopped(e)} while starting {Path(path).stem}, before anything ran",
+                  file=sys.stderr)
+        sys.exit(exit_code(e))
     run_status.reset()  # a run of its own, also where one process runs several (tests)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(Path(path).parent))
