@@ -84,10 +84,17 @@ def interrupted_message(script: Path, args: List[str], step: Optional[int] = Non
 
 
 def resume_hint(script: Path, args: List[str], checkpoint=None, launcher: List[str] = ()) -> str:
-    """``resume with: tune run [LAUNCHER] RECIPE ARGS resume_from_checkpoint=True`` (``auto``
-    where no checkpoint is known: it resumes if one was saved, else starts afresh)."""
+    """``resume with: tune run [LAUNCHER] RECIPE ARGS output_dir=DIR resume_from_checkpoint=True``
+    (``auto`` where no checkpoint is known: it resumes if one was saved, else starts afresh).
+    ``DIR``: the folder holding the checkpoint, absolute. NOTE: always written out, whatever the
+    arguments said: the config's output_dir may come from the environment
+    (``${oc.env:TUNE_RECIPES_OUTPUT,outputs}``) or be relative to the folder the run started
+    in, and the command pasted into another shell would then resume another run's folder."""
+    checkpoint = last_checkpoint() if checkpoint is None else checkpoint
     keep = [a for a in args if not a.startswith("resume_from_checkpoint=")]
-    known = checkpoint is not None or last_checkpoint() is not None
+    if checkpoint is not None:
+        keep = [a for a in keep if not a.startswith("output_dir=")]
+        keep.append(f"output_dir={Path(checkpoint).resolve().parent}")
     command = shlex.join(["tune", "run", *launcher, Path(script).stem, *keep,
-                          f"resume_from_checkpoint={'True' if known else 'auto'}"])
+                          f"resume_from_checkpoint={'True' if checkpoint is not None else 'auto'}"])
     return f"resume with: {command}"

@@ -70,3 +70,23 @@ def test_a_run_stopped_after_its_final_checkpoint_has_nothing_to_resume(monkeypa
                     "is complete, nothing to resume")
     run_status.checkpoint_saved(final, final=True)
     assert run_status.interrupted_message("r/lora.py", []) == line
+
+
+def test_the_resume_command_names_output_dir_whole_wherever_it_came_from(monkeypatch, tmp_path):
+    """An output_dir from the environment (the tiny configs' ${oc.env:TUNE_RECIPES_OUTPUT,...})
+    or relative to where the run started would resume another folder from another shell: the
+    command names the checkpoint's folder, absolute, in place of any output_dir argument."""
+    _fresh(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    run_status.step_finished(5)
+    run_status.checkpoint_saved("outputs/tiny_kd/step_5")  # as the recipe's relative output_dir has it
+    whole = tmp_path / "outputs" / "tiny_kd"
+    for args in (["--config", "tiny/kd_single_device"],
+                 ["--config", "tiny/kd_single_device", "output_dir=outputs/tiny_kd"]):
+        line = run_status.interrupted_message("r/kd.py", args)
+        assert line.endswith(f"resume with: tune run kd --config tiny/kd_single_device "
+                             f"output_dir={whole} resume_from_checkpoint=True"), line
+    # Nothing saved yet: the run starts afresh wherever it is run, so no folder is named.
+    _fresh(monkeypatch)
+    assert run_status.resume_hint("r/kd.py", ["epochs=2"]) == (
+        "resume with: tune run kd epochs=2 resume_from_checkpoint=auto")
