@@ -11,6 +11,7 @@ recipe's entry point) then checks every value against the schema in
 import functools
 import importlib.util
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
@@ -332,8 +333,33 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             check_config(cfg, Path(g.get("__file__") or "recipe").stem, g.get("CONFIG_KEYS"))
             return recipe_main(cfg)
         except ConfigError as e:
-            # The prefix `tune` itself prints (tune_recipes/_cli/main.py): one form everywhere.
-            print(f"tune: error: {e}", file=sys.stderr)
+            report_config_error(e)
             sys.exit(2)
 
     return wrapper
+
+
+# Set by `tune run` for the processes it starts under torchrun: a folder where each process of
+# this node leaves its config error (``round_<restart>/local_rank_<n>``), for `tune` to print
+# the lines once.
+RANK_ERRORS_ENV = "TUNE_RECIPES_RANK_ERRORS"
+
+
+def report_config_error(e: ConfigError) -> None:
+    """``tune: error: ...`` on stderr, the prefix `tune` itself prints (one form everywhere).
+
+    Under `tune run`'s torchrun (``RANK_ERRORS_ENV`` set) every process of a node usually meets
+    the same error (a config value, the dataset's size): the node's first process prints its
+    line at once, the others leave theirs in the folder, and `tune` prints afterwards each line
+    the first did not (``_cli/main.py``), instead of one copy a process."""
+    folder, local_rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("LOCAL_RANK", "0")
+    if folder:
+        try:
+            round_dir = Path(folder, f"round_{int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)}")
+            round_dir.mkdir(exist_ok=True)
+            (round_dir / f"local_rank_{int(local_rank)}").write_text(str(e))
+            if local_rank != "0":
+                return
+        except (OSError, ValueError):
+            pass  # the line is printed here instead
+    print(f"tune: error: {e}", file=sys.stderr)

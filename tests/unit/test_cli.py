@@ -343,6 +343,37 @@ def test_failed_child_processes_end_in_one_line_not_a_torchrun_traceback(capsys,
         "their output is above"]
 
 
+def test_a_config_error_every_process_meets_prints_once(capsys, monkeypatch):
+    """Under torchrun each process checks the same config and data: the first process's line
+    prints at once, and after the launch `tune` prints only the lines another process met that
+    the first did not, naming its rank; the folder they were left in is gone afterwards."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from tune_recipes.config import RANK_ERRORS_ENV, ConfigError, report_config_error
+
+    folders = []
+
+    def three_ranks_fail(argv):
+        folders.append(Path(os.environ[RANK_ERRORS_ENV]))
+        for rank, message in enumerate(["batch_size=300: too big", "batch_size=300: too big",
+                                        "rank 2's shard holds no example"]):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            report_config_error(ConfigError(message))
+        raise ChildFailedError("tune_recipes._cli.launch", {
+            r: ProcessFailure(local_rank=r, pid=r + 1, exitcode=2, error_file="") for r in range(3)})
+
+    monkeypatch.setattr(torchrun, "main", three_ranks_fail)
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "3", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed")
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        "tune: error: batch_size=300: too big",
+        "tune: error: rank 2: rank 2's shard holds no example",
+        "tune: error: 3 of 3 processes failed (exit code 2); their output is above"], err
+    assert not folders[0].exists() and RANK_ERRORS_ENV not in os.environ
+
+
 def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_path):
     """launch.py ends a torchrun rank whose recipe finished with os._exit after the atexit
     handlers (a gloo rank once aborted in finalization, failing a finished run). Shown by a

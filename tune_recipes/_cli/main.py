@@ -11,8 +11,9 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from omegaconf import DictConfig
 
@@ -28,7 +29,13 @@ from tune_recipes._cli.launch import (
     restore_sigterm,
     run_script,
 )
-from tune_recipes.config import ConfigError, check_overrides, load_config, validate_config
+from tune_recipes.config import (
+    RANK_ERRORS_ENV,
+    ConfigError,
+    check_overrides,
+    load_config,
+    validate_config,
+)
 from tune_recipes.validation import WARNED_ENV, check_config, warnings_after_checks
 
 
@@ -100,13 +107,18 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
     os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' parent: see die_with_launcher
     where = "" if launch.max_nodes == 1 else " on this node"
+    errors = Path(tempfile.mkdtemp(prefix="tune_rank_errors_"))
+    os.environ[RANK_ERRORS_ENV] = str(errors)  # see config.report_config_error
     # Each process starts in our launcher, which imports tune_recipes (its noise filters)
     # before the recipe imports torchtune, then runs the script as __main__.
     try:
         torchrun_main(launch.argv + ["-m", "tune_recipes._cli.launch"] + recipe_argv)
     except ChildFailedError as e:
-        # The failing process already printed its own error above; torchrun's traceback
-        # and summary would only bury it.
+        # The failing process already printed its own error above (the other processes' lines
+        # that differ from the first's follow); torchrun's traceback and summary would only
+        # bury it.
+        for line in _other_ranks_errors(errors, "rank" if launch.max_nodes == 1 else "local rank"):
+            print(f"tune: error: {line}", file=sys.stderr)
         # A process torchrun itself stopped (SIGTERM, once another had failed) did not fail.
         stopped = [f for f in e.failures.values() if f.exitcode == -signal.SIGTERM]
         failed = [f for f in e.failures.values() if f.exitcode != -signal.SIGTERM] or stopped
@@ -126,6 +138,8 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
         return 128 + int(e.sigval)
     finally:
         os.environ.pop(WARNED_ENV, None)
+        os.environ.pop(RANK_ERRORS_ENV, None)
+        shutil.rmtree(errors, ignore_errors=True)
         if isinstance(output_dir, str):
             # A process killed by a signal leaves its lock behind: remove it (only a lock
             # whose process on this machine is gone).
@@ -133,6 +147,28 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 
             OutputDirLock(output_dir).remove_if_stale()
     return 0
+
+
+def _other_ranks_errors(folder: Path, label: str = "rank") -> List[str]:
+    """The config errors this node's other processes left in ``folder``
+    (``config.report_config_error``) that its first process did not print: each distinct one
+    once, naming the local ranks that met it. Those of the last round torchrun started
+    (``--max_restarts``) only."""
+    rounds = sorted((int(d.name.split("_")[1]), d) for d in folder.glob("round_*")
+                    if d.name.split("_")[1].isdigit())
+    texts = {}
+    for f in (rounds[-1][1].glob("local_rank_*") if rounds else ()):
+        try:
+            texts[int(f.name.rsplit("_", 1)[1])] = f.read_text()
+        except (OSError, ValueError):
+            continue
+    printed = texts.get(0)
+    ranks_of: Dict[str, List[int]] = {}
+    for rank in sorted(texts):
+        if rank != 0 and texts[rank] != printed:
+            ranks_of.setdefault(texts[rank], []).append(rank)
+    return [f"{label}{'' if len(r) == 1 else 's'} {', '.join(map(str, r))}: {text}"
+            for text, r in ranks_of.items()]
 
 
 def _how_to_continue(launch: Launch, recipe_argv: List[str], output_dir) -> str:
