@@ -539,13 +539,22 @@ def test_validate_accepts_resume_auto_and_checks_it_as_the_recipe_does(tmp_path,
 
 
 def test_validate_points_a_config_for_another_machine_at_portable(tmp_path, capsys):
-    rc, _, err = _run(capsys, "validate", "tiny/full_single_device",
-                      f"checkpointer.checkpoint_dir={tmp_path / 'elsewhere'}")
+    copied = tmp_path / "full_single_device.yaml"  # a file written where other paths exist
+    copied.write_text((registry.configs_dir() / "tiny/full_single_device.yaml").read_text().replace(
+        "checkpoint_dir: ${tiny_checkpoint:}", f"checkpoint_dir: {tmp_path / 'elsewhere'}"))
+    rc, _, err = _run(capsys, "validate", str(copied))
     assert rc == 2 and err.count("\n") == 1
     assert "checkpointer.checkpoint_dir=" in err and "add --portable" in err
     # A mistake --portable would not excuse gets no such hint.
     rc, _, err = _run(capsys, "validate", "tiny/full_single_device", "batch_size=0")
     assert rc == 2 and "--portable" not in err
+    # Nor does a path typed on this machine's command line.
+    (tmp_path / "a_file").write_text("")
+    for typed in (f"checkpointer.checkpoint_dir={tmp_path / 'elsewhere'}",
+                  f"output_dir={tmp_path / 'a_file' / 'run'}"):
+        rc, _, err = _run(capsys, "validate", "tiny/full_single_device", typed)
+        key = typed.split("=", 1)[0]
+        assert rc == 2 and err.startswith(f"tune: error: {key}=") and "--portable" not in err, err
 
 
 # --------------------------------------------------------------------------- cp and plot

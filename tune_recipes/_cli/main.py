@@ -308,6 +308,13 @@ def cmd_cat(args: argparse.Namespace, rest: List[str]) -> int:
     return 0
 
 
+def _names_a_typed_key(message: str, overrides: List[str]) -> bool:
+    """Whether ``message`` (``key=value: ...``, as the checks word it) is about a key that
+    ``overrides`` set."""
+    keys = {a.split("=", 1)[0].lstrip("~+") for a in overrides if "=" in a}
+    return any(message.startswith((f"{k}=", f"{k}:")) for k in keys)
+
+
 def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
     config = _config_or_fail(args.config)
     recipe_name = (args.recipe or registry.recipe_for_config(args.config)
@@ -317,8 +324,8 @@ def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:
         try:
             cfg, note = _validate(config, rest, recipe, recipe_name, portable=args.portable)
         except ConfigError as e:
-            if args.portable:
-                raise
+            if args.portable or _names_a_typed_key(str(e), rest):
+                raise  # a value typed on this machine's command line is not another machine's
             # A path or device of another machine (a GPU config on a laptop): say so, if the
             # portable checks pass (their warnings unprinted: the error is the answer).
             try:
