@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import _env, tune_cmd
+from helpers import _env, read_metrics, tune_cmd
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +112,11 @@ def test_ctrl_c_under_torchrun_is_one_line_with_the_launch_to_resume(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     lines = [line for line in err.splitlines() if "interrupted" in line or "stopped by" in line]
-    assert len(lines) == 1 and lines[0].startswith("tune: stopped by SIGINT; newest checkpoint "), err
+    assert len(lines) == 1 and lines[0].startswith("tune: stopped by SIGINT after step "), err
+    # the step the line names is the last the run logged (log_every_n_steps=1: the last it ran)
+    logged = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert lines[0].startswith(f"tune: stopped by SIGINT after step {logged[-1]} (the last in "
+                               "metrics.jsonl); newest checkpoint "), lines[0]
     assert "resume with: tune run --nproc_per_node 2 full_finetune_distributed" in lines[0]
     assert "Traceback" not in err and not (out / ".lock").exists()
 

@@ -810,6 +810,17 @@ def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, mon
         run_script(script, [])
 
 
+def test_a_stopped_torchrun_launch_names_the_last_logged_step(tmp_path):
+    """The processes that knew the step are gone: `tune` names the last training row of
+    metrics.jsonl, skipping a row the stop cut short and rows without a loss (validation)."""
+    from tune_recipes._cli.main import _last_logged_step
+
+    assert _last_logged_step(str(tmp_path)) is None and _last_logged_step(None) is None
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 6, "loss": 1.5}\n{"step": 7, "loss": 1.4}\n{"step": 7, "val_loss": 1.6}\n{"step": 8, "lo')
+    assert _last_logged_step(str(tmp_path)) == 7
+
+
 def test_a_stopped_torchrun_launch_names_its_resume_or_that_the_run_finished(tmp_path):
     """`tune` (torchrun's agent) prints the line for every rank from what output_dir holds: a
     resume command beside an intermediate checkpoint, nothing to resume beside a final one."""

@@ -133,8 +133,10 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
         # torchrun's agent turns SIGINT/SIGTERM into this after stopping the processes, which
         # say nothing themselves under torchrun (launch.run_script): this is the one line.
         name = signal.Signals(e.sigval).name
-        print(f"\ntune: stopped by {name}; {_how_to_continue(launch, recipe_argv, output_dir)}",
-              file=sys.stderr)
+        step = _last_logged_step(output_dir)
+        where = f" after step {step} (the last in metrics.jsonl)" if step is not None else ""
+        print(f"\ntune: stopped by {name}{where}; "
+              f"{_how_to_continue(launch, recipe_argv, output_dir)}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
         os.environ.pop(WARNED_ENV, None)
@@ -147,6 +149,27 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 
             OutputDirLock(output_dir).remove_if_stale()
     return 0
+
+
+def _last_logged_step(output_dir) -> Optional[int]:
+    """The step of the last training row in ``output_dir``'s metrics.jsonl (None: no such
+    file or row); a row cut short by the stop is skipped."""
+    if not isinstance(output_dir, str):
+        return None
+    try:
+        from tune_recipes.plotting import METRICS_FILE
+
+        lines = (Path(output_dir) / METRICS_FILE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "loss" in row and isinstance(row.get("step"), int):
+            return row["step"]
+    return None
 
 
 def _other_ranks_errors(folder: Path, label: str = "rank") -> List[str]:
