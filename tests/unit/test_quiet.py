@@ -72,3 +72,20 @@ def test_the_8bit_optimizer_compile_notice_is_dropped_and_verbose_brings_it_back
             env["TUNE_RECIPES_VERBOSE"] = "1"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0 and ("_stable_hash_for_caching" in proc.stderr) == shown, proc.stderr
+
+
+@pytest.mark.unit
+def test_torchtune_info_prints_once_a_torchrun_launch_its_warnings_on_every_rank():
+    """torchtune's INFO lines ("Loading the recipe state using: ...") repeat in every process
+    of a torchrun launch: only the first process's print; any rank's warning still prints."""
+    code = ("import tune_recipes; from torchtune.utils import get_logger; log = get_logger('INFO'); "
+            "log.info('an info line'); log.warning('a warning line')")
+    for rank_env, info_shown in (({}, True), ({"TORCHELASTIC_RUN_ID": "r", "RANK": "0"}, True),
+                                 ({"TORCHELASTIC_RUN_ID": "r", "RANK": "1"}, False)):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("TUNE_RECIPES_VERBOSE", "TORCHELASTIC_RUN_ID", "RANK")}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**env, **rank_env}, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert ("an info line" in proc.stderr) == info_shown, (rank_env, proc.stderr)
+        assert "a warning line" in proc.stderr, (rank_env, proc.stderr)

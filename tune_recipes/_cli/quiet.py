@@ -15,7 +15,9 @@ names one message and where it comes from:
   a request to torchao's authors; the update compiles and runs the same.
 - torchtune 0.6.1 shares one logger (``torchtune.utils._logging``) and its modules set it to DEBUG
   on import, so its debug lines ("Setting manual seed to local seed 0 ...") print. We drop its
-  DEBUG records only; its INFO (checkpoint saved to ...) and warnings still print.
+  DEBUG records only; its INFO (checkpoint saved to ...) and warnings still print, the INFO
+  from the first process of a torchrun launch only (the others repeat it: "Loading the recipe
+  state using: ..." once a process).
 
 ``TUNE_RECIPES_VERBOSE=1`` turns all of this off.
 """
@@ -38,7 +40,13 @@ class _DropDebug(logging.Filter):
     # A filter, not setLevel: torchtune modules call setLevel("DEBUG") on the shared logger
     # each time one is imported, which would undo a level set here.
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.INFO
+        if record.levelno < logging.INFO:
+            return False
+        # Read at each record: a rank's environment is set before it imports anything, but
+        # tests and `tune` itself run several roles in one process.
+        other_rank = ("TORCHELASTIC_RUN_ID" in os.environ
+                      and os.environ.get("RANK", "0") != "0")
+        return record.levelno >= logging.WARNING or not other_rank
 
 
 # One instance each: addFilter ignores an instance already attached, so installing twice is
