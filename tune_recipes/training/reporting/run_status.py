@@ -6,6 +6,7 @@ The step driver records each finished step, the checkpoint writer each published
 it costs nothing, so no signal handler has to touch the training state.
 """
 
+import os
 import shlex
 from pathlib import Path
 from typing import List, Optional
@@ -94,7 +95,7 @@ def resume_hint(script: Path, args: List[str], checkpoint=None, launcher: List[s
     keep = [a for a in args if not a.startswith("resume_from_checkpoint=")]
     if checkpoint is not None:
         keep = [a for a in keep if not a.startswith("output_dir=")]
-        keep.append(f"output_dir={Path(checkpoint).resolve().parent}")
+        keep.append(f"output_dir={Path(os.path.abspath(checkpoint)).parent}")
     command = shlex.join(["tune", "run", *launcher, Path(script).stem, *keep,
                           f"resume_from_checkpoint={'True' if checkpoint is not None else 'auto'}"])
     return f"resume with: {command}"
