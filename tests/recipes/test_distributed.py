@@ -100,7 +100,9 @@ def test_one_ranks_data_error_is_its_line_not_a_traceback_of_the_other(tmp_path)
                      "dataset._component_=torchtune.datasets.alpaca_dataset", "shuffle=False",
                      "batch_size=1", "max_steps_per_epoch=null"], check=False)
     assert proc.returncode != 0
-    assert proc.stderr.count("tune: error: dataset: example 19 cannot be made into tokens") == 1
+    # printed once, by `tune` after the launch, naming the rank that met it
+    assert proc.stderr.count("example 19 cannot be made into tokens") == 1, proc.stderr[-3000:]
+    assert "tune: error: rank 1: dataset: example 19 cannot be made into tokens" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
