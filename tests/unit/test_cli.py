@@ -752,9 +752,10 @@ def test_ctrl_c_in_a_torchtune_recipe_claims_no_step_or_checkpoint(ours, tmp_pat
 
 @pytest.mark.parametrize("torchrun_rank", [True, False])
 def test_ctrl_c_while_a_rank_imports_torch_is_no_traceback(torchrun_rank, tmp_path, monkeypatch, capsys):
-    """A terminal's Ctrl-C reaches every rank, and in a run's first seconds a rank is still
-    importing torch (the training package): under torchrun it stops silently (`tune` prints the
-    line for all ranks), alone it says it stopped before anything ran; never a traceback."""
+    """torchrun passes `tune`'s Ctrl-C on to every rank, and in a run's first seconds a rank is
+    still importing torch (the training package): a rank stops silently (`tune` prints the
+    line for all of them); `tune` itself passes the interrupt on to its main(), whose line says
+    that nothing was written."""
     from tune_recipes._cli.launch import run_script
 
     class InterruptedImport:
@@ -765,19 +766,23 @@ def test_ctrl_c_while_a_rank_imports_torch_is_no_traceback(torchrun_rank, tmp_pa
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delitem(sys.modules, "tune_recipes.training.reporting")
+    monkeypatch.delitem(sys.modules, "tune_recipes.training.reporting", raising=False)
     monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
-    if torchrun_rank:
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
-    else:
-        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     script = tmp_path / "full_finetune_distributed.py"
     script.write_text("raise AssertionError('the script ran')\n")
-    with pytest.raises(SystemExit) as stopped:
-        run_script(script, [])
-    assert stopped.value.code == 130
-    assert capsys.readouterr().err == ("" if torchrun_rank else
-                                       "\ninterrupted while starting full_finetune_distributed, before anything ran\n")
+    if torchrun_rank:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+        with pytest.raises(SystemExit) as stopped:
+            run_script(script, [])
+        assert stopped.value.code == 130 and capsys.readouterr().err == ""
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        with pytest.raises(KeyboardInterrupt):
+            run_script(script, [])
+        rc, _, err = _run(capsys, "run", "full_finetune_single_device", "--config",
+                          "tiny/full_single_device", f"output_dir={tmp_path / 'out'}")
+        assert rc == 130 and err.strip() == (
+            "tune: interrupted before the recipe started training; nothing was written"), err
 
 
 @pytest.mark.parametrize("torchrun_rank", [True, False])

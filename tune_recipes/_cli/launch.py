@@ -168,13 +168,12 @@ def run_script(path: Path, args: List[str]) -> None:
     the script's folder comes first on ``sys.path``."""
     try:
         # The first import of torch (through the training package): seconds in which a torchrun
-        # rank, started by `tune` a moment ago, may already get the terminal's Ctrl-C.
+        # rank, started by `tune` a moment ago, may already get the Ctrl-C torchrun passes on.
         from tune_recipes.training.reporting import run_status
     except KeyboardInterrupt as e:
-        if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun `tune` prints the line
-            print(f"\n{how_stopped(e)} while starting {Path(path).stem}, before anything ran",
-                  file=sys.stderr)
-        sys.exit(exit_code(e))
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise  # `tune` itself: its main() prints the line for a stop before training
+        sys.exit(exit_code(e))  # a rank: `tune` (torchrun's agent) prints the line for all
     run_status.reset()  # a run of its own, also where one process runs several (tests)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(Path(path).parent))
