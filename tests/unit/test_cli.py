@@ -373,6 +373,23 @@ def test_a_config_error_every_process_meets_prints_once(capsys, monkeypatch):
         "tune: error: 3 of 3 processes failed (exit code 2); their output is above"], err
     assert not folders[0].exists() and RANK_ERRORS_ENV not in os.environ
 
+    # A restarted round's lines name the restart; and however the launch ends (here `tune`
+    # stopped by a signal), lines not yet printed are printed once.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def restarted_then_stopped(argv):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        report_config_error(ConfigError("rank 1's shard holds no example"))
+        raise SignalException("stopped", signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "main", restarted_then_stopped)
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "3", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed")
+    assert rc == 143
+    assert err.count("rank 1's shard") == 1 and \
+        "tune: error: restart 1, rank 1: rank 1's shard holds no example" in err, err
+
 
 def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_path):
     """launch.py ends a torchrun rank whose recipe finished with os._exit after the atexit
@@ -550,11 +567,14 @@ def test_validate_points_a_config_for_another_machine_at_portable(tmp_path, caps
     assert rc == 2 and "--portable" not in err
     # Nor does a path typed on this machine's command line.
     (tmp_path / "a_file").write_text("")
-    for typed in (f"checkpointer.checkpoint_dir={tmp_path / 'elsewhere'}",
-                  f"output_dir={tmp_path / 'a_file' / 'run'}"):
+    (tmp_path / "empty").mkdir()
+    for typed, failing in ((f"checkpointer.checkpoint_dir={tmp_path / 'elsewhere'}", "checkpointer.checkpoint_dir"),
+                           (f"output_dir={tmp_path / 'a_file' / 'run'}", "output_dir"),
+                           # a key of the component the typed one belongs to
+                           (f"checkpointer.checkpoint_dir={tmp_path / 'empty'}", "checkpointer.checkpoint_files"),
+                           (f"checkpointer={{checkpoint_dir: {tmp_path / 'elsewhere'}}}", "checkpointer.")):
         rc, _, err = _run(capsys, "validate", "tiny/full_single_device", typed)
-        key = typed.split("=", 1)[0]
-        assert rc == 2 and err.startswith(f"tune: error: {key}=") and "--portable" not in err, err
+        assert rc == 2 and err.startswith(f"tune: error: {failing}") and "--portable" not in err, err
 
 
 # --------------------------------------------------------------------------- cp and plot
@@ -817,13 +837,17 @@ def test_a_rank_whose_peer_died_says_so_in_one_line(torchrun_rank, tmp_path, mon
 
 def test_a_stopped_torchrun_launch_names_the_last_logged_step(tmp_path):
     """The processes that knew the step are gone: `tune` names the last training row of
-    metrics.jsonl, skipping a row the stop cut short and rows without a loss (validation)."""
+    metrics.jsonl logged since the launch, skipping a row the stop cut short and rows without a
+    loss (validation); an earlier run's rows (not yet moved aside or trimmed) name nothing."""
     from tune_recipes._cli.main import _last_logged_step
 
-    assert _last_logged_step(str(tmp_path)) is None and _last_logged_step(None) is None
+    assert _last_logged_step(str(tmp_path), since=0) is None and _last_logged_step(None, since=0) is None
     (tmp_path / "metrics.jsonl").write_text(
-        '{"step": 6, "loss": 1.5}\n{"step": 7, "loss": 1.4}\n{"step": 7, "val_loss": 1.6}\n{"step": 8, "lo')
-    assert _last_logged_step(str(tmp_path)) == 7
+        '{"step": 3, "time": 100.0, "loss": 1.6}\n{"step": 6, "time": 200.0, "loss": 1.5}\n'
+        '{"step": 7, "time": 201.0, "loss": 1.4}\n{"step": 7, "time": 202.0, "val_loss": 1.6}\n'
+        '{"step": 8, "time": 203.0, "lo')
+    assert _last_logged_step(str(tmp_path), since=150.0) == 7
+    assert _last_logged_step(str(tmp_path), since=300.0) is None  # all from before the launch
 
 
 def test_a_stopped_torchrun_launch_names_its_resume_or_that_the_run_finished(tmp_path):

@@ -8,10 +8,12 @@ Names resolve to our recipes and configs first; a name we do not ship falls back
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -106,9 +108,11 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 
     os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' parent: see die_with_launcher
-    where = "" if launch.max_nodes == 1 else " on this node"
+    on_node = "" if launch.max_nodes == 1 else " on this node"
     errors = Path(tempfile.mkdtemp(prefix="tune_rank_errors_"))
     os.environ[RANK_ERRORS_ENV] = str(errors)  # see config.report_config_error
+    rank_label = "rank" if launch.max_nodes == 1 else "local rank"
+    started = time.time()
     # Each process starts in our launcher, which imports tune_recipes (its noise filters)
     # before the recipe imports torchtune, then runs the script as __main__.
     try:
@@ -117,15 +121,14 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
         # The failing process already printed its own error above (the other processes' lines
         # that differ from the first's follow); torchrun's traceback and summary would only
         # bury it.
-        for line in _other_ranks_errors(errors, "rank" if launch.max_nodes == 1 else "local rank"):
-            print(f"tune: error: {line}", file=sys.stderr)
+        _print_other_ranks_errors(errors, rank_label)
         # A process torchrun itself stopped (SIGTERM, once another had failed) did not fail.
         stopped = [f for f in e.failures.values() if f.exitcode == -signal.SIGTERM]
         failed = [f for f in e.failures.values() if f.exitcode != -signal.SIGTERM] or stopped
         codes = sorted({f.exitcode for f in failed})
         also = (f" and torchrun stopped {len(stopped)} other(s)" if stopped and failed is not stopped
                 else "")
-        print(f"tune: error: {len(failed)} of {launch.nproc_per_node} processes{where} "
+        print(f"tune: error: {len(failed)} of {launch.nproc_per_node} processes{on_node} "
               f"failed (exit code {', '.join(map(str, codes))}){also}; their output is above",
               file=sys.stderr)
         return codes[-1] if codes and codes[-1] > 0 else 1
@@ -133,14 +136,15 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
         # torchrun's agent turns SIGINT/SIGTERM into this after stopping the processes, which
         # say nothing themselves under torchrun (launch.run_script): this is the one line.
         name = signal.Signals(e.sigval).name
-        step = _last_logged_step(output_dir)
-        where = f" after step {step} (the last in metrics.jsonl)" if step is not None else ""
-        print(f"\ntune: stopped by {name}{where}; "
+        step = _last_logged_step(output_dir, since=started)
+        after = f" after step {step} (the last in metrics.jsonl)" if step is not None else ""
+        print(f"\ntune: stopped by {name}{after}; "
               f"{_how_to_continue(launch, recipe_argv, output_dir)}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
         os.environ.pop(WARNED_ENV, None)
         os.environ.pop(RANK_ERRORS_ENV, None)
+        _print_other_ranks_errors(errors, rank_label)  # any not printed above (none twice)
         shutil.rmtree(errors, ignore_errors=True)
         if isinstance(output_dir, str):
             # A process killed by a signal leaves its lock behind: remove it (only a lock
@@ -151,9 +155,11 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
     return 0
 
 
-def _last_logged_step(output_dir) -> Optional[int]:
-    """The step of the last training row in ``output_dir``'s metrics.jsonl (None: no such
-    file or row); a row cut short by the stop is skipped."""
+def _last_logged_step(output_dir, since: float) -> Optional[int]:
+    """The step of the last training row in ``output_dir``'s metrics.jsonl logged at or after
+    ``since`` (a ``time.time()``; None: no such file or row). An earlier run's rows (a fresh
+    run moves them aside, a resume trims them, only once it gets that far) and a row cut short
+    by the stop are skipped."""
     if not isinstance(output_dir, str):
         return None
     try:
@@ -167,31 +173,38 @@ def _last_logged_step(output_dir) -> Optional[int]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and "loss" in row and isinstance(row.get("step"), int):
+        if not isinstance(row, dict) or not isinstance(row.get("time"), (int, float)) \
+                or row["time"] < since:
+            return None  # rows are in time order: the rest are older still
+        if "loss" in row and isinstance(row.get("step"), int):
             return row["step"]
     return None
 
 
-def _other_ranks_errors(folder: Path, label: str = "rank") -> List[str]:
-    """The config errors this node's other processes left in ``folder``
+def _print_other_ranks_errors(folder: Path, label: str) -> None:
+    """Print, once, the config errors this node's other processes left in ``folder``
     (``config.report_config_error``) that its first process did not print: each distinct one
-    once, naming the local ranks that met it. Those of the last round torchrun started
-    (``--max_restarts``) only."""
+    once a round, naming the local ranks that met it (and the round, after a torchrun
+    restart). Printed lines are removed, so a second call prints nothing."""
     rounds = sorted((int(d.name.split("_")[1]), d) for d in folder.glob("round_*")
                     if d.name.split("_")[1].isdigit())
-    texts = {}
-    for f in (rounds[-1][1].glob("local_rank_*") if rounds else ()):
-        try:
-            texts[int(f.name.rsplit("_", 1)[1])] = f.read_text()
-        except (OSError, ValueError):
-            continue
-    printed = texts.get(0)
-    ranks_of: Dict[str, List[int]] = {}
-    for rank in sorted(texts):
-        if rank != 0 and texts[rank] != printed:
-            ranks_of.setdefault(texts[rank], []).append(rank)
-    return [f"{label}{'' if len(r) == 1 else 's'} {', '.join(map(str, r))}: {text}"
-            for text, r in ranks_of.items()]
+    for number, round_dir in rounds:
+        texts = {}
+        for f in round_dir.glob("local_rank_*"):
+            try:
+                texts[int(f.name.rsplit("_", 1)[1])] = f.read_text()
+            except (OSError, ValueError):
+                continue
+        shutil.rmtree(round_dir, ignore_errors=True)
+        printed = texts.get(0)
+        ranks_of: Dict[str, List[int]] = {}
+        for rank in sorted(texts):
+            if rank != 0 and texts[rank] != printed:
+                ranks_of.setdefault(texts[rank], []).append(rank)
+        when = f"restart {number}, " if number > 0 else ""
+        for text, ranks in ranks_of.items():
+            print(f"tune: error: {when}{label}{'' if len(ranks) == 1 else 's'} "
+                  f"{', '.join(map(str, ranks))}: {text}", file=sys.stderr)
 
 
 def _how_to_continue(launch: Launch, recipe_argv: List[str], output_dir) -> str:
@@ -332,10 +345,12 @@ def cmd_cat(args: argparse.Namespace, rest: List[str]) -> int:
 
 
 def _names_a_typed_key(message: str, overrides: List[str]) -> bool:
-    """Whether ``message`` (``key=value: ...``, as the checks word it) is about a key that
-    ``overrides`` set."""
-    keys = {a.split("=", 1)[0].lstrip("~+") for a in overrides if "=" in a}
-    return any(message.startswith((f"{k}=", f"{k}:")) for k in keys)
+    """Whether ``message`` (``key=value: ...``, as the checks word it) is about a top-level key
+    ``overrides`` set or set a part of: ``checkpointer.checkpoint_dir=...`` typed makes
+    ``checkpointer.checkpoint_files`` this machine's too."""
+    failing = re.match(r"([\w.]+)[=:]", message)
+    typed = {a.split("=", 1)[0].lstrip("~+").split(".")[0] for a in overrides if "=" in a}
+    return failing is not None and failing.group(1).split(".")[0] in typed
 
 
 def cmd_validate(args: argparse.Namespace, rest: List[str]) -> int:

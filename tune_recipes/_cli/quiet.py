@@ -36,7 +36,7 @@ class _DropTorchaoCppNotice(logging.Filter):
         return not str(record.msg).startswith(TORCHAO_CPP_EXTENSIONS)
 
 
-class _DropDebug(logging.Filter):
+class _DropDebugAndRepeatedInfo(logging.Filter):
     # A filter, not setLevel: torchtune modules call setLevel("DEBUG") on the shared logger
     # each time one is imported, which would undo a level set here.
     def filter(self, record: logging.LogRecord) -> bool:
@@ -52,7 +52,7 @@ class _DropDebug(logging.Filter):
 # One instance each: addFilter ignores an instance already attached, so installing twice is
 # harmless.
 _TORCHAO = _DropTorchaoCppNotice()
-_TORCHTUNE = _DropDebug()
+_TORCHTUNE = _DropDebugAndRepeatedInfo()
 
 
 def install() -> None:

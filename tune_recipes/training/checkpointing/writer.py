@@ -59,9 +59,10 @@ from tune_recipes.training.step.nonfinite import NonFiniteError
 
 def with_own_storage(state):
     """``state`` (nested dicts and lists of tensors) with each tensor that views a larger
-    storage copied into one of its own size. Gathered FSDP shards of a dimension the ranks do
-    not divide evenly are views of the padded all-gather buffer, and ``torch.save`` (the adapter's
-    .pt file, the optimizer state) writes a view's whole storage, padding included."""
+    storage copied into one of its own size. On a CPU (gloo) run, gathered FSDP shards of a
+    dimension the ranks do not divide evenly are views of the padded all-gather buffer (on a
+    GPU, the move to the CPU already copies them), and ``torch.save`` (the adapter's .pt file,
+    the optimizer state) writes a view's whole storage, padding included."""
     if isinstance(state, dict):
         return {k: with_own_storage(v) for k, v in state.items()}
     if type(state) in (list, tuple):

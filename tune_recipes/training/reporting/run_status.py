@@ -87,12 +87,16 @@ def interrupted_message(script: Path, args: List[str], step: Optional[int] = Non
 def resume_hint(script: Path, args: List[str], checkpoint=None, launcher: List[str] = ()) -> str:
     """``resume with: tune run [LAUNCHER] RECIPE ARGS output_dir=DIR resume_from_checkpoint=True``
     (``auto`` where no checkpoint is known: it resumes if one was saved, else starts afresh).
-    ``DIR``: the folder holding the checkpoint, absolute. NOTE: always written out, whatever the
-    arguments said: the config's output_dir may come from the environment
+    ``DIR``: the folder holding the checkpoint, absolute. NOTE: written out whenever a checkpoint
+    is known, whatever the arguments said, and a config file given by a relative path made
+    absolute: the config's output_dir may come from the environment
     (``${oc.env:TUNE_RECIPES_OUTPUT,outputs}``) or be relative to the folder the run started
     in, and the command pasted into another shell would then resume another run's folder."""
     checkpoint = last_checkpoint() if checkpoint is None else checkpoint
     keep = [a for a in args if not a.startswith("resume_from_checkpoint=")]
+    for i in range(len(keep) - 1):
+        if keep[i] == "--config" and not os.path.isabs(keep[i + 1]) and os.path.isfile(keep[i + 1]):
+            keep[i + 1] = os.path.abspath(keep[i + 1])
     if checkpoint is not None:
         keep = [a for a in keep if not a.startswith("output_dir=")]
         keep.append(f"output_dir={Path(os.path.abspath(checkpoint)).parent}")

@@ -86,6 +86,12 @@ def test_the_resume_command_names_output_dir_whole_wherever_it_came_from(monkeyp
         line = run_status.interrupted_message("r/kd.py", args)
         assert line.endswith(f"resume with: tune run kd --config tiny/kd_single_device "
                              f"output_dir={whole} resume_from_checkpoint=True"), line
+    # A config file of the user's, named relative to where the run started: made absolute
+    # (a shipped config's name stays as it is).
+    (tmp_path / "my_run.yaml").write_text("{}")
+    line = run_status.interrupted_message("r/kd.py", ["--config", "my_run.yaml"])
+    assert line.endswith(f"tune run kd --config {tmp_path / 'my_run.yaml'} output_dir={whole} "
+                         "resume_from_checkpoint=True"), line
     # Nothing saved yet: the run starts afresh wherever it is run, so no folder is named.
     _fresh(monkeypatch)
     assert run_status.resume_hint("r/kd.py", ["epochs=2"]) == (
