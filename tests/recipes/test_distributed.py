@@ -171,6 +171,22 @@ def test_lora_two_ranks_equal_one_rank_and_single_device(tmp_path, ga):
                       name="adapter_model.safetensors")
 
 
+def test_dora_two_ranks_equal_single_device(tmp_path):
+    """DoRA (model.use_dora=True, as torchtune's LoRA recipes take it): fresh magnitudes are in no
+    state dict, so the sharded model gives them storage and computes them from the loaded base
+    weights; the run then trains as the single-device one does."""
+    common = [*STEPS, "optimizer.lr=3e-3", "model.use_dora=True"]
+    run_dist(2, "lora_finetune_distributed", "tiny/lora_distributed", tmp_path / "r2",
+             [*common, "batch_size=4"])
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", tmp_path / "sd",
+               [*common, "batch_size=8"])
+    assert_runs_agree(tmp_path / "r2", tmp_path / "sd", steps=4, name="adapter_model.safetensors")
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp_path / "r2" / "epoch_0" / "adapter_model.safetensors")
+    assert any("magnitude" in k for k in adapter), sorted(adapter)
+
+
 # Slow: in CI, test_shipped_configs.py runs every distributed recipe on 2 ranks (its shipped
 # configs, shrunk) and reloads the checkpoint, and test_activation_checkpointing.py runs each
 # tiny distributed config; this stays as the one-command check of the tiny configs themselves.

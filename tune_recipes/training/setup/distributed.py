@@ -99,7 +99,8 @@ def shard_and_load(
     if before_shard is not None:
         before_shard(model)
     route_document_attention(model)  # document-masked batches: see modules.document_attention
-    if adapter_state_dict is None and adapter_init_seed is not None:
+    fresh_adapters = adapter_state_dict is None and adapter_init_seed is not None
+    if fresh_adapters:
         adapter_state_dict = adapter_init_state_dict(model, adapter_init_seed)
     check_tied_embedding_sharding(model, custom_sharded_layers)
     if device_mesh is None:
@@ -153,6 +154,11 @@ def shard_and_load(
             # RoPE caches are buffers built at init; meta init left them empty.
             if hasattr(m, "rope_init"):
                 m.rope_init()
+            if fresh_adapters and hasattr(m, "initialize_dora_magnitude"):
+                # NOTE: fresh DoRA magnitudes are in no state dict: given storage here (the
+                # module's own tensors, before the load fills the others), they are computed
+                # from the loaded base weights afterwards (initialize_dora_magnitudes).
+                m.to_empty(device="cpu" if cpu_offload else device, recurse=False)
     keys = None
     try:
         if adapter_state_dict is None:
