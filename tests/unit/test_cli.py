@@ -200,6 +200,24 @@ def test_the_header_names_a_recipe_only_when_it_is_unambiguous(tmp_path, header,
     assert registry.recipe_named_in_header(path) == recipe
 
 
+def test_a_header_naming_two_recipes_names_the_one_that_takes_the_files_keys(tmp_path, capsys):
+    """torchtune's distillation configs tell to fine-tune the teacher first (a LoRA recipe's
+    line) and then run distillation: a renamed copy is validated against the recipe whose keys
+    its keys are (teacher_model is distillation's alone); where both take them, none."""
+    header = ("# Fine-tune the teacher first:\n#   tune run lora_finetune_single_device --config t\n"
+              "# Then:\n#   tune run knowledge_distillation_single_device --config kd\n")
+    path = tmp_path / "my_kd.yaml"
+    path.write_text(header + "output_dir: /tmp/x\nteacher_model:\n  _component_: x\n")
+    assert registry.recipe_named_in_header(path) == "knowledge_distillation_single_device"
+    path.write_text(header + "output_dir: /tmp/x\n")
+    assert registry.recipe_named_in_header(path) is None
+    # torchtune's own distillation config, copied under a name that says nothing
+    copy = tmp_path / "distill_run.yaml"
+    assert _run(capsys, "cp", "llama3_2/8B_to_1B_KD_lora_single_device", str(copy))[0] == 0
+    rc, out, err = _run(capsys, "validate", str(copy), "--portable")
+    assert rc == 0 and "read by knowledge_distillation_single_device" in out, (out, err)
+
+
 def test_installed_tune_script_is_ours():
     exe = Path(sys.executable).parent / "tune"
     if not exe.exists():

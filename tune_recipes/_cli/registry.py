@@ -82,8 +82,10 @@ def recipe_named_in_header(config_path: Path) -> Optional[str]:
     """The recipe a config file's leading comments run it with, for a copy whose name does not
     say (``tune cp llama3_2/1B_lora_single_device my_run.yaml`` keeps the header). Ours name it
     on the line after ``# Run``; otherwise every ``tune run`` line there must name the same
-    recipe (torchtune's headers). None: no header names one, or it names one neither we nor
-    torchtune ship."""
+    recipe (torchtune's headers), or exactly one of those named must take the file's top-level
+    keys (torchtune's distillation configs first fine-tune the teacher with a LoRA recipe,
+    which takes no ``teacher_model``). None: no header names one, or it names one neither we
+    nor torchtune ship."""
     try:
         lines = config_path.read_text().splitlines()
     except (OSError, UnicodeDecodeError):
@@ -104,9 +106,29 @@ def recipe_named_in_header(config_path: Path) -> Optional[str]:
         names = after[:1]
     else:
         names = sorted({name for _, name in runs})
+        if len(names) > 1:
+            names = [name for name in names if _takes_the_keys_of(config_path, name)]
     if len(names) != 1 or resolve_recipe(names[0]) is None:
         return None
     return names[0]
+
+
+def _takes_the_keys_of(config_path: Path, recipe_name: str) -> bool:
+    """Whether recipe ``recipe_name`` (ours, with CONFIG_KEYS) accepts every top-level key of
+    the config file: its own keys, or torchtune's that it only warns about."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from tune_recipes.validation import TORCHTUNE_KEYS
+
+    recipe = resolve_recipe(recipe_name)
+    known = recipe_config_keys(recipe.path) if recipe is not None else None
+    try:
+        cfg = OmegaConf.load(config_path)
+    except Exception:  # noqa: BLE001 - not YAML we can read: the check itself will say so
+        return False
+    if known is None or not isinstance(cfg, DictConfig):
+        return False
+    return all(str(k) in known or str(k) in TORCHTUNE_KEYS for k in cfg.keys())
 
 
 def configs_by_recipe() -> Dict[str, List[str]]:
