@@ -160,6 +160,7 @@ class RecipeState:
     skipped_steps: int = 0  # on_nonfinite=skip; kept in sync by the step driver
     optimizer_component: Optional[str] = None  # recorded with the optimizer state
     optimizer_in_bwd: bool = False  # likewise
+    seed_configured: bool = True  # False: `seed: null`, a seed drawn for the run
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
@@ -169,7 +170,8 @@ class RecipeState:
         component, in_bwd = optimizer_identity(cfg)
         return cls(seed=seed_everything(cfg.seed, cfg), total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
-                   optimizer_component=component, optimizer_in_bwd=in_bwd)
+                   optimizer_component=component, optimizer_in_bwd=in_bwd,
+                   seed_configured=cfg.get("seed", None) is not None)
 
     def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]],
                            position=None) -> Dict[str, Any]:
@@ -201,7 +203,8 @@ class RecipeState:
         would change the data order)."""
         differing = []
         if saved.seed is not None and self.seed != saved.seed:
-            differing.append(("seed", self.seed, saved.seed))
+            if self.seed_configured:  # a seed drawn for this run (`seed: null`) differs silently
+                differing.append(("seed", self.seed, saved.seed))
             self.seed = saved.seed
         if self.max_steps_per_epoch != saved.max_steps_per_epoch:
             differing.append(("max_steps_per_epoch", self.max_steps_per_epoch,

@@ -18,6 +18,8 @@ def test_from_config_seeds_and_reads_the_counters():
     first = torch.rand(3)
     RecipeState.from_config(cfg)
     assert torch.equal(torch.rand(3), first)  # the seed was applied
+    assert state.seed_configured
+    assert not RecipeState.from_config(OmegaConf.create({"seed": None, "epochs": 1})).seed_configured
 
 
 def test_checkpoint_round_trip_restores_counters_and_rng():
@@ -50,6 +52,11 @@ def test_saved_seed_and_steps_win_over_the_config_with_a_warning(capsys):
                             max_steps_per_epoch=3, rank_states=[{}, {}]), rank=1)
     assert (other.seed, other.max_steps_per_epoch) == (1, 3)
     assert capsys.readouterr().err == ""
+    # `seed: null` (torchtune's configs): the seed drawn for this run is no config value to
+    # warn about; the checkpoint's still wins.
+    drawn = RecipeState(seed=2220475452, total_epochs=2, max_steps_per_epoch=3, seed_configured=False)
+    drawn.resume(saved)
+    assert drawn.seed == 1 and capsys.readouterr().err == ""
 
 
 def test_state_not_written_by_a_recipe_is_a_config_error():
