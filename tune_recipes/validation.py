@@ -530,6 +530,23 @@ def mixed_packing_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def packing_length_problem(cfg: DictConfig) -> Optional[str]:
+    """A packed dataset's packs are ``tokenizer.max_seq_len`` tokens long: torchtune's
+    PackedDataset refuses a tokenizer without one, once the model has loaded."""
+    tokenizer = cfg.get("tokenizer")
+    if not isinstance(tokenizer, (dict, DictConfig)) or tokenizer.get("max_seq_len") is not None:
+        return None
+    for key in ("dataset", "dataset_val"):
+        entries = cfg.get(key)
+        for i, entry in enumerate(entries if isinstance(entries, (list, ListConfig)) else [entries]):
+            if isinstance(entry, (dict, DictConfig)) and entry.get("packed", False) is True:
+                where = f"{key}[{i}]" if isinstance(entries, (list, ListConfig)) else key
+                return (f"{where}.packed=True needs tokenizer.max_seq_len (each pack is that many "
+                        "tokens; torchtune's PackedDataset takes no other length): set it, e.g. "
+                        "tokenizer.max_seq_len=2048")
+    return None
+
+
 def padding_free_problem(cfg: DictConfig) -> Optional[str]:
     """``padding_free`` lays an unpacked micro-batch's rows end to end, replacing the padding
     ``collate_fn``. (With a packed dataset it removes each pack's padding instead
@@ -1081,6 +1098,7 @@ CROSS_KEY: List[tuple] = [
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("padding_free", "dataset"), padding_free_problem),
     (("dataset",), mixed_packing_problem),
+    (("dataset", "tokenizer"), packing_length_problem),
     (("enable_fp8_training", "model"), fp8_lora_problem),
     (("fp8_mlp_activations", "enable_fp8_training"), fp8_mlp_problem),
     (("enable_activation_offloading",), activation_offloading_problem),

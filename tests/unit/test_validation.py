@@ -452,6 +452,25 @@ def test_a_list_of_datasets_mixing_packed_and_unpacked_is_named_before_any_work(
 
 
 @pytest.mark.unit
+def test_a_packed_dataset_without_a_pack_length_is_named_before_any_work():
+    """torchtune's configs ship tokenizer.max_seq_len: null; dataset.packed=True on top fails
+    in torchtune's PackedDataset once the model has loaded. The config check names it."""
+    recipe = "full_finetune_single_device"
+    cfg = _tiny("tiny/full_single_device")
+    cfg.dataset.packed = True
+    check_config(cfg, recipe, _keys(recipe), env=False)  # the tiny tokenizer sets a length
+    cfg.tokenizer.max_seq_len = None
+    with pytest.raises(ConfigError, match=r"^dataset.packed=True needs tokenizer.max_seq_len"):
+        check_config(cfg, recipe, _keys(recipe), env=False)
+    entry = OmegaConf.to_container(cfg.dataset)
+    cfg.dataset = [dict(entry), dict(entry)]  # a list names its entry
+    with pytest.raises(ConfigError, match=r"^dataset\[0\].packed=True needs tokenizer.max_seq_len"):
+        check_config(cfg, recipe, _keys(recipe), env=False)
+    cfg.dataset = [dict(entry, packed=False)] * 2
+    check_config(cfg, recipe, _keys(recipe), env=False)  # unpacked rows need no length
+
+
+@pytest.mark.unit
 def test_every_tiny_config_passes_and_schema_keys_are_recipe_keys():
     every_key = set().union(*(_keys(r) for r in registry.list_recipes()))
     assert {rule.owner for rule in SCHEMA} <= every_key
