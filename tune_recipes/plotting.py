@@ -126,6 +126,22 @@ def _no_metrics_error(run: PathLike) -> PlotError:
     return PlotError(f"no {METRICS_FILE} in {run} (is it a run's output_dir?)")
 
 
+def metric_rows(text: str) -> List[dict]:
+    """The rows of a metrics.jsonl file's ``text``, in order; a line cut short by a killed run
+    (or anything not a JSON object) is skipped."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def load_metrics(run: PathLike) -> Dict[str, Series]:
     """Every numeric metric of a run as ``{key: (steps, values)}``, steps ascending and unique.
 
@@ -147,14 +163,8 @@ def load_metrics(run: PathLike) -> Dict[str, Series]:
     except OSError as e:
         raise PlotError(f"cannot read {path}: {e.strerror or e}") from None
     by_key: Dict[str, Dict[int, float]] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed run
-        if not isinstance(row, dict) or _number(row.get("step")) is None:
+    for row in metric_rows(text):
+        if _number(row.get("step")) is None:
             continue
         step = int(_number(row["step"]))
         for key, value in row.items():

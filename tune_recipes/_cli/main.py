@@ -162,19 +162,14 @@ def _last_logged_step(output_dir, since: float) -> Optional[int]:
     by the stop are skipped."""
     if not isinstance(output_dir, str):
         return None
-    try:
-        from tune_recipes.plotting import METRICS_FILE
+    from tune_recipes.plotting import METRICS_FILE, metric_rows
 
-        lines = (Path(output_dir) / METRICS_FILE).read_text().splitlines()
+    try:
+        rows = metric_rows((Path(output_dir) / METRICS_FILE).read_text())
     except (OSError, UnicodeDecodeError):
         return None
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(row, dict) or not isinstance(row.get("time"), (int, float)) \
-                or row["time"] < since:
+    for row in reversed(rows):
+        if not isinstance(row.get("time"), (int, float)) or row["time"] < since:
             return None  # rows are in time order: the rest are older still
         if "loss" in row and isinstance(row.get("step"), int):
             return row["step"]
