@@ -37,7 +37,7 @@ from tune_recipes.training.setup.qat import (
     check_quantizer_against_the_qat_run,
 )
 from tune_recipes.training.setup.recipe import read_checkpoint
-from tune_recipes.validation import brief
+from tune_recipes.validation import brief, int4_weight_only_dtype_problem
 
 CONFIG_KEYS = {"output_dir", "model", "checkpointer", "quantizer", "device", "dtype", "seed",
                "cudnn_deterministic_mode"}
@@ -87,12 +87,11 @@ class QuantizationRecipe:
         self._dtype = training.get_dtype(cfg.get("dtype", "bf16"), device=self._device)
         self._quantizer, self._mode = build_quantizer(cfg.get("quantizer"), self._dtype,
                                                       require_qat=False)
-        if self._mode.startswith("4w") and self._dtype != torch.bfloat16:
+        problem = int4_weight_only_dtype_problem(cfg.quantizer.get("_component_"),
+                                                 cfg.get("dtype", "bf16"))
+        if problem:
             # Found by the smoke forward otherwise, after the conversion: a dtype traceback.
-            raise ConfigError(
-                f"dtype={cfg.get('dtype', 'bf16')}: quantizer._component_="
-                f"{cfg.quantizer._component_} (mode {self._mode}) converts the linears to int4 "
-                "weight-only kernels, which take bf16 only; set dtype=bf16")
+            raise ConfigError(problem)
         self._output_dir = Path(cfg.output_dir)
         seed_everything(cfg.get("seed", 0), cfg)
 

@@ -492,6 +492,30 @@ def _fake_quant_needs_quantizer(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def int4_weight_only_dtype_problem(quantizer_component: Any, dtype: Any) -> Optional[str]:
+    """The quantize recipe converts an int4 weight-only quantizer's linears (QAT-prepared or
+    not) to torchao's int4 weight-only kernels, which take bf16 only. The one check of ``tune
+    validate`` (CROSS_KEY) and the quantize recipe's start."""
+    from torchtune.training import quantization as tt_quant
+
+    cls = _resolves_to(quantizer_component)
+    int4_weight_only = (tt_quant.Int4WeightOnlyQuantizer, tt_quant.Int4WeightOnlyQATQuantizer,
+                        tt_quant.Int4WeightOnlyQATQuantizerModuleSwap)
+    dtype = "bf16" if dtype is None else dtype
+    if isinstance(cls, type) and issubclass(cls, int4_weight_only) and dtype != "bf16":
+        return (f"dtype={_show(dtype)}: quantizer._component_={quantizer_component} "
+                "converts the linears to int4 weight-only kernels, which take bf16 only; set "
+                "dtype=bf16")
+    return None
+
+
+def _quantize_dtype_rule(cfg: DictConfig) -> Optional[str]:
+    quantizer = cfg.get("quantizer", None)
+    if not isinstance(quantizer, DictConfig):
+        return None
+    return int4_weight_only_dtype_problem(quantizer.get("_component_", None), cfg.get("dtype", None))
+
+
 def _fp8_needs_cuda(cfg: DictConfig) -> Optional[str]:
     # Whether the GPU has FP8 tensor cores (SM >= 8.9) is checked by the recipe, on the GPU.
     if cfg.get("enable_fp8_training", False) is True and not str(cfg.get("device", "cuda")).startswith("cuda"):
@@ -708,19 +732,58 @@ def _tensor_parallel_rules(cfg: DictConfig) -> Optional[str]:
         return (f"tensor_parallel_dim={tp} with loss._component_={loss._component_}: the fused "
                 "loss multiplies by the whole output weight, which tensor parallelism slices; "
                 "use torchtune.modules.loss.CEWithChunkedOutputLoss or torch.nn.CrossEntropyLoss")
-    # The model's heads: build it on the meta device (no memory, no weights; a second for 70B).
-    model_cfg = cfg.get("model", None)
-    if isinstance(model_cfg, DictConfig) and _resolves_to(model_cfg.get("_component_")):
-        import torch
-        from torchtune import config as tt_config
+    model = _meta_model(cfg)
+    return tensor_parallel_model_problem(model, tp) if model is not None else None
 
-        try:
-            with torch.device("meta"):
-                model = tt_config.instantiate(model_cfg)
-        except Exception:  # noqa: BLE001 - a bad model config is reported where it is built
-            return None
-        return tensor_parallel_model_problem(model, tp)
+
+def _meta_model(cfg: DictConfig):
+    """``model`` built on the meta device (no memory, no weights; a second for 70B), or None
+    when it does not build (reported, naming the key, where the recipe builds it)."""
+    model_cfg = cfg.get("model", None)
+    if not isinstance(model_cfg, DictConfig) or not _resolves_to(model_cfg.get("_component_")):
+        return None
+    import torch
+    from torchtune import config as tt_config
+
+    try:
+        with torch.device("meta"):
+            return tt_config.instantiate(model_cfg)
+    except Exception:  # noqa: BLE001 - a bad model config is reported where it is built
+        return None
+
+
+def group_size_problem(model, group: Any) -> Optional[str]:
+    """A linear of ``model`` whose in_features ``group`` (a quantizer's group size) does not
+    divide, or None. torchao leaves such a linear unquantized without a word. The one check of
+    ``tune validate`` (CROSS_KEY) and the QAT and quantize recipes' start."""
+    import torch
+
+    if not group or not _is_int(group):
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.in_features % group != 0:
+            return (f"quantizer.groupsize={group} does not divide layer '{name}' "
+                    f"(in_features={module.in_features}, out_features={module.out_features}); "
+                    f"pick a groupsize that divides {module.in_features}")
     return None
+
+
+def _quantizer_group_size_rule(cfg: DictConfig) -> Optional[str]:
+    quantizer_cfg = cfg.get("quantizer", None)
+    # A LoRA model's quantizer (QAT + LoRA) fake-quantizes its own linears; quantize refuses a
+    # LoRA builder at its start.
+    if not isinstance(quantizer_cfg, DictConfig) or _is_lora_model(cfg) \
+            or not _resolves_to(quantizer_cfg.get("_component_")):
+        return None
+    from torchtune import config as tt_config
+
+    try:
+        quantizer = tt_config.instantiate(quantizer_cfg)
+    except Exception:  # noqa: BLE001 - a bad quantizer is reported where the recipe builds it
+        return None
+    group = getattr(quantizer, "groupsize", None) or getattr(quantizer, "group_size", None)
+    model = _meta_model(cfg) if group else None
+    return group_size_problem(model, group) if model is not None else None
 
 
 def activation_offloading_problem(cfg: DictConfig) -> Optional[str]:
@@ -1090,11 +1153,17 @@ def metric_logger_problem(cfg: DictConfig) -> Optional[str]:
 
 
 # (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
+# (needs, rule): a rule runs for a recipe declaring every key of ``needs`` and none written
+# "!key" there.
 CROSS_KEY: List[tuple] = [
     (("tensor_parallel_dim",), _tensor_parallel_rules),
     (("optimizer_in_bwd",), _in_backward_rules),
     (("compile_optimizer_step", "optimizer"), compiled_step_problem),
     (("fake_quant_after_n_steps", "quantizer"), _fake_quant_needs_quantizer),
+    # Only the quantize recipe converts to real int4 kernels: the recipe with a quantizer and no
+    # optimizer (the QAT recipes fake-quantize, in any dtype).
+    (("quantizer", "dtype", "!optimizer"), _quantize_dtype_rule),
+    (("quantizer", "model"), _quantizer_group_size_rule),
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("padding_free", "dataset"), padding_free_problem),
     (("dataset",), mixed_packing_problem),
@@ -1486,6 +1555,15 @@ def _value(cfg: DictConfig, dotted: str) -> Any:
     return _plain(node, leaf)
 
 
+def _declares(keys: Optional[set], needs: tuple) -> bool:
+    """Whether a recipe declaring ``keys`` gets a CROSS_KEY rule of ``needs`` (None: keys
+    unknown, every rule but those that need a key absent)."""
+    absent = {n[1:] for n in needs if n.startswith("!")}
+    if keys is None:
+        return not absent
+    return set(needs) - {"!" + a for a in absent} <= keys and not absent & keys
+
+
 def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = True) -> None:
     """Required keys, ``SCHEMA`` and ``CROSS_KEY`` for a recipe declaring ``keys``."""
     keys = set(keys) if keys is not None else None
@@ -1531,7 +1609,7 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
     # shipped single-device configs set padding_free and the documented way to pack is
     # dataset.packed=True on top; padding-free, each pack's padding is removed.
     for needs, rule in CROSS_KEY:
-        if keys is not None and not set(needs) <= keys:
+        if not _declares(keys, needs):
             continue
         problem = rule(cfg)
         if problem:

@@ -208,7 +208,7 @@ _INT4 = "quantizer._component_=torchtune.training.quantization.Int4WeightOnly"
     # traceback after the conversion.
     ([f"{_INT4}QATQuantizer", "dtype=fp32"],
      "dtype=fp32: quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQATQuantizer "
-     "(mode 4w-qat) converts the linears to int4 weight-only kernels, which take bf16 only; set dtype=bf16"),
+     "converts the linears to int4 weight-only kernels, which take bf16 only; set dtype=bf16"),
     # torchao 0.15's int4 weight-only conversion imports fbgemm-gpu-genai (not a dependency).
     ([f"{_INT4}Quantizer", "dtype=bf16"],
      "quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQuantizer: torchao cannot "

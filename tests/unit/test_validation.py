@@ -471,6 +471,47 @@ def test_a_packed_dataset_without_a_pack_length_is_named_before_any_work():
 
 
 @pytest.mark.unit
+def test_quantize_with_an_int4_weight_only_quantizer_outside_bf16_is_named_by_validate():
+    """The quantize recipe converts to int4 weight-only kernels (bf16 only); the QAT recipes,
+    which share the quantizer and dtype keys, fake-quantize in any dtype."""
+    int4 = "torchtune.training.quantization.Int4WeightOnly"
+    for recipe, config in (("quantize", "tiny/quantize"), ("qat_single_device", "tiny/qat_single_device")):
+        for component in (f"{int4}QATQuantizer", f"{int4}Quantizer", f"{int4}QATQuantizerModuleSwap"):
+            cfg = _tiny(config)
+            cfg.quantizer = {"_component_": component, "groupsize": 32}
+            cfg.dtype = "fp32"
+            if recipe == "quantize":
+                with pytest.raises(ConfigError, match=rf"^dtype=fp32: quantizer._component_={component} "
+                                                      "converts the linears to int4 weight-only kernels"):
+                    check_config(cfg, recipe, _keys(recipe), env=False)
+            else:
+                check_config(cfg, recipe, _keys(recipe), env=False)
+            cfg.dtype = "bf16"
+            check_config(cfg, recipe, _keys(recipe), env=False)
+    cfg = _tiny("tiny/quantize")
+    cfg.dtype = "fp32"  # int8 dynamic activations with int4 weights run in fp32
+    check_config(cfg, "quantize", _keys("quantize"), env=False)
+
+
+@pytest.mark.unit
+def test_a_group_size_that_does_not_divide_a_layer_is_named_by_validate():
+    """The QAT and quantize recipes refuse it once the model is built; validate builds the
+    model on the meta device and names the layer first. A LoRA model's QAT is left out."""
+    for recipe, config in (("quantize", "tiny/quantize"), ("qat_single_device", "tiny/qat_single_device"),
+                           ("qat_distributed", "tiny/qat_distributed")):
+        cfg = _tiny(config)
+        cfg.quantizer.groupsize = 48
+        with pytest.raises(ConfigError, match=r"^quantizer.groupsize=48 does not divide layer "
+                                              r"'layers.0.attn.q_proj' \(in_features=256"):
+            check_config(cfg, recipe, _keys(recipe), env=False)
+        cfg.quantizer.groupsize = 64
+        check_config(cfg, recipe, _keys(recipe), env=False)
+    cfg = _tiny("tiny/qat_single_device")
+    del cfg.quantizer.groupsize  # the quantizer's own default, 256, divides the tiny layers
+    check_config(cfg, "qat_single_device", _keys("qat_single_device"), env=False)
+
+
+@pytest.mark.unit
 def test_every_tiny_config_passes_and_schema_keys_are_recipe_keys():
     every_key = set().union(*(_keys(r) for r in registry.list_recipes()))
     assert {rule.owner for rule in SCHEMA} <= every_key

@@ -9,6 +9,7 @@ from torchtune import config as tt_config
 from torchtune.training import quantization as tt_quant
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import group_size_problem
 
 
 def build_quantizer(cfg_quantizer, dtype: Optional[torch.dtype] = None, require_qat: bool = True
@@ -33,23 +34,13 @@ def build_quantizer(cfg_quantizer, dtype: Optional[torch.dtype] = None, require_
     return quantizer, mode
 
 
-def check_group_size(model: nn.Module, quantizer, skip: Tuple[str, ...] = ()) -> None:
-    """Every linear layer the quantizer will touch must split into whole groups.
-
-    torchao silently leaves a linear whose in_features is not a multiple of the group size
-    unquantized; here that is an error naming the layer and its dims.
-    """
+def check_group_size(model: nn.Module, quantizer) -> None:
+    """Every linear layer the quantizer will touch must split into whole groups (a ConfigError
+    naming the layer and its dims otherwise: torchao would leave it unquantized)."""
     group = getattr(quantizer, "groupsize", None) or getattr(quantizer, "group_size", None)
-    if not group:
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not any(name.startswith(s) for s in skip):
-            if module.in_features % group != 0:
-                raise ConfigError(
-                    f"quantizer.groupsize={group} does not divide layer '{name}' "
-                    f"(in_features={module.in_features}, out_features={module.out_features}); "
-                    f"pick a groupsize that divides {module.in_features}"
-                )
+    problem = group_size_problem(model, group)
+    if problem:
+        raise ConfigError(problem)
 
 
 class FakeQuantSchedule:
