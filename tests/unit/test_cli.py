@@ -409,6 +409,35 @@ def test_a_config_error_every_process_meets_prints_once(capsys, monkeypatch):
         "tune: error: restart 1, rank 1: rank 1's shard holds no example" in err, err
 
 
+def test_a_killed_launchers_rank_errors_folder_goes_at_the_next_launch(capsys, monkeypatch, tmp_path):
+    """A `tune` killed by SIGKILL never runs its ``finally``: its folder stays in the temp
+    folder. The next torchrun launch removes the folders of launchers that are gone, by the pid
+    in their name, and keeps a live launcher's."""
+    import tempfile
+
+    import torch.distributed.run as torchrun
+
+    from tune_recipes._cli.main import RANK_ERRORS_PREFIX
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = tmp_path / f"{RANK_ERRORS_PREFIX}{gone.pid}_abc"
+    live = tmp_path / f"{RANK_ERRORS_PREFIX}{os.getppid()}_def"
+    for folder in (left, live):
+        folder.mkdir()
+        (folder / "round_0").mkdir()
+    during = []
+    monkeypatch.setattr(torchrun, "main", lambda argv: during.append(
+        [p.name for p in tmp_path.glob(f"{RANK_ERRORS_PREFIX}*")]))
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "full_finetune_distributed",
+                      "--config", "tiny/full_distributed")
+    assert rc == 0, err
+    mine = [n for n in during[0] if n.startswith(f"{RANK_ERRORS_PREFIX}{os.getpid()}_")]
+    assert left.name not in during[0] and live.name in during[0] and len(mine) == 1, during
+    assert [p.name for p in tmp_path.glob(f"{RANK_ERRORS_PREFIX}*")] == [live.name]
+
+
 def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_path):
     """launch.py ends a torchrun rank whose recipe finished with os._exit after the atexit
     handlers (a gloo rank once aborted in finalization, failing a finished run). Shown by a

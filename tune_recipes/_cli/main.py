@@ -109,7 +109,8 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
     os.environ[WARNED_ENV] = "1"  # the processes need not repeat our warnings
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' parent: see die_with_launcher
     on_node = "" if launch.max_nodes == 1 else " on this node"
-    errors = Path(tempfile.mkdtemp(prefix="tune_rank_errors_"))
+    _remove_stale_rank_error_folders()
+    errors = Path(tempfile.mkdtemp(prefix=f"{RANK_ERRORS_PREFIX}{os.getpid()}_"))
     os.environ[RANK_ERRORS_ENV] = str(errors)  # see config.report_config_error
     rank_label = "rank" if launch.max_nodes == 1 else "local rank"
     started = time.time()
@@ -153,6 +154,24 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 
             OutputDirLock(output_dir).remove_if_stale()
     return 0
+
+
+RANK_ERRORS_PREFIX = "tune_rank_errors_"
+
+
+def _remove_stale_rank_error_folders() -> None:
+    """The rank-errors folders of `tune` launchers that are gone (killed by SIGKILL: their
+    ``finally`` never ran), found by the launcher's pid in the folder's name."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{RANK_ERRORS_PREFIX}*_*"):
+        pid = folder.name[len(RANK_ERRORS_PREFIX):].split("_", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass  # alive, another user's process
 
 
 def _last_logged_step(output_dir, since: float) -> Optional[int]:
