@@ -1486,11 +1486,14 @@ def resolved_config_yaml(config: DictConfig) -> str:
     return OmegaConf.to_yaml(resolved_config(config))
 
 
-def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> None:
+def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str,
+                         recipe_file: Optional[str] = None) -> None:
     """Unknown keys: a typo is an error with a did-you-mean; a torchtune key whose feature
     ``recipe`` does not implement is an error when the value asks for it, else a warning. A key
     another value reads through interpolation (``base_dir`` for ``output_dir:
-    ${base_dir}/run``) is a helper, not a typo: accepted, as torchtune accepts any key."""
+    ${base_dir}/run``) is a helper, not a typo: accepted, as torchtune accepts any key.
+    ``recipe_file``: a user's recipe script (a ``tune cp`` copy), whose CONFIG_KEYS the error
+    points to (a key its edited code reads must be listed there)."""
     known = set(known)
     unknown = [str(k) for k in cfg.keys() if k not in known]
     stock = [k for k in unknown if k in TORCHTUNE_KEYS]
@@ -1508,6 +1511,9 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str) -> 
             close = difflib.get_close_matches(k, sorted(known | set(TORCHTUNE_KEYS)), n=1)
             parts.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         hint = "" if any("did you mean" in p for p in parts) else f"; its keys are: {', '.join(sorted(known))}"
+        if recipe_file:
+            hint += (f" (the CONFIG_KEYS set in {recipe_file}: a key the script reads is added "
+                     "there)")
         raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
     for k in stock:
         spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)
@@ -1660,13 +1666,15 @@ def check_launch(recipe: str, nproc_per_node: Optional[int], cfg: DictConfig, en
 
 
 def check_config(cfg: DictConfig, recipe: str, keys: Optional[Iterable[str]], *,
-                 env: bool = True, nproc_per_node: Optional[int] = None, nodes: int = 1) -> None:
+                 env: bool = True, nproc_per_node: Optional[int] = None, nodes: int = 1,
+                 recipe_file: Optional[str] = None) -> None:
     """Everything above, for ``recipe`` (its CONFIG_KEYS as ``keys``; None: a recipe that
-    declares none, e.g. torchtune's stock one, gets no schema: its rules are its own)."""
+    declares none, e.g. torchtune's stock one, gets no schema: its rules are its own;
+    ``recipe_file``: a user's recipe script, see check_top_level_keys)."""
     RUN_HELPER_KEYS.clear()  # a recipe without CONFIG_KEYS has none; a stale set must not stay
     if keys is None:
         return
     with warnings_after_checks():
-        check_top_level_keys(cfg, keys, recipe)
+        check_top_level_keys(cfg, keys, recipe, recipe_file)
         check_values(cfg, keys, env=env)
         check_launch(recipe, nproc_per_node, cfg, env=env, keys=keys, nodes=nodes)

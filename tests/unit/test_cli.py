@@ -409,6 +409,18 @@ def test_a_config_error_every_process_meets_prints_once(capsys, monkeypatch):
         "tune: error: restart 1, rank 1: rank 1's shard holds no example" in err, err
 
 
+def test_a_copied_recipes_unknown_key_points_to_its_config_keys(tmp_path, capsys):
+    """A `tune cp` copy whose edited code reads a new key must list it in CONFIG_KEYS: the
+    unknown-key error says where; our own recipe's error does not (its users do not edit it)."""
+    assert _run(capsys, "cp", "full_finetune_single_device", str(tmp_path / "mine.py"))[0] == 0
+    for recipe, hinted in ((str(tmp_path / "mine.py"), True), ("full_finetune_single_device", False)):
+        rc, _, err = _run(capsys, "run", recipe, "--config", "tiny/full_single_device",
+                          f"output_dir={tmp_path / 'out'}", "zzz_my_key=1")
+        assert rc == 2 and "does not use config key(s) 'zzz_my_key'" in err, err
+        assert (f"(the CONFIG_KEYS set in {tmp_path / 'mine.py'}: a key the script reads is "
+                "added there)" in err) is hinted, err
+
+
 def test_a_killed_launchers_rank_errors_folder_goes_at_the_next_launch(capsys, monkeypatch, tmp_path):
     """A `tune` killed by SIGKILL never runs its ``finally``: its folder stays in the temp
     folder. The next torchrun launch removes the folders of launchers that are gone, by the pid

@@ -255,7 +255,7 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
         return False
     with warnings_after_checks():
         check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node,
-                     nodes=nodes)
+                     nodes=nodes, recipe_file=str(recipe.path) if recipe.origin == "file" else None)
         if env and output_dir_check:
             _check_output_dir(cfg, known, nodes)
     return True
