@@ -29,12 +29,8 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
-#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, and with CUDA graphs
-#              recorded a length (rows on 256-token multiples), 80 steps;
-#              ONLY=ours_cpp_wrapper (Inductor's C++ wrapper)                             ~5 min
-#   cgcheck    CUDA graphs (TORCHINDUCTOR_CUDAGRAPHS=1) on ours' padding-free whole-model compiled
-#              step, optimizer uncompiled: the tiny model, 40 steps, against the same run without
-#              them, loss and step time side by side (does it run, is the loss the same)  ~3 min
+#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, and with Inductor's C++
+#              wrapper, 80 steps                                                          ~5 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
@@ -143,25 +139,7 @@ for step in "$@"; do
     packs)     bench packs --cases full_1b_packed --reps 1 \
                  --only "${ONLY:-stock_best,ours_best,ours_pack_padding,ours_budget_07}" ;;
     hostbound) bench hostbound --cases full_1b_padded --steps 80 --reps 1 \
-                 --only "${ONLY:-ours_best,ours_cudagraphs_256}" ;;
-    cgcheck)   args="full_finetune_single_device --config tiny/full_single_device device=cuda dtype=bf16
-                 compile=True compile_scope=model compile_optimizer_step=False padding_free=True
-                 loss._component_=tune_recipes.modules.loss.FusedLinearCrossEntropyLoss
-                 max_steps_per_epoch=40 log_every_n_steps=1"
-               for v in cudagraphs plain; do
-                 rm -rf "$W/cg_$v"
-                 flag=CUDAGRAPHS_OFF; [ $v = cudagraphs ] && flag=TORCHINDUCTOR_CUDAGRAPHS
-                 env $flag=1 timeout 200 python3 -m tune_recipes run \
-                   $args output_dir="$W/cg_$v" > "$OUT/cgcheck_$v.log" 2>&1
-                 echo "$v: exit $?"; grep -m3 -i "error\|overwritten" "$OUT/cgcheck_$v.log"
-               done
-               python3 -c "
-import json, sys
-rows = [[json.loads(l) for l in open(f'$W/cg_{v}/metrics.jsonl') if '\"loss\"' in l] for v in ('cudagraphs', 'plain')]
-print('step | loss, CUDA graphs | loss, without | step ms, CUDA graphs | step ms, without')
-for a, b in list(zip(*rows))[::4]:
-    print(a['step'], '|', round(a['loss'], 5), '|', round(b['loss'], 5), '|', round(a['step_time_s'] * 1e3, 2), '|', round(b['step_time_s'] * 1e3, 2))
-" | tee "$OUT/cgcheck.md" ;;
+                 --only "${ONLY:-ours_best,ours_cpp_wrapper}" ;;
     rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
     fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
                  --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;

@@ -43,9 +43,6 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   backward: ~0.75 GiB at the 1B (16 layers x 50 MB), ~1.6 GB at 8B. It slices the expanded
   copy back (``k[:, ::group]``), so only while torch.compile traces, where the copy is never
   made: the slice reads the projections' values directly.
-- BENCH_SPANS_MULTIPLE=N: ours' padding-free rows over document spans go on to a multiple of N
-  tokens instead of 16 (``data.collate.SPANS_MULTIPLE``): fewer distinct lengths, e.g. for CUDA
-  graphs recorded a length each (``TORCHINDUCTOR_CUDAGRAPHS=1``). Compare label tokens/s.
 """
 import os
 import sys
@@ -152,9 +149,3 @@ if os.environ.get("BENCH_TORCHTUNE_RMS_NORM") == "1" and _IS_RECIPE:
 
     # The model setup imports the name when the recipe starts, after this hook.
     _rms_norm.use_fused_rms_norm = lambda model: 0
-
-if os.environ.get("BENCH_SPANS_MULTIPLE") and _IS_RECIPE:
-    import tune_recipes.data.collate as _collate
-
-    # read when each batch is laid end to end (``_end_to_end``)
-    _collate.SPANS_MULTIPLE = int(os.environ["BENCH_SPANS_MULTIPLE"])

@@ -476,23 +476,6 @@ def test_the_size_oblivious_lever_sets_torchs_config_in_our_recipes_process():
     assert "oblivious False" in _run_hook_probe(probe).stdout
 
 
-_SPANS_PROBE = """
-from tune_recipes.training.setup import data
-
-rows = [{"tokens": [5] * n, "labels": [6] * n} for n in (3, 130)]
-collate = data.make_collate(rows, pad_id=0, collate_fn="torchtune.data.padded_collate_sft",
-                            ignore_index=-100, padding_free=True, spans=True)
-print("free_length", collate(rows)["tokens"].shape[1])
-"""
-
-
-def test_the_spans_lever_pads_padding_free_rows_further():
-    """BENCH_SPANS_MULTIPLE=256 pads a padding-free row of 133 tokens to 256 (16 by default:
-    144)."""
-    assert "free_length 144" in _run_hook_probe(_SPANS_PROBE).stdout
-    assert "free_length 256" in _run_hook_probe(_SPANS_PROBE, BENCH_SPANS_MULTIPLE="256").stdout
-
-
 # Each eager-path lever undoes one change through the name a recipe or setup imports after the
 # hook ran: (the lever, a probe printing what that name does, without it, with it).
 _EAGER_LEVERS = [
