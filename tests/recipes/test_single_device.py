@@ -7,6 +7,7 @@ weights rtol 1e-4 / atol 1e-6 after 6 AdamW steps (summation order differs betwe
 """
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -191,6 +192,18 @@ def test_a_micro_batch_cut_before_its_response_leaves_the_step_to_the_others(tmp
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "tune: error: Every micro-batch of the step ending at epoch 0, step 1 (batch 3 of the "
         "epoch) has no unmasked label token")
+    # on_nonfinite=skip (the error's advice that keeps the data, so a checkpoint still resumes):
+    # that step is skipped and named, the run goes on; with each loss the recipes ship.
+    for loss in ("torchtune.modules.loss.CEWithChunkedOutputLoss",
+                 "tune_recipes.modules.loss.FusedLinearCrossEntropyLoss"):
+        out = tmp_path / loss.rsplit(".", 1)[1]
+        proc = run_recipe("full_finetune_single_device", "tiny/full_single_device", out,
+                          [*args, "on_nonfinite=skip", f"loss._component_={loss}"])
+        assert ("skipped the update of epoch 0, step 1 (batches 0-3 of the epoch): no unmasked "
+                "label token (on_nonfinite=skip; 1 skipped so far)") in proc.stderr, proc.stderr[-2000:]
+        assert read_metrics(out / "metrics.jsonl", "skipped_steps") == [1, 1]
+        skipped, trained = read_metrics(out / "metrics.jsonl", "loss")
+        assert skipped == "nan" and math.isfinite(trained)  # JSON has no NaN: written as "nan"
 
 
 def test_unknown_config_key_named(tmp_path):

@@ -100,7 +100,8 @@ def complete_optimizer_step(normalizer: StepLossNormalizer, parameters: Iterable
     loss_to_log = normalizer.finish_step(params)
     grad_norm = grad_norm_and_clip_(params, clip_grad_norm)
     lr = lr_schedule.lr
-    if guard is None or guard.allow_update(loss_to_log, grad_norm, params, step, where):
+    why = "no unmasked label token" if normalizer.last_step_empty else None
+    if guard is None or guard.allow_update(loss_to_log, grad_norm, params, step, where, why=why):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_schedule.step()
@@ -136,6 +137,7 @@ class StepDriver:
         self.guard = NonFiniteGuard(check_mode(
             on_nonfinite, optimizer_in_bwd=normalizer.path.steps_in_backward))
         self.guard.skipped_steps = state.skipped_steps  # a resumed run continues the count
+        normalizer.skip_empty_steps = self.guard.mode == "skip"
         self._staged_flag = None  # a logged step's flag, checked one step later (lagging reporter)
         self.hooks: List[StepHook] = list(hooks)
         # Validation loss (training/step/validation.py): every run_val_every_n_steps and at

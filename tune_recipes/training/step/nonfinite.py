@@ -81,10 +81,12 @@ class NonFiniteGuard:
         self._where: Dict[int, str] = {}  # steps since the last check -> "epoch e, step s, ..."
 
     def allow_update(self, loss: torch.Tensor, grad_norm: Optional[torch.Tensor],
-                     params: List[torch.nn.Parameter], step: int, where: str) -> bool:
+                     params: List[torch.nn.Parameter], step: int, where: str,
+                     why: Optional[str] = None) -> bool:
         """Called between clipping and ``optimizer.step`` for step ``step`` (1-based, as
         logged). ``raise``: record the flag on the device and return True (no sync). ``skip``:
-        read it now and return whether the optimizer may step."""
+        read it now and return whether the optimizer may step. ``why``: the cause of a loss
+        known to be non-finite (a step without label tokens), for the warning."""
         if self.mode == "raise":
             self.record(is_finite(loss, grad_norm), step, where)
             return True
@@ -96,8 +98,8 @@ class NonFiniteGuard:
         if bool(is_finite(loss, grad_norm)):  # the per-step host sync of skip mode
             return True
         self.skipped_steps += 1
-        log.warning("skipped the update of %s: non-finite loss or gradient norm "
-                    "(on_nonfinite=skip; %d skipped so far)", where, self.skipped_steps)
+        log.warning("skipped the update of %s: %s (on_nonfinite=skip; %d skipped so far)", where,
+                    why or "non-finite loss or gradient norm", self.skipped_steps)
         return False
 
     def record(self, ok: torch.Tensor, step: int, where: str) -> None:

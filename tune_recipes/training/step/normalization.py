@@ -170,8 +170,10 @@ def _no_label_tokens(what: str) -> str:
     a ConfigError, so it prints as one line naming where and what to change)."""
     return (f"{what[0].upper()}{what[1:]} has no unmasked label token, so its mean loss is "
             "0/0. Every example was truncated before its response or fully masked: raise "
-            "tokenizer.max_seq_len, set train_on_input=True, or filter such examples from the "
-            "dataset.")
+            "tokenizer.max_seq_len, set train_on_input=True, set on_nonfinite=skip to skip such "
+            "steps (the data stays as it is, so a checkpoint of this run still resumes), or "
+            "filter such examples from the dataset (a fresh run: a mid-epoch checkpoint resumes "
+            "only on its own data).")
 
 
 class StepLossNormalizer:
@@ -211,6 +213,10 @@ class StepLossNormalizer:
         self.group = group
         self.device = device if device is not None else torch.device("cpu")
         self.extras: Dict[str, torch.Tensor] = {}
+        # on_nonfinite=skip (set by the step driver): a step without a label token is not an
+        # error but a 0/0 loss, which the non-finite guard then skips like any other.
+        self.skip_empty_steps = False
+        self.last_step_empty = False
         self._reset()
 
     def _reset(self) -> None:
@@ -268,7 +274,7 @@ class StepLossNormalizer:
         """
         num_tokens = int(num_tokens)
         rescale = self._weights_by_tokens
-        if num_tokens <= 0 and not rescale:
+        if num_tokens <= 0 and not rescale and not self.skip_empty_steps:
             # The micro-batch is the whole step: nothing to train on.
             raise ConfigError(_no_label_tokens(f"batch at {where or 'this step'}"))
         self._where = where
@@ -286,6 +292,11 @@ class StepLossNormalizer:
             # logged as a token sum, like RESCALE's
             detached = (mean_loss.detach() * num_tokens if num_tokens > 0
                         else torch.zeros((), dtype=mean_loss.dtype, device=mean_loss.device))
+        elif num_tokens <= 0:
+            # SKIP with skip_empty_steps: the step is this micro-batch and holds nothing to
+            # train on. Zero gradients, a NaN (0/0) loss to log; the guard skips the update.
+            loss = mean_loss.nan_to_num(0.0) * 0.0
+            detached = torch.full((), float("nan"), dtype=mean_loss.dtype, device=mean_loss.device)
         else:
             loss = mean_loss  # SKIP / IN_BACKWARD: no multiply
             declare_grad_output(mean_loss, 1.0)
@@ -307,6 +318,7 @@ class StepLossNormalizer:
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
             )
         names = sorted(self._extra_sums)
+        self.last_step_empty = False
         if self.path == NormalizationPath.RESCALE:
             loss_sum, extra_sums, total_tokens = self._step_sums(names)
             scale_grads_(parameters, self.world_size / total_tokens)
@@ -322,6 +334,7 @@ class StepLossNormalizer:
             # run after this, as on every path.
             loss_sum, extra_sums = self._running_loss, [self._extra_sums[n] for n in names]
             denominator = 1.0
+            self.last_step_empty = self._num_tokens <= 0
         self.extras = {n: e / denominator for n, e in zip(names, extra_sums)}
         loss_to_log = loss_sum / denominator
         self._reset()
@@ -348,6 +361,11 @@ class StepLossNormalizer:
             # gradient pass multiplies by a scalar, not a device tensor.
             total_tokens = int(packed[1].item())
         if total_tokens <= 0:
+            if self.skip_empty_steps:
+                # Every rank sees the same count: all skip this step (gradients are zeros).
+                self.last_step_empty = True
+                nan = torch.full((), float("nan"), dtype=running_loss.dtype, device=running_loss.device)
+                return nan, [nan for _ in extras], 1
             ranks = " on every rank" if self.distributed else ""
             raise ConfigError(_no_label_tokens(
                 f"every micro-batch of the step ending at {self._where or 'this step'}{ranks}"))

@@ -326,6 +326,40 @@ def test_skip_is_refused_wherever_the_optimizer_steps_in_backward(distributed):
 
 
 @pytest.mark.parametrize("ga", [1, 2], ids=["skip", "rescale"])
+def test_on_nonfinite_skip_drops_a_step_without_label_tokens_and_trains_on(ga, caplog):
+    """With on_nonfinite=skip a step whose examples hold no label token (0/0) is skipped like
+    a non-finite one, named in the warning: its update dropped (the optimizer does not step),
+    its loss logged as NaN, counted in skipped_steps; the steps around it train as in a run of
+    the same batches without it, so the data (and a checkpoint's resume) can stay as it is."""
+    import logging
+    import math
+
+    d, model, logger = _driver(batch_size=2, ga=ga, steps_per_epoch=3, on_nonfinite="skip")
+    per_step = 2 * ga
+    d.dataloader.dataset.labels[per_step:2 * per_step] = IGNORE  # step 2's examples
+    steps = []
+    real_step = d.optimizer.step
+    d.optimizer.step = lambda *a, **k: (steps.append(d.global_step + 1), real_step(*a, **k))[1]
+    with caplog.at_level(logging.WARNING):
+        _train(d, model)
+    assert steps == [1, 3] and d.guard.skipped_steps == 1 and d.state.skipped_steps == 1
+    losses = [r["loss"] for r in logger.rows]
+    assert math.isnan(losses[1]) and not math.isnan(losses[0]) and not math.isnan(losses[2])
+    assert [r["skipped_steps"] for r in logger.rows] == [0, 1, 1]
+    assert f"skipped the update of epoch 0, step 2 (batch{'es 2-3' if ga == 2 else ' 1'} of the epoch): " \
+           "no unmasked label token (on_nonfinite=skip; 1 skipped so far)" in caplog.text
+    # The same run without the empty step's batches: the same weights, the same losses.
+    ref, ref_model, ref_logger = _driver(batch_size=2, ga=ga, steps_per_epoch=2, on_nonfinite="skip")
+    ds = ref.dataloader.dataset
+    keep = list(range(per_step)) + list(range(2 * per_step, len(ds.x)))
+    ds.x, ds.labels = ds.x[keep], ds.labels[keep]
+    _train(ref, ref_model)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [r["loss"] for r in ref_logger.rows] == [losses[0], losses[2]]
+
+
+@pytest.mark.parametrize("ga", [1, 2], ids=["skip", "rescale"])
 def test_a_step_without_label_tokens_closes_the_bar_before_its_one_line(ga):
     """The error is raised at the micro-batch (skip) or at the step boundary (rescale); on both
     the reporter is stopped first, so the line does not land on the progress bar's."""
