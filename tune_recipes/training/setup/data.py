@@ -5,7 +5,7 @@ from typing import Optional
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -95,10 +95,13 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
                 f"{key}: {component} needs the network to fetch its data and cannot reach it "
                 f"({_first_line(e)}); fetch it once while online (it is cached), or point "
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
-        if isinstance(e, KeyError) and hasattr(cfg_dataset, "get") \
-                and cfg_dataset.get("packed", False) is True \
-                and not _raised_in_datasets(e):
-            raise _no_column(key, e) from None  # a packed dataset tokenizes as it is built
+        packed = hasattr(cfg_dataset, "get") and cfg_dataset.get("packed", False) is True
+        if packed and not _raised_in_datasets(e):
+            # A packed dataset tokenizes every example as it is built, and its error names
+            # none: find the example (raises its one line) ...
+            _name_the_failing_example(cfg_dataset, tokenizer, key)
+            if isinstance(e, KeyError):  # ... or, should none fail alone, the column
+                raise _no_column(key, e) from None
         if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
         if isinstance(e, ValueError) and not _raised_in_datasets(e):
@@ -116,6 +119,20 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         dataset = ExampleErrorsNamed(dataset, key)
     check_first_examples(dataset, tokenizer, key)
     return dataset
+
+
+def _name_the_failing_example(cfg_dataset, tokenizer, key: str) -> None:
+    """Once building a packed dataset failed: build it unpacked and make its examples into
+    tokens in order (the order packing takes them) until one fails, raised as
+    ``ExampleErrorsNamed`` names it (index, what went wrong). Returns when none fails alone.
+    Costs what the packing had done before it failed, and only on this error path."""
+    try:
+        unpacked = tt_config.instantiate(OmegaConf.merge(cfg_dataset, {"packed": False}), tokenizer)
+    except Exception:  # noqa: BLE001 - the packed build's own error is reported instead
+        return
+    named = ExampleErrorsNamed(unpacked, key)
+    for index in range(len(named)):
+        named[index]
 
 
 def _no_column(key: str, e: KeyError, index: Optional[int] = None,

@@ -122,6 +122,26 @@ def test_a_row_that_is_not_text_past_the_first_examples_names_its_index(tmp_path
             dataset[19]
 
 
+def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
+    """A packed dataset makes every example into tokens as it is built, and torchtune's error
+    names none (a null answer was an AttributeError traceback mid-packing; a missing column
+    named no example, and listed no columns): the example is found and named as unpacked."""
+    rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(30)]
+    rows[25] = {"input": "question 25", "output": None}
+    with pytest.raises(ConfigError, match=r"^dataset: example 25 cannot be made into tokens "
+                                          r"\(AttributeError: 'NoneType' object .*not text"):
+        build_dataset(_instruct(tmp_path, rows, packed=True), tiny_tokenizer(max_seq_len=64))
+    rows[25] = {"input": "question 25", "output": "answer 25"}
+    rows = [{"prompt": r["input"], "output": r["output"]} for r in rows]
+    with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'input' \(its "
+                                          r"columns: prompt, output;.*column_map"):
+        build_dataset(_instruct(tmp_path, rows, packed=True), tiny_tokenizer(max_seq_len=64))
+    packed = build_dataset(_instruct(tmp_path, rows, packed=True,
+                                     column_map={"input": "prompt", "output": "output"}),
+                           tiny_tokenizer(max_seq_len=64))
+    assert len(packed) > 0
+
+
 @pytest.mark.parametrize("value, what", [(4, "int"), (["a", "b"], "list")])
 def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, what):
     rows = [{"input": f"question {i}", "output": value} for i in range(4)]
