@@ -227,6 +227,16 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
     for i in range(n):
         example = dataset[i]  # an unpacked dataset's errors: ExampleErrorsNamed names them
         labels = example.get("labels") if isinstance(example, dict) else None
+        if labels is None and isinstance(example, dict) and "chosen_input_ids" in example:
+            # torchtune's PreferenceDataset (preference_dataset, stack_exchange_paired_dataset,
+            # hh_rlhf_helpful_dataset): chosen/rejected pairs, which the collate of a supervised
+            # recipe cannot batch (a KeyError 'tokens' at the first batch).
+            raise ConfigError(
+                f"{key}: its examples are preference pairs (chosen_input_ids, "
+                "rejected_input_ids), made for DPO-style training, which these recipes do not "
+                "do; a recipe here trains on examples of tokens and labels (e.g. "
+                "torchtune.datasets.instruct_dataset or chat_dataset; for preference data, "
+                "train on the chosen responses with one of those)")
         if labels is None:
             return  # not a labelled example (a custom dataset): nothing to check here
         labels = torch.as_tensor(labels)

@@ -142,6 +142,20 @@ def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     assert len(packed) > 0
 
 
+def test_a_preference_dataset_in_a_supervised_recipe_is_one_line_at_setup(tmp_path):
+    """torchtune's preference datasets yield chosen/rejected pairs; the recipes' collate met
+    them at the first batch, after the model was built, as a KeyError 'tokens' traceback."""
+    pair = {"role": "user", "content": "hi"}
+    rows = [{"chosen": [pair, {"role": "assistant", "content": "hello"}],
+             "rejected": [pair, {"role": "assistant", "content": "go away"}]}] * 4
+    (tmp_path / "pairs.json").write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.preference_dataset", "source": "json",
+                            "data_files": str(tmp_path / "pairs.json"), "split": "train"})
+    with pytest.raises(ConfigError, match=r"^dataset: its examples are preference pairs "
+                                          r"\(chosen_input_ids, rejected_input_ids\)"):
+        build_dataset(cfg, tiny_tokenizer())
+
+
 @pytest.mark.parametrize("value, what", [(4, "int"), (["a", "b"], "list")])
 def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, what):
     rows = [{"input": f"question {i}", "output": value} for i in range(4)]
