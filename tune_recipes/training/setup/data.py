@@ -223,7 +223,8 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
     n = min(len(dataset), EXAMPLES_CHECKED) if hasattr(dataset, "__len__") else 0
     if n == 0:
         raise ConfigError(f"{key}: the dataset is empty")
-    masked = 0
+    masked = cut = 0
+    max_seq_len = getattr(tokenizer, "max_seq_len", None)
     for i in range(n):
         example = dataset[i]  # an unpacked dataset's errors: ExampleErrorsNamed names them
         labels = example.get("labels") if isinstance(example, dict) else None
@@ -242,8 +243,17 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
         labels = torch.as_tensor(labels)
         if not bool((labels != CROSS_ENTROPY_IGNORE_INDEX).any()):
             masked += 1
+            cut += max_seq_len is not None and len(labels) >= max_seq_len
+    if masked == n and cut == 0:
+        # Not the length: every example's labels are masked whole (no turn the template
+        # trains on, e.g. an assistant role spelt otherwise, or an empty response).
+        raise ConfigError(
+            f"{key}: none of the first {n} examples keeps a label token, and none is cut "
+            f"(tokenizer.max_seq_len={max_seq_len}): each is masked whole (no response or "
+            "assistant turn to train on: check the data's roles and the dataset's "
+            f"conversation_style or column_map, or set {key}.train_on_input=True to train on "
+            "every token)")
     if masked == n:
-        max_seq_len = getattr(tokenizer, "max_seq_len", None)
         raise ConfigError(
             f"tokenizer.max_seq_len={max_seq_len}: none of the first {n} examples of {key} "
             "keeps a label token (each is cut before its response, or fully masked), so no "

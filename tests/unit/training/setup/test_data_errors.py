@@ -142,6 +142,26 @@ def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     assert len(packed) > 0
 
 
+def test_examples_masked_whole_but_not_cut_are_not_blamed_on_the_length(tmp_path):
+    """An assistant role the template does not train on (openai rows whose answers are role
+    "bot") masks every example whole although nothing was cut: the line says so and names
+    the roles to check, not tokenizer.max_seq_len."""
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
+                          {"role": "bot", "content": f"hello {i}"}]} for i in range(4)]
+    (tmp_path / "chat.json").write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(tmp_path / "chat.json"), "split": "train",
+                            "conversation_column": "messages", "conversation_style": "openai"})
+    with pytest.raises(ConfigError, match=r"^dataset: none of the first 4 examples keeps a label "
+                                          r"token, and none is cut \(tokenizer.max_seq_len=256\): "
+                                          r"each is masked whole .*conversation_style"):
+        build_dataset(cfg, tiny_tokenizer(max_seq_len=256))
+    rows = [{"messages": [m if m["role"] == "user" else {**m, "role": "assistant"}
+                          for m in r["messages"]]} for r in rows]
+    (tmp_path / "chat.json").write_text(json.dumps(rows))
+    assert len(build_dataset(cfg, tiny_tokenizer(max_seq_len=256))) == 4
+
+
 def test_a_preference_dataset_in_a_supervised_recipe_is_one_line_at_setup(tmp_path):
     """torchtune's preference datasets yield chosen/rejected pairs; the recipes' collate met
     them at the first batch, after the model was built, as a KeyError 'tokens' traceback."""
