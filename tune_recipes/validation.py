@@ -1010,6 +1010,99 @@ def data_files_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
     return None
 
 
+_LOADER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
+                     ".txt": "text", ".arrow": "arrow"}
+
+
+def _dataset_parts(cfg: DictConfig, key: str):
+    section = _value(cfg, key)
+    return [(key, section)] if isinstance(section, dict) else \
+        [(f"{key}[{i}]", s) for i, s in enumerate(section)] if isinstance(section, list) else []
+
+
+def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
+    """``source`` naming a local file or ``data_files`` a folder: Hugging Face's loaders read
+    ``source`` as a dataset name or loader ("Couldn't find any data file at <file>", which
+    exists) and a folder as a pattern ("Unable to find <folder>", which exists)."""
+    for where, part in _dataset_parts(cfg, key):
+        if not isinstance(part, dict):
+            continue
+        source = part.get("source")
+        if isinstance(source, str) and source not in _LOCAL_FILE_LOADERS \
+                and Path(source).expanduser().is_file():
+            loader = _LOADER_BY_SUFFIX.get(Path(source).suffix.lower(), "json")
+            return (f"{where}.source={source}: a file; source names the loader and data_files "
+                    f"the file: {where}.source={loader} {where}.data_files={source}")
+        if source not in _LOCAL_FILE_LOADERS:
+            continue
+        base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
+        files = part.get("data_files")
+        for path in files if isinstance(files, list) else [files]:
+            if isinstance(path, str) and "://" not in path and (base / Path(path).expanduser()).is_dir():
+                return (f"{where}.data_files={path}: a folder; name its files, e.g. "
+                        f"{where}.data_files={path.rstrip('/')}/*.{'jsonl' if source == 'json' else source}")
+    return None
+
+
+CHAT_STYLES = ("sharegpt", "openai")  # torchtune 0.6.1's chat_dataset
+
+
+def _load_dataset_argument_names() -> set:
+    """What ``datasets.load_dataset`` takes by name: its own parameters and the fields of its
+    file loaders' configs (json's ``field``, csv's ``names``, parquet's ``columns`` ...)."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from datasets import BuilderConfig, load_dataset  # (only here: ~1 s to import)
+
+    names = set(inspect.signature(load_dataset).parameters)
+    for loader in sorted(_LOCAL_FILE_LOADERS):
+        try:
+            module = importlib.import_module(f"datasets.packaged_modules.{loader}.{loader}")
+        except ImportError:
+            continue
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, BuilderConfig) and dataclasses.is_dataclass(obj):
+                names |= {f.name for f in dataclasses.fields(obj)}
+    return names
+
+
+def dataset_arguments_problem(cfg: DictConfig) -> Optional[str]:
+    """A dataset builder's argument misspelt: torchtune's builders pass every key they do not
+    name on to ``datasets.load_dataset`` (``data_file`` failed there as "JsonConfig got an
+    unexpected keyword argument"), so a key close to one the builder or load_dataset names is
+    an error with the name; a chat_dataset ``conversation_style`` that it does not know."""
+    import inspect
+
+    for key in ("dataset", "dataset_val"):
+        for where, part in _dataset_parts(cfg, key):
+            if not isinstance(part, dict):
+                continue
+            builder = _resolves_to(part.get("_component_"))
+            if builder is None or not callable(builder):
+                continue
+            try:
+                params = inspect.signature(builder).parameters
+            except (TypeError, ValueError):
+                continue
+            if getattr(builder, "__name__", "") == "chat_dataset" \
+                    and part.get("conversation_style") not in (None, *CHAT_STYLES):
+                return (f"{where}.conversation_style={part['conversation_style']}: expected one "
+                        f"of {', '.join(CHAT_STYLES)}")
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                continue  # unknown keys are the component check's
+            named = set(params) | _load_dataset_argument_names()
+            for k in part:
+                if k in named or k == "_component_":
+                    continue
+                close = difflib.get_close_matches(str(k), sorted(named), n=1, cutoff=0.85)
+                if close:
+                    return (f"{where}.{k}: did you mean {where}.{close[0]}? ({part['_component_']} "
+                            "passes keys it does not name on to datasets.load_dataset)")
+    return None
+
+
 def tokenizer_problem(cfg: DictConfig) -> Optional[str]:
     """Build the tokenizer as the recipe will (a machine check: it reads ``tokenizer.path``):
     a file that is not a tokenizer, or a builder's own refusal, is one line here rather than a
@@ -1167,6 +1260,7 @@ CROSS_KEY: List[tuple] = [
     (("enable_fp8_training", "device"), _fp8_needs_cuda),
     (("padding_free", "dataset"), padding_free_problem),
     (("dataset",), mixed_packing_problem),
+    (("dataset",), dataset_arguments_problem),
     (("dataset", "tokenizer"), packing_length_problem),
     (("enable_fp8_training", "model"), fp8_lora_problem),
     (("fp8_mlp_activations", "enable_fp8_training"), fp8_mlp_problem),
@@ -1598,7 +1692,7 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
                 raise ConfigError(problem)
         for key in ("dataset", "dataset_val"):
             if keys is None or key in keys:
-                problem = data_files_problem(cfg, key)
+                problem = data_files_problem(cfg, key) or local_source_problem(cfg, key)
                 if problem:
                     raise ConfigError(problem)
         if keys is None or "metric_logger" in keys:

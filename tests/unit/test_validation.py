@@ -471,6 +471,39 @@ def test_a_packed_dataset_without_a_pack_length_is_named_before_any_work():
 
 
 @pytest.mark.unit
+def test_dataset_arguments_the_loader_would_misread_are_named_by_validate(tmp_path):
+    """What passed validate and failed in the run with Hugging Face's words: a misspelt
+    argument that torchtune's builder passes on to load_dataset, a chat style it does not know,
+    a file given as source (HF: "Couldn't find any data file" at a file that exists), a folder
+    as data_files (HF: "Unable to find" a folder that exists)."""
+    recipe = "full_finetune_single_device"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input": "a", "output": "b"}\n')
+
+    def check(**dataset):
+        cfg = _tiny("tiny/full_single_device")
+        cfg.dataset = {"_component_": "torchtune.datasets.instruct_dataset", "source": "json",
+                       "data_files": str(rows), "split": "train", **dataset}
+        check_config(cfg, recipe, _keys(recipe), env=True)
+
+    check()
+    check(field=None, names=["a"], columns=["a"])  # the file loaders' own arguments pass
+    with pytest.raises(ConfigError, match=r"^dataset.data_file: did you mean dataset.data_files\?"):
+        check(data_file=str(rows))
+    with pytest.raises(ConfigError, match=r"^dataset.conversation_style=sharegtp: expected one of "
+                                          r"sharegpt, openai"):
+        check(_component_="torchtune.datasets.chat_dataset", conversation_column="messages",
+              conversation_style="sharegtp")
+    with pytest.raises(ConfigError, match=rf"^dataset.source={rows}: a file; source names the loader "
+                                          rf"and data_files the file: dataset.source=json "
+                                          rf"dataset.data_files={rows}"):
+        check(source=str(rows))
+    with pytest.raises(ConfigError, match=rf"^dataset.data_files={tmp_path}: a folder; name its "
+                                          rf"files, e.g. dataset.data_files={tmp_path}/\*.jsonl"):
+        check(data_files=str(tmp_path))
+
+
+@pytest.mark.unit
 def test_quantize_with_an_int4_weight_only_quantizer_outside_bf16_is_named_by_validate():
     """The quantize recipe converts to int4 weight-only kernels (bf16 only); the QAT recipes,
     which share the quantizer and dtype keys, fake-quantize in any dtype."""
