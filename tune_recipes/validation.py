@@ -1006,7 +1006,9 @@ def data_files_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
             if not isinstance(path, str) or "://" in path or any(c in path for c in "*?["):
                 continue
             if not (base / Path(path).expanduser()).exists():
-                return f"{where}.data_files={path}: no such file"
+                relative = "" if (base / Path(path).expanduser()).is_absolute() else \
+                    f" (a relative path is read from the folder tune runs in, {Path.cwd()})"
+                return f"{where}.data_files={path}: no such file{relative}"
     return None
 
 

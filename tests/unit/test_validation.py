@@ -1077,6 +1077,9 @@ def test_data_files_are_checked_only_where_they_are_local_paths(tmp_path):
         "dataset.data_files=nope.json: no such file"
     assert problem(source="csv", data_files={"train": [str(tmp_path / "gone.csv")]}) == \
         f"dataset.data_files={tmp_path / 'gone.csv'}: no such file"
+    # Relative to where tune runs, not to the config's folder: the line says from where.
+    assert problem(source="json", data_files="nope.json") == \
+        f"dataset.data_files=nope.json: no such file (a relative path is read from the folder tune runs in, {Path.cwd()})"
     assert problem(source="allenai/c4", data_files="en/c4-train.00000-of-01024.json.gz") is None
     assert problem(source=str(tmp_path), data_files="train.json") is None
     assert problem(source="json", data_files="https://example.com/x.json") is None

@@ -107,6 +107,10 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         if isinstance(e, ValueError) and not _raised_in_datasets(e):
             # A builder's refusal of its arguments (packed=True without max_seq_len, ...).
             raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
+        empty = _empty_data_file(cfg_dataset)
+        if empty is not None and _raised_in_datasets(e):
+            # (the library's words: "Please pass `features` or at least one example")
+            raise ConfigError(f"{key}.data_files={empty}: the file is empty") from None
         if _raised_in_datasets(e):
             cause = next((c for c in list(_causes(e))[1:]), None)
             detail = f"{_first_line(e)}" + (f": {_first_line(cause)}" if cause else "")
@@ -119,6 +123,18 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         dataset = ExampleErrorsNamed(dataset, key)
     check_first_examples(dataset, tokenizer, key)
     return dataset
+
+
+def _empty_data_file(cfg_dataset) -> Optional[str]:
+    """The first of a dataset config's local ``data_files`` that is an empty file, or None."""
+    files = cfg_dataset.get("data_files") if hasattr(cfg_dataset, "get") else None
+    if isinstance(files, DictConfig):  # split -> file(s)
+        files = [f for v in files.values() for f in (v if isinstance(v, ListConfig) else [v])]
+    base = Path(str(cfg_dataset.get("data_dir") or "."))
+    for path in files if isinstance(files, ListConfig) or isinstance(files, list) else [files]:
+        if isinstance(path, str) and (base / path).is_file() and (base / path).stat().st_size == 0:
+            return path
+    return None
 
 
 def _name_the_failing_example(cfg_dataset, tokenizer, key: str) -> None:
@@ -148,12 +164,39 @@ def _no_column(key: str, e: KeyError, index: Optional[int] = None,
             return ConfigError(
                 f"{key}: {which} holds {missing!r} where the template expects another value "
                 f"(e.g. a role the conversation style does not know; its columns: {columns})")
+        conversation, fields = _message_fields(row)
+        if fields and missing not in set().union(*CHAT_MESSAGE_FIELDS.values()):
+            return ConfigError(
+                f"{key}: {which} has no column {missing!r} (its columns: {columns}); chat data: "
+                f"set {key}.conversation_column={conversation}, the column holding the messages")
+        if fields:
+            # A chat row's messages lack a field: a message's, not a column (sharegpt's
+            # from/value against openai's role/content).
+            style = next((name for name, want in CHAT_MESSAGE_FIELDS.items() if want <= fields), None)
+            fix = (f"set {key}.conversation_style={style}" if style else
+                   f"check {key}.conversation_style and {key}.conversation_column")
+            return ConfigError(
+                f"{key}: {which}'s messages have no field {missing!r} (their fields: "
+                f"{', '.join(sorted(fields))}); {fix}")
         return ConfigError(
             f"{key}: {which} has no column {missing!r} (its columns: {columns}; map them with "
             f"{key}.column_map, e.g. column_map={{input: prompt, output: response}}; chat data: "
             f"check {key}.conversation_style)")
     return ConfigError(f"{key}: {which} has no column {e} (map the data's columns with "
                        f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})")
+
+
+# The fields of a message in each of torchtune 0.6.1's chat styles.
+CHAT_MESSAGE_FIELDS = {"sharegpt": {"from", "value"}, "openai": {"role", "content"}}
+
+
+def _message_fields(row: dict):
+    """(column, the keys of its messages) for a row's first column that holds a list of
+    mappings (a chat row's conversation), or (None, an empty set)."""
+    for column, value in row.items():
+        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+            return column, set().union(*(m.keys() for m in value))
+    return None, set()
 
 
 def _holds_value(value, wanted) -> bool:

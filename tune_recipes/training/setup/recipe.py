@@ -276,15 +276,24 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
 
 
 def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,
-                    max_steps_per_epoch: Optional[int], batch_size: int) -> int:
-    """Optimizer steps in one epoch of ``num_batches`` micro-batches (per rank)."""
+                    max_steps_per_epoch: Optional[int], batch_size: int,
+                    num_examples: Optional[int] = None, world_size: int = 1) -> int:
+    """Optimizer steps in one epoch of ``num_batches`` micro-batches (per rank);
+    ``num_examples``: the dataset's length, for the error."""
     steps = num_batches // gradient_accumulation_steps
     if max_steps_per_epoch is not None:
         steps = min(steps, max_steps_per_epoch)
     if steps < 1:
+        held = ""
+        if num_examples is not None:
+            # Full batches only (drop_last): what fits one step at this accumulation.
+            fits = num_examples // (world_size * gradient_accumulation_steps)
+            held = (f" (the dataset holds {num_examples} example(s), packs where packed"
+                    + (f" for {world_size} processes" if world_size > 1 else "")
+                    + (f": set batch_size={fits} or less" if fits >= 1 else "") + ")")
         raise ConfigError(
             f"the dataset yields {num_batches} batches of batch_size={batch_size} per process, "
-            f"fewer than gradient_accumulation_steps={gradient_accumulation_steps}"
+            f"fewer than gradient_accumulation_steps={gradient_accumulation_steps}{held}"
         )
     return steps
 
@@ -341,7 +350,8 @@ def setup_data_and_schedule(
         spans=spans,
     )
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
-                            state.max_steps_per_epoch, cfg.batch_size)
+                            state.max_steps_per_epoch, cfg.batch_size,
+                            num_examples=len(dataset), world_size=world_size)
     global_step = state.epochs_run * steps
     first_step = 0
     if resume is not None and resume.mid_epoch:

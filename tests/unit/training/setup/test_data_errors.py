@@ -65,6 +65,9 @@ def test_an_unreadable_data_file_and_an_empty_one_name_the_key(tmp_path):
     (tmp_path / "data.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"^dataset: "):
         build_dataset(_instruct(tmp_path), tiny_tokenizer())
+    (tmp_path / "data.json").write_text("")  # the library: "Please pass `features` or ..."
+    with pytest.raises(ConfigError, match=rf"^dataset.data_files={tmp_path / 'data.json'}: the file is empty$"):
+        build_dataset(_instruct(tmp_path), tiny_tokenizer())
 
 
 def test_a_dataset_that_needs_the_network_offline_is_one_line(monkeypatch):
@@ -162,6 +165,28 @@ def test_examples_masked_whole_but_not_cut_are_not_blamed_on_the_length(tmp_path
     assert len(build_dataset(cfg, tiny_tokenizer(max_seq_len=256))) == 4
 
 
+def test_chat_rows_in_another_style_or_column_name_the_fix(tmp_path):
+    """openai rows read as sharegpt: 'from' is a field of a message, not a column to map; a
+    conversation_column the rows lack names the column that holds the messages."""
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
+                          {"role": "assistant", "content": f"yo {i}"}]} for i in range(4)]
+    (tmp_path / "chat.json").write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(tmp_path / "chat.json"), "split": "train",
+                            "conversation_column": "messages", "conversation_style": "sharegpt"})
+    with pytest.raises(ConfigError, match=r"^dataset: example 0's messages have no field 'from' "
+                                          r"\(their fields: content, role\); set "
+                                          r"dataset.conversation_style=openai$"):
+        build_dataset(cfg, tiny_tokenizer())
+    cfg.conversation_style, cfg.conversation_column = "openai", "conversations"
+    with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'conversations' \(its "
+                                          r"columns: messages\); chat data: set "
+                                          r"dataset.conversation_column=messages"):
+        build_dataset(cfg, tiny_tokenizer())
+    cfg.conversation_column = "messages"
+    assert len(build_dataset(cfg, tiny_tokenizer())) == 4
+
+
 def test_a_preference_dataset_in_a_supervised_recipe_is_one_line_at_setup(tmp_path):
     """torchtune's preference datasets yield chosen/rejected pairs; the recipes' collate met
     them at the first batch, after the model was built, as a KeyError 'tokens' traceback."""
@@ -186,8 +211,8 @@ def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, what):
 
 def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path):
     """sharegpt's roles are system/human/gpt: a 'bot' turn is a value the template does not
-    know, not a missing column; a field the style reads that the turns lack names the row's
-    columns."""
+    know, not a missing column; a field the style reads that the turns lack names the style
+    whose fields they have."""
     rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yes"}]}] * 4
     path = tmp_path / "chat.json"
     path.write_text(json.dumps(rows))
@@ -198,8 +223,9 @@ def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path
                                           r"expects another value .*its columns: conversations"):
         build_dataset(cfg, tiny_tokenizer())
     cfg.conversation_style = "openai"
-    with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'role' \(its "
-                                          r"columns: conversations;.*conversation_style"):
+    with pytest.raises(ConfigError, match=r"^dataset: example 0's messages have no field 'role' "
+                                          r"\(their fields: from, value\); set "
+                                          r"dataset.conversation_style=sharegpt$"):
         build_dataset(cfg, tiny_tokenizer())
 
 

@@ -326,3 +326,20 @@ def test_a_ctrl_c_inside_a_checkpoint_read_stays_a_ctrl_c():
         read_checkpoint(Reader(KeyboardInterrupt()), cfg)
     with pytest.raises(ConfigError, match="could not load /d"):
         read_checkpoint(Reader(OSError("truncated")), cfg)
+
+
+def test_too_few_examples_for_one_step_names_the_dataset_size_and_a_batch_size_that_fits():
+    from tune_recipes.training.setup.recipe import steps_per_epoch
+
+    with pytest.raises(ConfigError, match=r"^the dataset yields 0 batches of batch_size=8 per process, "
+                                          r"fewer than gradient_accumulation_steps=1 \(the dataset "
+                                          r"holds 3 example\(s\), packs where packed: set batch_size=3 "
+                                          r"or less\)$"):
+        steps_per_epoch(0, 1, None, 8, num_examples=3)
+    # Over 2 processes with 2 micro-batches a step, 5 examples fit one step of batch_size=1.
+    with pytest.raises(ConfigError, match=r"holds 5 example\(s\), packs where packed for 2 "
+                                          r"processes: set batch_size=1 or less\)$"):
+        steps_per_epoch(1, 2, None, 2, num_examples=5, world_size=2)
+    with pytest.raises(ConfigError, match=r"holds 1 example\(s\), packs where packed for 2 processes\)$"):
+        steps_per_epoch(0, 1, None, 1, num_examples=1, world_size=2)
+    assert steps_per_epoch(4, 2, None, 2, num_examples=8) == 2
