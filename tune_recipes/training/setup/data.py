@@ -246,6 +246,10 @@ class ExampleErrorsNamed(Dataset):
                 or text.endswith("got None"))
             hint = ("; a value the template reads is not text (null, a number, a list): fix or "
                     "filter that row") if not_text else "; fix or filter that row"
+            if isinstance(e, UnicodeDecodeError):
+                # The loader kept the file's bytes as they were: the file is not UTF-8.
+                hint = (f"; the data file is not UTF-8: re-encode it, or name its encoding "
+                        f"({self.key}.encoding=latin-1 for the json and csv loaders)")
             raise ConfigError(f"{self.key}: example {index} cannot be made into tokens "
                               f"({type(e).__name__}: {text}){hint}") from None
 

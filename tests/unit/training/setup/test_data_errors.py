@@ -187,6 +187,19 @@ def test_chat_rows_in_another_style_or_column_name_the_fix(tmp_path):
     assert len(build_dataset(cfg, tiny_tokenizer())) == 4
 
 
+def test_a_data_file_that_is_not_utf8_names_its_encoding(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"".join(b'{"input": "caf\xe9 %d", "output": "ok"}\n' % i for i in range(4)))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "json",
+                            "data_files": str(path), "split": "train"})
+    with pytest.raises(ConfigError, match=r"^dataset: example 0 cannot be made into tokens "
+                                          r"\(UnicodeDecodeError: .*\); the data file is not UTF-8: "
+                                          r"re-encode it, or name its encoding \(dataset.encoding=latin-1"):
+        build_dataset(cfg, tiny_tokenizer())
+    cfg.encoding = "latin-1"  # what the line says works
+    assert len(build_dataset(cfg, tiny_tokenizer())) == 4
+
+
 def test_a_preference_dataset_in_a_supervised_recipe_is_one_line_at_setup(tmp_path):
     """torchtune's preference datasets yield chosen/rejected pairs; the recipes' collate met
     them at the first batch, after the model was built, as a KeyError 'tokens' traceback."""
