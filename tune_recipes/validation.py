@@ -30,6 +30,7 @@ import difflib
 import math
 import re
 import sys
+from collections import abc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -986,96 +987,111 @@ def lr_scheduler_problem(cfg: DictConfig) -> Optional[str]:
 # is relative to that repository or folder.
 _LOCAL_FILE_LOADERS = {"json", "csv", "parquet", "text", "arrow"}
 
+# The fields of a message in each conversation style of torchtune 0.6.1's chat_dataset.
+CHAT_MESSAGE_FIELDS = {"sharegpt": {"from", "value"}, "openai": {"role", "content"}}
+CHAT_STYLES = tuple(CHAT_MESSAGE_FIELDS)
+
+
+def _dataset_parts(cfg: DictConfig, key: str):
+    """(where, plain dict) for ``key``'s dataset, or each entry of a list of datasets."""
+    section = _value(cfg, key)
+    return [(key, section)] if isinstance(section, dict) else \
+        [(f"{key}[{i}]", s) for i, s in enumerate(section)] if isinstance(section, list) else []
+
+
+def local_data_files(part) -> List[tuple]:
+    """``(as written, the path it names)`` for each local path of a dataset config's
+    ``data_files`` (one, a list, or a mapping from split to either; from ``data_dir`` when
+    given; not a URL or a glob), where ``source`` is a packaged file loader. The one reader of
+    ``data_files`` for ``tune validate`` and the dataset setup."""
+    if not isinstance(part, abc.Mapping) or part.get("source") not in _LOCAL_FILE_LOADERS:
+        return []
+    base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
+    files = part.get("data_files")
+    if isinstance(files, abc.Mapping):  # split -> file(s)
+        files = [f for v in files.values() for f in (v if isinstance(v, abc.Sequence) and not isinstance(v, str) else [v])]
+    elif not (isinstance(files, abc.Sequence) and not isinstance(files, str)):
+        files = [files]
+    return [(path, base / Path(path).expanduser()) for path in files
+            if isinstance(path, str) and "://" not in path and not any(c in path for c in "*?[")]
+
 
 def data_files_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
     """A local ``data_files`` path (a file or folder, not a URL or a glob) that does not exist,
     in ``key`` or any part of a list of datasets, where ``source`` is a packaged loader
     (``json``, ``csv`` ...): named here, as ``tune run`` names it when it loads the data. None
     when every such path exists."""
-    section = _value(cfg, key)
-    parts = [(key, section)] if isinstance(section, dict) else \
-        [(f"{key}[{i}]", s) for i, s in enumerate(section)] if isinstance(section, list) else []
-    for where, part in parts:
-        if not isinstance(part, dict) or part.get("source") not in _LOCAL_FILE_LOADERS:
-            continue
-        base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
-        files = part.get("data_files")
-        if isinstance(files, dict):  # split -> file(s)
-            files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
-        for path in files if isinstance(files, list) else [files]:
-            if not isinstance(path, str) or "://" in path or any(c in path for c in "*?["):
-                continue
-            if not (base / Path(path).expanduser()).exists():
-                relative = "" if (base / Path(path).expanduser()).is_absolute() else \
+    for where, part in _dataset_parts(cfg, key):
+        for path, resolved in local_data_files(part):
+            if not resolved.exists():
+                relative = "" if resolved.is_absolute() else \
                     f" (a relative path is read from the folder tune runs in, {Path.cwd()})"
                 return f"{where}.data_files={path}: no such file{relative}"
     return None
 
 
+# What each packaged file loader reads, by file suffix, and the pattern of its files.
 _LOADER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
                      ".txt": "text", ".arrow": "arrow"}
-
-
-def _dataset_parts(cfg: DictConfig, key: str):
-    section = _value(cfg, key)
-    return [(key, section)] if isinstance(section, dict) else \
-        [(f"{key}[{i}]", s) for i, s in enumerate(section)] if isinstance(section, list) else []
+_PATTERN_BY_LOADER = {"json": "*.jsonl", "csv": "*.csv", "parquet": "*.parquet", "text": "*.txt",
+                      "arrow": "*.arrow"}
 
 
 def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
-    """``source`` naming a local file or ``data_files`` a folder: Hugging Face's loaders read
-    ``source`` as a dataset name or loader ("Couldn't find any data file at <file>", which
-    exists) and a folder as a pattern ("Unable to find <folder>", which exists)."""
+    """``source`` naming a local data file, or ``data_files`` a folder: Hugging Face's loaders
+    read ``source`` as a dataset name, loader or script ("Couldn't find any data file at
+    <file>", which exists) and a folder as a pattern ("Unable to find <folder>", which exists)."""
     for where, part in _dataset_parts(cfg, key):
         if not isinstance(part, dict):
             continue
         source = part.get("source")
-        if isinstance(source, str) and source not in _LOCAL_FILE_LOADERS \
-                and Path(source).expanduser().is_file():
-            loader = _LOADER_BY_SUFFIX.get(Path(source).suffix.lower(), "json")
+        loader = _LOADER_BY_SUFFIX.get(Path(source).suffix.lower()) if isinstance(source, str) else None
+        # (a .py source is a loading script, which datasets runs: not a data file)
+        if loader and source not in _LOCAL_FILE_LOADERS and Path(source).expanduser().is_file():
             return (f"{where}.source={source}: a file; source names the loader and data_files "
                     f"the file: {where}.source={loader} {where}.data_files={source}")
-        if source not in _LOCAL_FILE_LOADERS:
-            continue
-        base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
-        files = part.get("data_files")
-        for path in files if isinstance(files, list) else [files]:
-            if isinstance(path, str) and "://" not in path and (base / Path(path).expanduser()).is_dir():
+        for path, resolved in local_data_files(part):
+            if resolved.is_dir():
                 return (f"{where}.data_files={path}: a folder; name its files, e.g. "
-                        f"{where}.data_files={path.rstrip('/')}/*.{'jsonl' if source == 'json' else source}")
+                        f"{where}.data_files={path.rstrip('/')}/{_PATTERN_BY_LOADER[part['source']]}")
     return None
 
 
-CHAT_STYLES = ("sharegpt", "openai")  # torchtune 0.6.1's chat_dataset
-
-
-def _load_dataset_argument_names() -> set:
-    """What ``datasets.load_dataset`` takes by name: its own parameters and the fields of its
-    file loaders' configs (json's ``field``, csv's ``names``, parquet's ``columns`` ...)."""
+def _loader_argument_names(loader: Optional[str]) -> set:
+    """The names ``datasets.load_dataset`` takes beside its own parameters for ``loader``, a
+    packaged file loader (its config's fields: json's ``field``, csv's ``names`` ...); None
+    for any other source (a hub dataset's or a script's config: unknown here)."""
     import dataclasses
     import importlib
-    import inspect
 
-    from datasets import BuilderConfig, load_dataset  # (only here: ~1 s to import)
+    from datasets import BuilderConfig  # (only here: ~1 s to import)
 
-    names = set(inspect.signature(load_dataset).parameters)
-    for loader in sorted(_LOCAL_FILE_LOADERS):
-        try:
-            module = importlib.import_module(f"datasets.packaged_modules.{loader}.{loader}")
-        except ImportError:
-            continue
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, BuilderConfig) and dataclasses.is_dataclass(obj):
-                names |= {f.name for f in dataclasses.fields(obj)}
+    if loader not in _LOCAL_FILE_LOADERS:
+        return None
+    module = importlib.import_module(f"datasets.packaged_modules.{loader}.{loader}")
+    names = set()
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, BuilderConfig) and dataclasses.is_dataclass(obj):
+            names |= {f.name for f in dataclasses.fields(obj)}
     return names
 
 
+# torchtune's builders of chosen/rejected pairs (for DPO-style training, not these recipes).
+_PREFERENCE_BUILDERS = ("torchtune.datasets.preference_dataset",
+                        "torchtune.datasets.stack_exchange_paired_dataset",
+                        "torchtune.datasets.hh_rlhf_helpful_dataset")
+
+
 def dataset_arguments_problem(cfg: DictConfig) -> Optional[str]:
-    """A dataset builder's argument misspelt: torchtune's builders pass every key they do not
-    name on to ``datasets.load_dataset`` (``data_file`` failed there as "JsonConfig got an
-    unexpected keyword argument"), so a key close to one the builder or load_dataset names is
-    an error with the name; a chat_dataset ``conversation_style`` that it does not know."""
+    """A dataset builder's argument the loader would misread, or a builder these recipes cannot
+    train on. torchtune's builders pass every key they do not name on to
+    ``datasets.load_dataset`` (``data_file`` failed there as "JsonConfig got an unexpected
+    keyword argument"): with a packaged file loader as ``source`` a key neither names is an
+    error (a did-you-mean where one is close); with another source only a key close to a name
+    is. Also: a chat_dataset ``conversation_style`` it does not know; a preference builder."""
     import inspect
+
+    from torchtune.datasets import chat_dataset
 
     for key in ("dataset", "dataset_val"):
         for where, part in _dataset_parts(cfg, key):
@@ -1084,24 +1100,42 @@ def dataset_arguments_problem(cfg: DictConfig) -> Optional[str]:
             builder = _resolves_to(part.get("_component_"))
             if builder is None or not callable(builder):
                 continue
+            if builder in [_resolves_to(b) for b in _PREFERENCE_BUILDERS]:
+                return (f"{where}._component_={part['_component_']}: its examples are preference "
+                        "pairs (chosen/rejected), made for DPO-style training, which these "
+                        "recipes do not do; they train on examples of tokens and labels (e.g. "
+                        "torchtune.datasets.instruct_dataset or chat_dataset, on the chosen "
+                        "responses)")
+            if builder is chat_dataset and part.get("conversation_style") not in (None, *CHAT_STYLES):
+                return (f"{where}.conversation_style={part['conversation_style']}: expected one "
+                        f"of {', '.join(CHAT_STYLES)}")
             try:
                 params = inspect.signature(builder).parameters
             except (TypeError, ValueError):
                 continue
-            if getattr(builder, "__name__", "") == "chat_dataset" \
-                    and part.get("conversation_style") not in (None, *CHAT_STYLES):
-                return (f"{where}.conversation_style={part['conversation_style']}: expected one "
-                        f"of {', '.join(CHAT_STYLES)}")
             if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
                 continue  # unknown keys are the component check's
-            named = set(params) | _load_dataset_argument_names()
+            from datasets import load_dataset
+
+            loader_names = _loader_argument_names(part.get("source"))
+            named = set(params) | set(inspect.signature(load_dataset).parameters) | (loader_names or set())
             for k in part:
                 if k in named or k == "_component_":
                     continue
+                others = [other for other in sorted(_LOCAL_FILE_LOADERS)
+                          if loader_names is not None and k in _loader_argument_names(other)]
+                if others:
+                    return (f"{where}.{k}: an argument of the {' and '.join(others)} loader(s), not "
+                            f"of source={part['source']}'s (its arguments: "
+                            f"{', '.join(sorted(loader_names))})")
                 close = difflib.get_close_matches(str(k), sorted(named), n=1, cutoff=0.85)
                 if close:
                     return (f"{where}.{k}: did you mean {where}.{close[0]}? ({part['_component_']} "
                             "passes keys it does not name on to datasets.load_dataset)")
+                if loader_names is not None:
+                    return (f"{where}.{k}: neither {part['_component_']} nor datasets.load_dataset "
+                            f"with source={part['source']} takes it (its loader's arguments: "
+                            f"{', '.join(sorted(loader_names))})")
     return None
 
 
@@ -1247,9 +1281,8 @@ def metric_logger_problem(cfg: DictConfig) -> Optional[str]:
     return f"metric_logger._component_={component}: {problem}" if problem else None
 
 
-# (the keys the rule reads, the rule). The rule applies when the recipe declares all the keys.
-# (needs, rule): a rule runs for a recipe declaring every key of ``needs`` and none written
-# "!key" there.
+# (the keys the rule reads, the rule): the rule applies when the recipe declares every key,
+# and none of those written "!key" (a key the recipe must not declare).
 CROSS_KEY: List[tuple] = [
     (("tensor_parallel_dim",), _tensor_parallel_rules),
     (("optimizer_in_bwd",), _in_backward_rules),
@@ -1608,8 +1641,7 @@ def check_top_level_keys(cfg: DictConfig, known: Iterable[str], recipe: str,
             parts.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         hint = "" if any("did you mean" in p for p in parts) else f"; its keys are: {', '.join(sorted(known))}"
         if recipe_file:
-            hint += (f" (the CONFIG_KEYS set in {recipe_file}: a key the script reads is added "
-                     "there)")
+            hint += f" (add the keys your edited script reads to the CONFIG_KEYS set in {recipe_file})"
         raise ConfigError(f"{recipe} does not use config key(s) {', '.join(parts)}{hint}")
     for k in stock:
         spec, value = TORCHTUNE_KEYS[k], _plain(cfg, k)

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -417,8 +418,8 @@ def test_a_copied_recipes_unknown_key_points_to_its_config_keys(tmp_path, capsys
         rc, _, err = _run(capsys, "run", recipe, "--config", "tiny/full_single_device",
                           f"output_dir={tmp_path / 'out'}", "zzz_my_key=1")
         assert rc == 2 and "does not use config key(s) 'zzz_my_key'" in err, err
-        assert (f"(the CONFIG_KEYS set in {tmp_path / 'mine.py'}: a key the script reads is "
-                "added there)" in err) is hinted, err
+        assert (f"(add the keys your edited script reads to the CONFIG_KEYS set in "
+                f"{tmp_path / 'mine.py'})" in err) is hinted, err
 
 
 def test_a_killed_launchers_rank_errors_folder_goes_at_the_next_launch(capsys, monkeypatch, tmp_path):
@@ -436,9 +437,13 @@ def test_a_killed_launchers_rank_errors_folder_goes_at_the_next_launch(capsys, m
     gone.wait()
     left = tmp_path / f"{RANK_ERRORS_PREFIX}{gone.pid}_abc"
     live = tmp_path / f"{RANK_ERRORS_PREFIX}{os.getppid()}_def"
-    for folder in (left, live):
+    recent = tmp_path / f"{RANK_ERRORS_PREFIX}{gone.pid}_ghi"  # gone, but touched lately
+    for folder in (left, live, recent):
         folder.mkdir()
         (folder / "round_0").mkdir()
+    hours_ago = time.time() - 2 * 3600
+    for folder in (left, live):
+        os.utime(folder, (hours_ago, hours_ago))
     during = []
     monkeypatch.setattr(torchrun, "main", lambda argv: during.append(
         [p.name for p in tmp_path.glob(f"{RANK_ERRORS_PREFIX}*")]))
@@ -446,8 +451,9 @@ def test_a_killed_launchers_rank_errors_folder_goes_at_the_next_launch(capsys, m
                       "--config", "tiny/full_distributed")
     assert rc == 0, err
     mine = [n for n in during[0] if n.startswith(f"{RANK_ERRORS_PREFIX}{os.getpid()}_")]
-    assert left.name not in during[0] and live.name in during[0] and len(mine) == 1, during
-    assert [p.name for p in tmp_path.glob(f"{RANK_ERRORS_PREFIX}*")] == [live.name]
+    assert left.name not in during[0] and live.name in during[0] and recent.name in during[0] \
+        and len(mine) == 1, during
+    assert sorted(p.name for p in tmp_path.glob(f"{RANK_ERRORS_PREFIX}*")) == sorted([live.name, recent.name])
 
 
 def test_a_finished_torchrun_rank_exits_without_interpreter_finalization(tmp_path):

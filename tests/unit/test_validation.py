@@ -487,7 +487,27 @@ def test_dataset_arguments_the_loader_would_misread_are_named_by_validate(tmp_pa
         check_config(cfg, recipe, _keys(recipe), env=True)
 
     check()
-    check(field=None, names=["a"], columns=["a"])  # the file loaders' own arguments pass
+    check(field=None, encoding="latin-1")  # the json loader's own arguments pass
+    check(source="csv", data_files=str(rows), names=["a"], delimiter=",")  # and csv's
+    # Another loader's argument fails in the run ("JsonConfig got an unexpected keyword").
+    with pytest.raises(ConfigError, match=r"^dataset.names: an argument of the csv loader\(s\), not "
+                                          r"of source=json's \(its arguments: .*encoding"):
+        check(names=["a"])
+    with pytest.raises(ConfigError, match=r"^dataset.zzz_option: neither torchtune.datasets.instruct_dataset "
+                                          r"nor datasets.load_dataset with source=json takes it"):
+        check(zzz_option=1)
+    # A hub dataset's own arguments are unknown here: only a near miss of a known name fails.
+    cfg = _tiny("tiny/full_single_device")
+    cfg.dataset = {"_component_": "torchtune.datasets.instruct_dataset", "source": "someone/data",
+                   "split": "train", "zzz_option": 1}
+    check_config(cfg, recipe, _keys(recipe), env=False)
+    # A local loading script is a source datasets runs, not a data file.
+    script = tmp_path / "loader.py"
+    script.write_text("")
+    check(source=str(script))
+    with pytest.raises(ConfigError, match=r"^dataset._component_=torchtune.datasets.preference_dataset: "
+                                          r"its examples are preference pairs"):
+        check(_component_="torchtune.datasets.preference_dataset")
     with pytest.raises(ConfigError, match=r"^dataset.data_file: did you mean dataset.data_files\?"):
         check(data_file=str(rows))
     with pytest.raises(ConfigError, match=r"^dataset.conversation_style=sharegtp: expected one of "

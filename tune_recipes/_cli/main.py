@@ -159,12 +159,21 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 RANK_ERRORS_PREFIX = "tune_rank_errors_"
 
 
+STALE_AFTER_S = 3600
+
+
 def _remove_stale_rank_error_folders() -> None:
     """The rank-errors folders of `tune` launchers that are gone (killed by SIGKILL: their
-    ``finally`` never ran), found by the launcher's pid in the folder's name."""
+    ``finally`` never ran), found by the launcher's pid in the folder's name. NOTE: only those
+    untouched for an hour: a launcher in another pid namespace (a container sharing /tmp) looks
+    gone from here while its launch runs."""
     for folder in Path(tempfile.gettempdir()).glob(f"{RANK_ERRORS_PREFIX}*_*"):
         pid = folder.name[len(RANK_ERRORS_PREFIX):].split("_", 1)[0]
-        if not pid.isdigit():
+        try:
+            recent = time.time() - folder.stat().st_mtime < STALE_AFTER_S
+        except OSError:
+            continue
+        if not pid.isdigit() or recent:
             continue
         try:
             os.kill(int(pid), 0)

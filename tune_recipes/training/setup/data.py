@@ -17,7 +17,7 @@ from tune_recipes.constants import CROSS_ENTROPY_IGNORE_INDEX, DEFAULT_COLLATE
 from tune_recipes.data.collate import (FLEX_BLOCK, packed_collate, packed_padding_free_collate,
                                       padded_to_a_multiple, padding_free_collate)
 from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varlen_available
-from tune_recipes.validation import dataset_packed
+from tune_recipes.validation import CHAT_MESSAGE_FIELDS, dataset_packed, local_data_files
 
 
 def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
@@ -96,12 +96,12 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
                 f"({_first_line(e)}); fetch it once while online (it is cached), or point "
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
         packed = hasattr(cfg_dataset, "get") and cfg_dataset.get("packed", False) is True
-        if packed and not _raised_in_datasets(e):
+        if packed and isinstance(e, _EXAMPLE_ERRORS) and not _raised_in_datasets(e):
             # A packed dataset tokenizes every example as it is built, and its error names
             # none: find the example (raises its one line) ...
             _name_the_failing_example(cfg_dataset, tokenizer, key)
             if isinstance(e, KeyError):  # ... or, should none fail alone, the column
-                raise _no_column(key, e) from None
+                raise _no_column(key, e, chat=_is_chat(cfg_dataset)) from None
         if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise ConfigError(f"{key}: {component}: {_first_line(e)}") from None
         if isinstance(e, ValueError) and not _raised_in_datasets(e):
@@ -120,21 +120,21 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         raise
     if not is_packed(dataset):
         # (A packed dataset tokenized every example while it was built, above.)
-        dataset = ExampleErrorsNamed(dataset, key)
+        dataset = ExampleErrorsNamed(dataset, key, chat=_is_chat(cfg_dataset))
     check_first_examples(dataset, tokenizer, key)
     return dataset
 
 
+# What making one example into tokens raises for a row it cannot take (a missing column, a
+# null or a number where text goes, bytes that are not UTF-8; torchtune's message transforms
+# assert what they are given): not a builder's refusal of its arguments.
+_EXAMPLE_ERRORS = (KeyError, AttributeError, TypeError, AssertionError, UnicodeDecodeError)
+
+
 def _empty_data_file(cfg_dataset) -> Optional[str]:
     """The first of a dataset config's local ``data_files`` that is an empty file, or None."""
-    files = cfg_dataset.get("data_files") if hasattr(cfg_dataset, "get") else None
-    if isinstance(files, DictConfig):  # split -> file(s)
-        files = [f for v in files.values() for f in (v if isinstance(v, ListConfig) else [v])]
-    base = Path(str(cfg_dataset.get("data_dir") or "."))
-    for path in files if isinstance(files, ListConfig) or isinstance(files, list) else [files]:
-        if isinstance(path, str) and (base / path).is_file() and (base / path).stat().st_size == 0:
-            return path
-    return None
+    return next((path for path, resolved in local_data_files(cfg_dataset)
+                 if resolved.is_file() and resolved.stat().st_size == 0), None)
 
 
 def _name_the_failing_example(cfg_dataset, tokenizer, key: str) -> None:
@@ -146,13 +146,29 @@ def _name_the_failing_example(cfg_dataset, tokenizer, key: str) -> None:
         unpacked = tt_config.instantiate(OmegaConf.merge(cfg_dataset, {"packed": False}), tokenizer)
     except Exception:  # noqa: BLE001 - the packed build's own error is reported instead
         return
-    named = ExampleErrorsNamed(unpacked, key)
+    named = ExampleErrorsNamed(unpacked, key, chat=_is_chat(cfg_dataset))
     for index in range(len(named)):
         named[index]
 
 
+def _is_chat(cfg_dataset) -> bool:
+    """Whether a dataset config reads conversations (torchtune's chat_dataset and builders
+    taking its keys), whose rows' messages have fields of their own."""
+    from torchtune.datasets import chat_dataset
+
+    if not hasattr(cfg_dataset, "get"):
+        return False
+    if cfg_dataset.get("conversation_style") is not None \
+            or cfg_dataset.get("conversation_column") is not None:
+        return True
+    try:
+        return resolve_component(str(cfg_dataset.get("_component_"))) is chat_dataset
+    except ConfigError:
+        return False
+
+
 def _no_column(key: str, e: KeyError, index: Optional[int] = None,
-               row: Optional[dict] = None) -> ConfigError:
+               row: Optional[dict] = None, chat: bool = False) -> ConfigError:
     """A KeyError while an example is made into tokens: a column the template reads that the
     data lacks, or (where the example's raw ``row`` shows it) a value the template does not
     know, such as a conversation role, or a field inside a column."""
@@ -164,7 +180,7 @@ def _no_column(key: str, e: KeyError, index: Optional[int] = None,
             return ConfigError(
                 f"{key}: {which} holds {missing!r} where the template expects another value "
                 f"(e.g. a role the conversation style does not know; its columns: {columns})")
-        conversation, fields = _message_fields(row)
+        conversation, fields = _message_fields(row) if chat else (None, set())
         if fields and missing not in set().union(*CHAT_MESSAGE_FIELDS.values()):
             return ConfigError(
                 f"{key}: {which} has no column {missing!r} (its columns: {columns}); chat data: "
@@ -184,10 +200,6 @@ def _no_column(key: str, e: KeyError, index: Optional[int] = None,
             f"check {key}.conversation_style)")
     return ConfigError(f"{key}: {which} has no column {e} (map the data's columns with "
                        f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})")
-
-
-# The fields of a message in each of torchtune 0.6.1's chat styles.
-CHAT_MESSAGE_FIELDS = {"sharegpt": {"from", "value"}, "openai": {"role", "content"}}
 
 
 def _message_fields(row: dict):
@@ -224,9 +236,10 @@ class ExampleErrorsNamed(Dataset):
     wants text; a missing column) would otherwise end a run mid-epoch in a tokenizer's
     traceback. Other attributes are the dataset's own."""
 
-    def __init__(self, dataset: Dataset, key: str) -> None:
+    def __init__(self, dataset: Dataset, key: str, chat: bool = False) -> None:
         self.dataset = dataset
         self.key = key
+        self.chat = chat  # a chat dataset: a missing key may be a message's field
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -237,7 +250,7 @@ class ExampleErrorsNamed(Dataset):
         except ConfigError:
             raise
         except KeyError as e:
-            raise _no_column(self.key, e, index, _raw_row(self.dataset, index)) from None
+            raise _no_column(self.key, e, index, _raw_row(self.dataset, index), self.chat) from None
         except (AttributeError, TypeError, ValueError, AssertionError) as e:
             # (torchtune's message transforms assert what they are given)
             text = _first_line(e)
@@ -255,7 +268,7 @@ class ExampleErrorsNamed(Dataset):
 
     def __getattr__(self, name):
         # Only for what this class does not have (dataset, key, the methods above).
-        if name in ("dataset", "key"):
+        if name in ("dataset", "key", "chat"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

@@ -1,8 +1,11 @@
 """Setup steps every recipe performs the same way (one correct answer each)."""
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -138,11 +141,12 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
     resume reads (and, ``base_too``, the base weights a LoRA resume reads beside it), else
     ``checkpoint_dir``."""
     try:
-        return checkpointer.load_checkpoint()
+        with _sigint_noticed() as sigint:
+            return checkpointer.load_checkpoint()
     except ConfigError:
         raise
     except Exception as e:  # every converter failure, whatever its class
-        if _interrupted(e):
+        if sigint.arrived or _interrupted(e):
             # NOTE: a Ctrl-C that landed inside the read (torchtune turns whatever the file
             # reader raised into a ValueError) is the user's stop, not a broken checkpoint.
             raise KeyboardInterrupt from e
@@ -156,6 +160,33 @@ def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
         raise ConfigError(
             f"{key}: {cfg_checkpointer.get('_component_')} could not load {where}: "
             f"{type(e).__name__}: {brief(e)}{way_on}") from None
+
+
+class _Arrival:
+    arrived = False
+
+
+@contextlib.contextmanager
+def _sigint_noticed():
+    """Notes whether a SIGINT arrives inside the block (Python's handler still runs: a
+    KeyboardInterrupt). NOTE: the safetensors reader can turn the interrupt into an error of its
+    own that keeps no trace of it (its Rust code checks for signals), which torchtune then wraps
+    in a ValueError: only the arrival tells a Ctrl-C from an unreadable file."""
+    arrival = _Arrival()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield arrival  # ignored (SIG_IGN) or the default action: nothing to note
+        return
+
+    def note(signum, frame):
+        arrival.arrived = True
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield arrival
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupted(error: BaseException) -> bool:
@@ -277,20 +308,23 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
 
 def steps_per_epoch(num_batches: int, gradient_accumulation_steps: int,
                     max_steps_per_epoch: Optional[int], batch_size: int,
-                    num_examples: Optional[int] = None, world_size: int = 1) -> int:
+                    num_examples: Optional[int] = None, world_size: int = 1,
+                    unit: str = "examples") -> int:
     """Optimizer steps in one epoch of ``num_batches`` micro-batches (per rank);
-    ``num_examples``: the dataset's length, for the error."""
+    ``num_examples``: the dataset's length (``unit``: examples, or packs), for the error."""
     steps = num_batches // gradient_accumulation_steps
     if max_steps_per_epoch is not None:
         steps = min(steps, max_steps_per_epoch)
     if steps < 1:
         held = ""
         if num_examples is not None:
-            # Full batches only (drop_last): what fits one step at this accumulation.
-            fits = num_examples // (world_size * gradient_accumulation_steps)
-            held = (f" (the dataset holds {num_examples} example(s), packs where packed"
-                    + (f" for {world_size} processes" if world_size > 1 else "")
-                    + (f": set batch_size={fits} or less" if fits >= 1 else "") + ")")
+            # The sampler gives each process ceil(N / world_size) (padded by repeats); batches
+            # are full ones only (drop_last).
+            per_process = -(-num_examples // world_size)
+            fits = per_process // gradient_accumulation_steps
+            held = (f" (the dataset holds {num_examples} {unit}"
+                    + (f", {per_process} a process" if world_size > 1 else "")
+                    + (f": batch_size={fits} at most fits one step" if fits >= 1 else "") + ")")
         raise ConfigError(
             f"the dataset yields {num_batches} batches of batch_size={batch_size} per process, "
             f"fewer than gradient_accumulation_steps={gradient_accumulation_steps}{held}"
@@ -351,7 +385,8 @@ def setup_data_and_schedule(
     )
     steps = steps_per_epoch(len(dataloader), gradient_accumulation_steps,
                             state.max_steps_per_epoch, cfg.batch_size,
-                            num_examples=len(dataset), world_size=world_size)
+                            num_examples=len(dataset), world_size=world_size,
+                            unit="packs" if is_packed(dataset) else "examples")
     global_step = state.epochs_run * steps
     first_step = 0
     if resume is not None and resume.mid_epoch:

@@ -165,15 +165,16 @@ def grad_norm_and_clip_(
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _no_label_tokens(what: str) -> str:
+def _no_label_tokens(what: str, can_skip: bool = True) -> str:
     """The one line for a step with nothing to train on: a data problem, not a bug (raised as
-    a ConfigError, so it prints as one line naming where and what to change)."""
+    a ConfigError, so it prints as one line naming where and what to change). ``can_skip``:
+    whether on_nonfinite=skip is open to the run (not with the optimizer in backward)."""
+    skip = ("set on_nonfinite=skip to skip such steps (the data stays as it is, so a checkpoint "
+            "of this run still resumes), " if can_skip else "")
     return (f"{what[0].upper()}{what[1:]} has no unmasked label token, so its mean loss is "
             "0/0. Every example was truncated before its response or fully masked: raise "
-            "tokenizer.max_seq_len, set train_on_input=True, set on_nonfinite=skip to skip such "
-            "steps (the data stays as it is, so a checkpoint of this run still resumes), or "
-            "filter such examples from the dataset (a fresh run: a mid-epoch checkpoint resumes "
-            "only on its own data).")
+            f"tokenizer.max_seq_len, set train_on_input=True, {skip}or filter such examples from "
+            "the dataset (a fresh run: a mid-epoch checkpoint resumes only on its own data).")
 
 
 class StepLossNormalizer:
@@ -241,7 +242,7 @@ class StepLossNormalizer:
             self._global_tokens = int(count.item())
             if self._global_tokens <= 0:
                 raise ConfigError(_no_label_tokens(
-                    f"every rank's batch at {self._where or 'this step'}"))
+                    f"every rank's batch at {self._where or 'this step'}", can_skip=False))
         return self._global_tokens
 
     def backward_factor(self, num_tokens: int, where: str = "") -> float:
@@ -276,7 +277,8 @@ class StepLossNormalizer:
         rescale = self._weights_by_tokens
         if num_tokens <= 0 and not rescale and not self.skip_empty_steps:
             # The micro-batch is the whole step: nothing to train on.
-            raise ConfigError(_no_label_tokens(f"batch at {where or 'this step'}"))
+            raise ConfigError(_no_label_tokens(f"batch at {where or 'this step'}",
+                                               can_skip=not self.path.steps_in_backward))
         self._where = where
         self._micro_batches += 1
         self._num_tokens += num_tokens
@@ -304,7 +306,11 @@ class StepLossNormalizer:
         self._running_loss = detached if self._running_loss is None else self._running_loss + detached
         weight = float(num_tokens) if rescale else 1.0
         for name, value in (extras or {}).items():
-            v = value.detach().float() * weight if num_tokens > 0 else torch.zeros((), device=value.device)
+            # A micro-batch without tokens adds nothing to a step's sums (rescale); alone in
+            # its step (skip), its mean is 0/0, as its loss.
+            empty = torch.zeros((), device=value.device) if rescale else \
+                torch.full((), float("nan"), device=value.device)
+            v = value.detach().float() * weight if num_tokens > 0 else empty
             self._extra_sums[name] = v if name not in self._extra_sums else self._extra_sums[name] + v
         return loss
 

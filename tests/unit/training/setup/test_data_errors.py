@@ -185,6 +185,13 @@ def test_chat_rows_in_another_style_or_column_name_the_fix(tmp_path):
         build_dataset(cfg, tiny_tokenizer())
     cfg.conversation_column = "messages"
     assert len(build_dataset(cfg, tiny_tokenizer())) == 4
+    # Instruct rows with a column of mappings are no chat rows: a missing column is column_map's.
+    rows = [{"prompt": "hi", "output": "yo", "sources": [{"url": "u", "title": "t"}]}] * 4
+    for packed in (False, True):
+        with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'input' \(its "
+                                              r"columns: prompt, output, sources; map them with "
+                                              r"dataset.column_map"):
+            build_dataset(_instruct(tmp_path, rows, packed=packed), tiny_tokenizer(max_seq_len=64))
 
 
 def test_a_data_file_that_is_not_utf8_names_its_encoding(tmp_path):

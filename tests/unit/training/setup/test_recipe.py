@@ -327,19 +327,45 @@ def test_a_ctrl_c_inside_a_checkpoint_read_stays_a_ctrl_c():
     with pytest.raises(ConfigError, match="could not load /d"):
         read_checkpoint(Reader(OSError("truncated")), cfg)
 
+    class SwallowingReader:
+        """A reader that turns the interrupt into an error of its own with no trace of it
+        (safetensors' Rust code checks for signals), then wrapped by torchtune."""
+
+        def load_checkpoint(self):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here
+            except KeyboardInterrupt:
+                pass
+            raise ValueError("Unable to load checkpoint from x.safetensors. ")
+
+    import os
+    import signal
+    import time
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            read_checkpoint(SwallowingReader(), cfg)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGINT) is previous  # the handler put back
+
 
 def test_too_few_examples_for_one_step_names_the_dataset_size_and_a_batch_size_that_fits():
     from tune_recipes.training.setup.recipe import steps_per_epoch
 
     with pytest.raises(ConfigError, match=r"^the dataset yields 0 batches of batch_size=8 per process, "
                                           r"fewer than gradient_accumulation_steps=1 \(the dataset "
-                                          r"holds 3 example\(s\), packs where packed: set batch_size=3 "
-                                          r"or less\)$"):
+                                          r"holds 3 examples: batch_size=3 at most fits one step\)$"):
         steps_per_epoch(0, 1, None, 8, num_examples=3)
-    # Over 2 processes with 2 micro-batches a step, 5 examples fit one step of batch_size=1.
-    with pytest.raises(ConfigError, match=r"holds 5 example\(s\), packs where packed for 2 "
-                                          r"processes: set batch_size=1 or less\)$"):
-        steps_per_epoch(1, 2, None, 2, num_examples=5, world_size=2)
-    with pytest.raises(ConfigError, match=r"holds 1 example\(s\), packs where packed for 2 processes\)$"):
-        steps_per_epoch(0, 1, None, 1, num_examples=1, world_size=2)
+    # 3 examples over 2 processes: 2 a process (the sampler repeats one), batch_size=2 fits.
+    with pytest.raises(ConfigError, match=r"holds 3 packs, 2 a process: batch_size=2 at most fits "
+                                          r"one step\)$"):
+        steps_per_epoch(0, 1, None, 4, num_examples=3, world_size=2, unit="packs")
+    with pytest.raises(ConfigError, match=r"holds 1 examples, 1 a process: batch_size=1 at most"):
+        steps_per_epoch(0, 1, None, 2, num_examples=1, world_size=2)
+    # 2 micro-batches a step with 1 example a process: no batch size fits, none offered.
+    with pytest.raises(ConfigError, match=r"holds 2 examples, 1 a process\)$"):
+        steps_per_epoch(0, 2, None, 1, num_examples=2, world_size=2)
     assert steps_per_epoch(4, 2, None, 2, num_examples=8) == 2

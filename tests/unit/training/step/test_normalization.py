@@ -116,6 +116,39 @@ def test_a_step_with_no_label_token_is_one_config_error_on_every_path(normalizer
         normalizer.finish_step(model.parameters())
     msg = str(err.value)
     assert "epoch 2, step 7" in msg and "max_seq_len" in msg and "no unmasked" in msg
+    assert "set on_nonfinite=skip" in msg
+
+
+def test_the_no_label_line_offers_skipping_only_where_the_run_can_skip():
+    """With the optimizer in backward on_nonfinite=skip is refused at setup: the line for a
+    step without label tokens does not offer it there."""
+    x, y = _batch(8, 0, seed=3)
+    model = _model()
+    normalizer = StepLossNormalizer(1, optimizer_in_bwd=True)
+    with pytest.raises(ConfigError) as err:
+        loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+        normalizer.loss_to_backward(loss, 0, where="epoch 0, step 1").backward()
+    assert "no unmasked" in str(err.value) and "on_nonfinite" not in str(err.value)
+
+
+@pytest.mark.parametrize("normalizer", [StepLossNormalizer(1), _forced_rescale()],
+                         ids=["skip", "rescale"])
+def test_a_skipped_empty_step_logs_its_loss_and_extras_as_nan(normalizer):
+    """on_nonfinite=skip: a step without label tokens gives zero gradients, and its loss and
+    extras (e.g. distillation's terms) are 0/0 on every path, not a 0.0 that reads as measured."""
+    import math
+
+    normalizer.skip_empty_steps = True
+    x, y = _batch(8, 0, seed=3)
+    model = _model()
+    for p in model.parameters():
+        p.grad = None
+    loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+    normalizer.loss_to_backward(loss, 0, where="s", extras={"kd": loss * 2}).backward()
+    logged = normalizer.finish_step(model.parameters())
+    assert normalizer.last_step_empty
+    assert math.isnan(logged.item()) and math.isnan(normalizer.extras["kd"].item())
+    assert all(bool((p.grad == 0).all()) for p in model.parameters())
 
 
 def test_a_micro_batch_with_no_label_token_leaves_the_step_to_the_others():
