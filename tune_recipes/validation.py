@@ -27,6 +27,7 @@ another machine (the stock configs' ``/tmp/<model>`` paths, ``device: cuda`` on 
 
 import contextlib
 import difflib
+import functools
 import math
 import re
 import sys
@@ -1008,9 +1009,12 @@ def local_data_files(part) -> List[tuple]:
         return []
     base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
     files = part.get("data_files")
+    def several(v) -> bool:
+        return isinstance(v, abc.Sequence) and not isinstance(v, str)
+
     if isinstance(files, abc.Mapping):  # split -> file(s)
-        files = [f for v in files.values() for f in (v if isinstance(v, abc.Sequence) and not isinstance(v, str) else [v])]
-    elif not (isinstance(files, abc.Sequence) and not isinstance(files, str)):
+        files = [f for v in files.values() for f in (v if several(v) else [v])]
+    elif not several(files):
         files = [files]
     return [(path, base / Path(path).expanduser()) for path in files
             if isinstance(path, str) and "://" not in path and not any(c in path for c in "*?[")]
@@ -1057,23 +1061,24 @@ def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]
     return None
 
 
-def _loader_argument_names(loader: Optional[str]) -> set:
+@functools.lru_cache(maxsize=None)
+def _loader_argument_names(loader: Optional[str]) -> Optional[frozenset]:
     """The names ``datasets.load_dataset`` takes beside its own parameters for ``loader``, a
     packaged file loader (its config's fields: json's ``field``, csv's ``names`` ...); None
     for any other source (a hub dataset's or a script's config: unknown here)."""
     import dataclasses
     import importlib
 
-    from datasets import BuilderConfig  # (only here: ~1 s to import)
-
     if loader not in _LOCAL_FILE_LOADERS:
         return None
+    from datasets import BuilderConfig  # (only here: ~1 s to import)
+
     module = importlib.import_module(f"datasets.packaged_modules.{loader}.{loader}")
     names = set()
     for obj in vars(module).values():
         if isinstance(obj, type) and issubclass(obj, BuilderConfig) and dataclasses.is_dataclass(obj):
             names |= {f.name for f in dataclasses.fields(obj)}
-    return names
+    return frozenset(names)
 
 
 # torchtune's builders of chosen/rejected pairs (for DPO-style training, not these recipes).
@@ -1117,7 +1122,8 @@ def dataset_arguments_problem(cfg: DictConfig) -> Optional[str]:
                 continue  # unknown keys are the component check's
             from datasets import load_dataset
 
-            loader_names = _loader_argument_names(part.get("source"))
+            source = part.get("source")
+            loader_names = _loader_argument_names(source if isinstance(source, str) else None)
             named = set(params) | set(inspect.signature(load_dataset).parameters) | (loader_names or set())
             for k in part:
                 if k in named or k == "_component_":

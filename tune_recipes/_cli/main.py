@@ -157,9 +157,7 @@ def _run_under_torchrun(launch: Launch, recipe_argv: List[str], output_dir) -> i
 
 
 RANK_ERRORS_PREFIX = "tune_rank_errors_"
-
-
-STALE_AFTER_S = 3600
+STALE_AFTER_S = 3600  # a rank-errors folder of a launcher that is gone, removed after
 
 
 def _remove_stale_rank_error_folders() -> None:
