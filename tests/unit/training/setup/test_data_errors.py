@@ -145,16 +145,23 @@ def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     assert len(packed) > 0
 
 
+def _openai_chat(tmp_path, answer_role, style):
+    """Four openai-style rows (a "messages" column) in a file, and a chat_dataset config
+    reading them in ``style``."""
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
+                          {"role": answer_role, "content": f"yo {i}"}]} for i in range(4)]
+    (tmp_path / "chat.json").write_text(json.dumps(rows))
+    return rows, OmegaConf.create({
+        "_component_": "torchtune.datasets.chat_dataset", "source": "json",
+        "data_files": str(tmp_path / "chat.json"), "split": "train",
+        "conversation_column": "messages", "conversation_style": style})
+
+
 def test_examples_masked_whole_but_not_cut_are_not_blamed_on_the_length(tmp_path):
     """An assistant role the template does not train on (openai rows whose answers are role
     "bot") masks every example whole although nothing was cut: the line says so and names
     the roles to check, not tokenizer.max_seq_len."""
-    rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
-                          {"role": "bot", "content": f"hello {i}"}]} for i in range(4)]
-    (tmp_path / "chat.json").write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(tmp_path / "chat.json"), "split": "train",
-                            "conversation_column": "messages", "conversation_style": "openai"})
+    rows, cfg = _openai_chat(tmp_path, answer_role="bot", style="openai")
     with pytest.raises(ConfigError, match=r"^dataset: none of the first 4 examples keeps a label "
                                           r"token, and none is cut \(tokenizer.max_seq_len=256\): "
                                           r"each is masked whole .*conversation_style"):
@@ -168,12 +175,7 @@ def test_examples_masked_whole_but_not_cut_are_not_blamed_on_the_length(tmp_path
 def test_chat_rows_in_another_style_or_column_name_the_fix(tmp_path):
     """openai rows read as sharegpt: 'from' is a field of a message, not a column to map; a
     conversation_column the rows lack names the column that holds the messages."""
-    rows = [{"messages": [{"role": "user", "content": f"hi {i}"},
-                          {"role": "assistant", "content": f"yo {i}"}]} for i in range(4)]
-    (tmp_path / "chat.json").write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(tmp_path / "chat.json"), "split": "train",
-                            "conversation_column": "messages", "conversation_style": "sharegpt"})
+    _, cfg = _openai_chat(tmp_path, answer_role="assistant", style="sharegpt")
     with pytest.raises(ConfigError, match=r"^dataset: example 0's messages have no field 'from' "
                                           r"\(their fields: content, role\); set "
                                           r"dataset.conversation_style=openai$"):
