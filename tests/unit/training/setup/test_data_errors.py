@@ -286,3 +286,15 @@ def test_a_bad_validation_row_anywhere_is_one_line_at_setup(tmp_path):
     rows[33]["output"] = "a33"
     path.write_text(json.dumps(rows))
     assert len(list(build_validation_dataloader(cfg, tiny_tokenizer(), ignore_index=-100))) == 10
+
+
+def test_a_data_file_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
+    """`dataset.data_files=~/data.json`: tune validate reads ~ as a shell does; the loaders
+    took it as a folder's name ("Unable to find '<cwd>/~/data.json'")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data.json").write_text(json.dumps([{"input": f"q {i}", "output": f"a {i}"}
+                                                    for i in range(4)]))
+    for files in ("~/data.json", ["~/data.json"], {"train": "~/data.json"}):
+        cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset",
+                                "source": "json", "data_files": files, "split": "train"})
+        assert len(build_dataset(cfg, tiny_tokenizer())) == 4
