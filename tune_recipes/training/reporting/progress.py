@@ -112,6 +112,17 @@ class _Row:
     start: Any  # the window's start mark (DeviceValues or a test's stand-in)
     end: Any    # this step's mark, holding its loss, grad norm and extras
     memory: Dict[str, float]  # peak memory when the step was queued (a host-side counter)
+    epoch: Dict[str, Any]  # where in its epoch the step is (name, done, steps; epoch_end)
+
+
+# Off a terminal: a plain progress line at most this often (and at each epoch's end).
+PLAIN_LINE_EVERY_S = 30.0
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 # Reporters that may hold a row waiting for its step's values (the lagging reporter); each
@@ -173,8 +184,17 @@ class StepReporter:
                  lag: Optional[bool] = None, mark: Optional[Callable[[Dict[str, Any]], Any]] = None) -> None:
         self.metric_logger = metric_logger
         # The bar (with loss, tokens/s and tqdm's ETA) only on an interactive terminal: piped
-        # or logged output would fill with carriage-return redraws.
-        self.show_progress = sys.stdout.isatty() if show_progress is None else show_progress
+        # or logged output would fill with carriage-return redraws. Elsewhere (a job's log
+        # file: nohup, SLURM) a plain line every PLAIN_LINE_EVERY_S at most, and at each
+        # epoch's end, says the run is alive and how it goes; not where the metric logger
+        # prints its own rows (a Stdout logger) nor when quiet (show_progress=False).
+        tty = sys.stdout.isatty()
+        self.show_progress = tty if show_progress is None else show_progress
+        self.plain_lines = show_progress is None and not tty \
+            and "Stdout" not in type(metric_logger).__name__
+        self._clock = clock
+        self._last_line_at: Optional[float] = None
+        self._epoch: Dict[str, Any] = {}
         # The run folder or metrics file close() draws metrics.png from, beside it (None: none).
         self.plot_from = plot_from
         self.log_every_n_steps = max(1, int(log_every_n_steps))
@@ -198,6 +218,8 @@ class StepReporter:
     def start_epoch(self, epoch: int, total_epochs: int, steps: int, done: int = 0) -> None:
         """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
         self.flush()
+        self._epoch = {"name": f"epoch {epoch + 1}/{total_epochs}", "steps": steps, "done": done,
+                       "first": done, "started": self._clock()}
         if self.is_main and self.show_progress:
             self._pbar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{total_epochs}",
                               dynamic_ncols=True, file=sys.stdout)
@@ -214,6 +236,8 @@ class StepReporter:
         a run's last steps (or a run shorter than the interval) are never missing from
         ``metrics.jsonl``."""
         self._window_steps += 1
+        if self._epoch:
+            self._epoch["done"] += 1
         # The previous step's row: its work finished while this step's was being queued.
         self.flush()
         if self.is_main and (global_step % self.log_every_n_steps == 0 or epoch_end):
@@ -224,7 +248,8 @@ class StepReporter:
             # Read now, not when the row is written: by then the next step is running.
             memory = memory_stats(self.device) if self.log_peak_memory_stats else {}
             row = _Row(global_step, lr, self._tokens, self._window_steps, self._paused_s,
-                       self._window_start, mark, memory)
+                       self._window_start, mark, memory,
+                       dict(self._epoch, epoch_end=epoch_end) if self._epoch else {})
             # The next window starts where this one ends: logging time is counted in the next
             # window, so the windows add up to the whole run's wall time.
             self._tokens, self._window_steps, self._paused_s = 0, 0, 0.0
@@ -261,6 +286,29 @@ class StepReporter:
             self._pbar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{row.lr:.2e}",
                                    tok_s=f"{metrics['tokens_per_second_per_gpu']:,.0f}",
                                    refresh=False)
+        if self.plain_lines and self.is_main:
+            self._plain_line(row, loss_value, metrics["tokens_per_second_per_gpu"])
+
+    def _plain_line(self, row: "_Row", loss: float, tokens_per_s: float) -> None:
+        """One line for a log file: where the run is, its loss, speed and the epoch's ETA (the
+        first logged row, then at most every PLAIN_LINE_EVERY_S, and each epoch's last)."""
+        now = self._clock()
+        epoch = row.epoch
+        if not (self._last_line_at is None or now - self._last_line_at >= PLAIN_LINE_EVERY_S
+                or epoch.get("epoch_end")):
+            return
+        self._last_line_at = now
+        where = f"step {row.step}"
+        eta = ""
+        if epoch:
+            where = (f"{epoch['name']}, step {epoch['done']}/{epoch['steps']} "
+                     f"(step {row.step} of the run)")
+            ran = epoch["done"] - epoch["first"]
+            left = epoch["steps"] - epoch["done"]
+            if ran > 0 and left > 0:
+                eta = f", epoch ETA {_duration((now - epoch['started']) / ran * left)}"
+        print(f"{where}: loss {loss:.4f}, lr {row.lr:.2e}, {tokens_per_s:,.0f} tokens/s{eta}",
+              flush=True)
 
     @contextlib.contextmanager
     def paused(self):
@@ -277,6 +325,8 @@ class StepReporter:
             self.metric_logger.log_dict({"val_loss": val_loss}, step=global_step)
         if self._pbar is not None:
             self._pbar.write(f"step {global_step}: val_loss {val_loss:.4f}")
+        elif self.plain_lines and self.is_main:
+            print(f"step {global_step}: val_loss {val_loss:.4f}", flush=True)
 
     def end_epoch(self) -> None:
         self.flush()

@@ -224,12 +224,37 @@ def test_progress_bar_shows_loss_and_tokens_per_second_on_a_terminal(capsys):
     rep.close()
 
 
-def test_no_progress_bar_when_not_a_terminal_or_quiet(capsys):
-    # pytest captures stdout, so it is not a TTY: the default shows no bar.
-    rep = StepReporter(_Log())
-    _steps(rep)
+def test_off_a_terminal_plain_lines_not_a_bar_and_nothing_when_quiet(capsys):
+    """pytest captures stdout, so it is not a TTY (a job's log file): no bar and its redraws,
+    but a plain line for the first logged step, at most every PLAIN_LINE_EVERY_S after, and
+    at the epoch's end, with the epoch's ETA; validation loss too. Quiet: nothing."""
+    from tune_recipes.training.reporting.progress import PLAIN_LINE_EVERY_S
+
+    now = [0.0]
+    rep = StepReporter(_Log(), clock=lambda: now[0], lag=False)
+    assert not rep.show_progress and rep.plain_lines
+    rep.start_epoch(0, 2, 10)
+    for step in range(1, 11):
+        now[0] += PLAIN_LINE_EVERY_S / 4  # a line every fourth step at most
+        rep.add_tokens(100)
+        rep.step_done(step, torch.tensor(2.0 + step), lr=1e-3, epoch_end=step == 10)
+        if step == 5:
+            rep.log_validation(5, 1.5)
     rep.close()
-    assert "epoch 1/1" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = out.strip().splitlines()
+    assert lines == [
+        "epoch 1/2, step 1/10 (step 1 of the run): loss 3.0000, lr 1.00e-03, 13 tokens/s, epoch ETA 1:08",
+        "epoch 1/2, step 5/10 (step 5 of the run): loss 7.0000, lr 1.00e-03, 13 tokens/s, epoch ETA 0:38",
+        "step 5: val_loss 1.5000",
+        "epoch 1/2, step 9/10 (step 9 of the run): loss 11.0000, lr 1.00e-03, 13 tokens/s, epoch ETA 0:08",
+        "epoch 1/2, step 10/10 (step 10 of the run): loss 12.0000, lr 1.00e-03, 13 tokens/s"], lines
+    # Quiet (log_level WARNING), or a logger that prints its own rows: no lines.
+    for quiet in (StepReporter(_Log(), show_progress=False), StepReporter(type("StdoutLogger", (_Log,), {})())):
+        _steps(quiet)
+        quiet.close()
+    assert capsys.readouterr().out == ""
 
 
 def test_log_level_warning_turns_the_bar_off(tmp_path):
