@@ -40,3 +40,15 @@ def test_every_lora_checkpoint_holds_its_adapter_config(tmp_path):
     for epoch in ("epoch_0", "epoch_1"):
         assert json.loads((out / epoch / "adapter_config.json").read_text())["peft_type"] == "LORA"
     assert (out / "epoch_0" / "recipe_state.pt").is_file()  # the intermediate one
+
+
+def test_a_dora_run_writes_no_peft_adapter_config(tmp_path):
+    """PEFT loads torchtune's DoRA adapter with its config as a plain LoRA (magnitudes ignored:
+    wrong outputs, one warning); without the config PEFT refuses the folder. The merged model
+    and torchtune's adapter file are written, and a copied base adapter_config.json is not kept."""
+    out = tmp_path / "run"
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
+               ["max_steps_per_epoch=1", "model.use_dora=True"])
+    written = {p.name for p in (out / "epoch_0").iterdir()}
+    assert "adapter_config.json" not in written, written
+    assert {"adapter_model.pt", "model.safetensors.index.json"} <= written, written

@@ -543,6 +543,7 @@ class LoRASpec:
     attn_modules: List[str]
     apply_to_mlp: bool
     apply_to_output: bool
+    use_dora: bool = False
 
     @classmethod
     def from_model_config(cls, cfg_model) -> "LoRASpec":
@@ -555,7 +556,8 @@ class LoRASpec:
         return cls(rank=cfg_model.lora_rank, alpha=cfg_model.lora_alpha,
                    attn_modules=list(cfg_model.lora_attn_modules),
                    apply_to_mlp=cfg_model.get("apply_lora_to_mlp", False),
-                   apply_to_output=cfg_model.get("apply_lora_to_output", False))
+                   apply_to_output=cfg_model.get("apply_lora_to_output", False),
+                   use_dora=bool(cfg_model.get("use_dora", False)))
 
 
 def lora_checkpoint_entries(full_cpu_state_dict: Dict[str, torch.Tensor], spec: LoRASpec,
@@ -575,6 +577,13 @@ def lora_checkpoint_entries(full_cpu_state_dict: Dict[str, torch.Tensor], spec: 
     if not adapter_only:
         out[training.MODEL_KEY] = (merge or get_merged_lora_ckpt)(
             full_cpu_state_dict, rank=spec.rank, alpha=spec.alpha)
+    if spec.use_dora:
+        # NOTE: no PEFT adapter config for DoRA. torchtune's config (r, alpha, modules) makes
+        # PEFT load a DoRA adapter as a plain LoRA, ignoring its magnitudes (logits off by
+        # ~15 on the tiny model), and with use_dora set PEFT's DoRA still gave other outputs
+        # than the trained model's (0.31 off). The merged model and torchtune's adapter_model.pt
+        # are right; without the config, PEFT refuses the folder instead of loading it wrong.
+        return out
     out[training.ADAPTER_CONFIG] = {
         "r": spec.rank,
         "lora_alpha": spec.alpha,
