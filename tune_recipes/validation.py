@@ -293,6 +293,7 @@ activation_memory_budget_value = optional(number(0, maximum=1))
 SCHEMA: List[Rule] = [
     Rule("output_dir", text),
     Rule("output_dir", writable_dir, env=True),
+    Rule("metric_logger.log_dir", optional(writable_dir), env=True),
     Rule("seed", optional(integer(0))),
     Rule("shuffle", boolean),
     Rule("batch_size", integer(1)),

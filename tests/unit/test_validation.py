@@ -524,6 +524,22 @@ def test_dataset_arguments_the_loader_would_misread_are_named_by_validate(tmp_pa
 
 
 @pytest.mark.unit
+def test_a_log_dir_that_cannot_be_made_is_named_by_validate(tmp_path):
+    """A metric_logger.log_dir under a file (what no one can make, root included) passed
+    validate; the run stopped at its metrics file."""
+    recipe = "lora_finetune_single_device"
+    cfg = _tiny("tiny/lora_single_device")
+    cfg.output_dir = str(tmp_path / "out")
+    (tmp_path / "file").write_text("")
+    cfg.metric_logger.log_dir = str(tmp_path / "file" / "logs")
+    with pytest.raises(ConfigError, match=rf"^metric_logger.log_dir=.*: {tmp_path / 'file'} exists "
+                                          r"and is not a directory"):
+        check_config(cfg, recipe, _keys(recipe), env=True)
+    cfg.metric_logger.log_dir = str(tmp_path / "logs")
+    check_config(cfg, recipe, _keys(recipe), env=True)
+
+
+@pytest.mark.unit
 def test_quantize_with_an_int4_weight_only_quantizer_outside_bf16_is_named_by_validate():
     """The quantize recipe converts to int4 weight-only kernels (bf16 only); the QAT recipes,
     which share the quantizer and dtype keys, fake-quantize in any dtype."""

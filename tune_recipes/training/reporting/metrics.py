@@ -64,8 +64,8 @@ class JsonlMetricLogger:
             self._fh = open(self.path, "a", buffering=1)
         except OSError as e:
             raise ConfigError(
-                f"cannot write the metrics file {self.path}: {e.strerror or e}; is output_dir "
-                "writable?"
+                f"cannot write the metrics file {self.path}: {e.strerror or e}; is "
+                f"metric_logger.log_dir ({log_dir}; by default output_dir) writable?"
             ) from None
 
     def begin_run(self, resume_step: Optional[int]) -> None:

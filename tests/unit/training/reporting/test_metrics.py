@@ -85,13 +85,14 @@ def test_an_unwritable_log_dir_is_one_clear_error_not_an_attribute_error(tmp_pat
 
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the folder should be: fails for root too
-    with pytest.raises(ConfigError, match=f"cannot write the metrics file {blocker}/metrics.jsonl"):
+    with pytest.raises(ConfigError, match=f"cannot write the metrics file {blocker}/metrics.jsonl: .*; is "
+                                          rf"metric_logger.log_dir \({blocker}; by default output_dir\) writable"):
         JsonlMetricLogger(blocker)
     if os.geteuid() != 0:
         ro = tmp_path / "ro"
         ro.mkdir()
         ro.chmod(0o500)
-        with pytest.raises(ConfigError, match="Permission denied; is output_dir writable"):
+        with pytest.raises(ConfigError, match=r"Permission denied; is metric_logger.log_dir \("):
             JsonlMetricLogger(ro)
 
 
