@@ -410,6 +410,23 @@ def test_a_config_error_every_process_meets_prints_once(capsys, monkeypatch):
         "tune: error: restart 1, rank 1: rank 1's shard holds no example" in err, err
 
 
+def test_a_config_of_another_recipe_names_the_recipe_whose_keys_it_has(tmp_path, capsys):
+    """A LoRA config given to the full fine-tune: the unknown key (save_adapter_weights_only)
+    comes with the recipe to run it with (the distillation recipe takes a LoRA config's keys
+    too, but needs a teacher the config lacks); a distillation config given to LoRA likewise;
+    a plain typo names none."""
+    for recipe, config, whose in (("full_finetune_single_device", "tiny/lora_single_device",
+                                   "lora_finetune_single_device"),
+                                  ("lora_finetune_single_device", "tiny/kd_single_device",
+                                   "knowledge_distillation_single_device")):
+        rc, _, err = _run(capsys, "run", recipe, "--config", config, f"output_dir={tmp_path / 'out'}")
+        assert rc == 2 and err.strip().endswith(
+            f"; the config's keys are those of {whose}: run it with that recipe"), err
+    rc, _, err = _run(capsys, "run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+                      f"output_dir={tmp_path / 'out'}", "zzz=1")
+    assert rc == 2 and "does not use config key(s) 'zzz'" in err and "run it with" not in err, err
+
+
 def test_a_copied_recipes_unknown_key_points_to_its_config_keys(tmp_path, capsys):
     """A `tune cp` copy whose edited code reads a new key must list it in CONFIG_KEYS: the
     unknown-key error says where; our own recipe's error does not (its users do not edit it)."""

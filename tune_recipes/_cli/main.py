@@ -261,8 +261,18 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
             raise ConfigError(f"--nproc_per_node {nproc_per_node}: expected an integer >= 1")
         return False
     with warnings_after_checks():
-        check_config(cfg, Path(recipe_name).stem, known, env=env, nproc_per_node=nproc_per_node,
-                     nodes=nodes, recipe_file=str(recipe.path) if recipe.origin == "file" else None)
+        name = Path(recipe_name).stem
+        try:
+            check_config(cfg, name, known, env=env, nproc_per_node=nproc_per_node, nodes=nodes,
+                         recipe_file=str(recipe.path) if recipe.origin == "file" else None)
+        except ConfigError as e:
+            # A config of another recipe (a LoRA config given to the full fine-tune): say whose.
+            fits = registry.recipes_taking_the_keys(cfg.keys(), like=name) \
+                if str(e).startswith(f"{name} does not use config key(s)") else []
+            if fits:
+                raise ConfigError(f"{e}; the config's keys are those of {fits[0]}: run it with "
+                                  "that recipe") from None
+            raise
         if env and output_dir_check:
             _check_output_dir(cfg, known, nodes)
     return True

@@ -118,17 +118,34 @@ def _takes_the_keys_of(config_path: Path, recipe_name: str) -> bool:
     the config file: its own keys, or torchtune's that it only warns about."""
     from omegaconf import DictConfig, OmegaConf
 
-    from tune_recipes.validation import TORCHTUNE_KEYS
-
-    recipe = resolve_recipe(recipe_name)
-    known = recipe_config_keys(recipe.path) if recipe is not None else None
     try:
         cfg = OmegaConf.load(config_path)
     except Exception:  # noqa: BLE001 - not YAML we can read: the check itself will say so
         return False
-    if known is None or not isinstance(cfg, DictConfig):
+    return isinstance(cfg, DictConfig) and takes_the_keys(recipe_name, cfg.keys())
+
+
+def takes_the_keys(recipe_name: str, keys, complete: bool = False) -> bool:
+    """Whether our recipe ``recipe_name`` accepts every one of the top-level ``keys``: its own
+    CONFIG_KEYS, or torchtune's that it only warns about; ``complete``: and ``keys`` hold every
+    key the recipe requires (a distillation recipe takes a LoRA config's keys, but needs its
+    teacher's too)."""
+    from tune_recipes.validation import REQUIRED, TORCHTUNE_KEYS
+
+    recipe = resolve_recipe(recipe_name)
+    known = recipe_config_keys(recipe.path) if recipe is not None else None
+    if known is None or not all(str(k) in known or str(k) in TORCHTUNE_KEYS for k in keys):
         return False
-    return all(str(k) in known or str(k) in TORCHTUNE_KEYS for k in cfg.keys())
+    return not complete or all(k in set(map(str, keys)) for k in REQUIRED if k in known)
+
+
+def recipes_taking_the_keys(keys, like: str = "") -> List[str]:
+    """Our recipes that accept every one of the top-level ``keys`` and find every key they
+    require there; only those that run where ``like`` runs (one device, or distributed), if
+    any does."""
+    fits = [name for name in list_recipes() if takes_the_keys(name, keys, complete=True)]
+    alike = [name for name in fits if ("distributed" in name) == ("distributed" in like)]
+    return alike or fits
 
 
 def configs_by_recipe() -> Dict[str, List[str]]:
