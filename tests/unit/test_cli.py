@@ -63,6 +63,11 @@ def test_ls_lists_recipes_with_configs(capsys):
      "did you mean tiny/lora_single_device?"),
     (["run", "lora_finetune_single_device", "--config", "tiny/nope"], "unknown config 'tiny/nope'"),
     (["run", "lora_finetune_single_device", "--config", "missing.yaml"], "config file not found: missing.yaml"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/lora_single_device.yaml"],
+     "config file not found: tiny/lora_single_device.yaml; the shipped config is named without its "
+     "suffix: tiny/lora_single_device"),
+    (["cp", "tiny/lora_singel_device", "z.yaml"], "unknown recipe or config 'tiny/lora_singel_device'; "
+     "did you mean tiny/lora_single_device?"),
     (["run", "missing_recipe.py", "--config", "tiny/lora_single_device"], "recipe file not found"),
     (["run", "lora_finetune_single_device", "--config", "tiny/lora_single_device", "batch_size"],
      "bad override 'batch_size'"),

@@ -59,7 +59,10 @@ def _config_or_fail(name: str) -> registry.Resolved:
     c = registry.resolve_config(name)
     if c is None:
         if name.endswith((".yaml", ".yml")):
-            raise CliError(f"config file not found: {name}")
+            shipped = name.rsplit(".", 1)[0]
+            hint = (f"; the shipped config is named without its suffix: {shipped}"
+                    if registry.resolve_config(shipped) is not None else "")
+            raise CliError(f"config file not found: {name}{hint}")
         raise CliError(f"unknown config '{name}' (not ours, not torchtune's"
                        f"{_did_you_mean(name, registry.list_configs())}); see `tune ls`")
     return c
@@ -318,7 +321,9 @@ def cmd_cp(args: argparse.Namespace, rest: List[str]) -> int:
     if src is None or not src.path.suffix == ".py":
         src = registry.resolve_config(args.name)
     if src is None:
-        raise CliError(f"unknown recipe or config '{args.name}'; see `tune ls`")
+        raise CliError(f"unknown recipe or config '{args.name}'"
+                       f"{_did_you_mean(args.name, registry.list_recipes() + registry.list_configs())}"
+                       "; see `tune ls`")
     dest = Path(args.destination)
     # An existing directory, or a path written as one (``dir/``), receives the file by its name.
     if dest.is_dir() or args.destination.endswith(("/", os.sep)):
