@@ -28,8 +28,8 @@ recomputing all they can; 1: torch's default); below 1 they recompute the cheape
 
 Outputs in ``output_dir/epoch_<n>/``: the merged model (HF format, unless
 ``save_adapter_weights_only``), ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT
-format, loadable with ``peft.PeftModel.from_pretrained``), ``adapter_model.pt`` (torchtune
-format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``. ``low_cpu_ram: True``
+format, loadable with ``peft.PeftModel.from_pretrained``; no config with ``use_dora``, which
+PEFT would load as a plain LoRA), ``adapter_model.pt`` (torchtune format). Also ``recipe_state/``, ``metrics.jsonl`` and ``config.yaml``. ``low_cpu_ram: True``
 builds the merged model for saving tensor by tensor in a memory-mapped scratch file in
 ``output_dir`` instead of CPU memory (tune_recipes/training/checkpointing/low_ram.py).
 """

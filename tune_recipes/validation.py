@@ -594,7 +594,7 @@ def _model_builder(cfg: DictConfig) -> str:
     return component.rpartition(".")[2] if isinstance(component, str) else ""
 
 
-def _is_lora_model(cfg: DictConfig) -> bool:
+def is_lora_model(cfg: DictConfig) -> bool:
     """Whether ``model`` names a LoRA-type builder (lora_*/qlora_*, or one given lora_rank)."""
     return (_model_builder(cfg).startswith(("lora_", "qlora_"))
             or _value(cfg, "model.lora_rank") is not _MISSING)
@@ -637,7 +637,7 @@ def fp8_lora_problem(cfg: DictConfig) -> Optional[str]:
             return (f"fp8_adapter_inputs=True with model.lora_dropout={dropout}: the adapters' "
                     "input is then not the base product's; set model.lora_dropout=0.0 or "
                     "fp8_adapter_inputs=False")
-    if cfg.get("enable_fp8_training", False) is not True or not _is_lora_model(cfg):
+    if cfg.get("enable_fp8_training", False) is not True or not is_lora_model(cfg):
         return None
     if _model_builder(cfg).startswith("qlora_"):
         return (f"enable_fp8_training=True with model._component_={_value(cfg, 'model._component_')}: a QLoRA "
@@ -664,7 +664,7 @@ def fp8_mlp_problem(cfg: DictConfig) -> Optional[str]:
     per tensor: only the ``tensorwise`` recipe is implemented. (LoRA models: fp8_lora_problem.)
     Checked by ``tune validate`` and, by the layers' types, where the MLPs are swapped."""
     if cfg.get("fp8_mlp_activations", False) is not True or cfg.get("enable_fp8_training", False) is not True \
-            or _is_lora_model(cfg):
+            or is_lora_model(cfg):
         return None
     recipe = _not_tensorwise(cfg)
     if recipe:
@@ -775,7 +775,7 @@ def _quantizer_group_size_rule(cfg: DictConfig) -> Optional[str]:
     quantizer_cfg = cfg.get("quantizer", None)
     # A LoRA model's quantizer (QAT + LoRA) fake-quantizes its own linears; quantize refuses a
     # LoRA builder at its start.
-    if not isinstance(quantizer_cfg, DictConfig) or _is_lora_model(cfg) \
+    if not isinstance(quantizer_cfg, DictConfig) or is_lora_model(cfg) \
             or not _resolves_to(quantizer_cfg.get("_component_")):
         return None
     from torchtune import config as tt_config
@@ -1004,8 +1004,9 @@ def _dataset_parts(cfg: DictConfig, key: str):
 def local_data_files(part) -> List[tuple]:
     """``(as written, the path it names)`` for each local path of a dataset config's
     ``data_files`` (one, a list, or a mapping from split to either; from ``data_dir`` when
-    given; not a URL or a glob), where ``source`` is a packaged file loader. The one reader of
-    ``data_files`` for ``tune validate`` and the dataset setup."""
+    given; not a URL or a glob), where ``source`` is a packaged file loader: what ``tune
+    validate`` checks and the dataset setup's error lines name (the setup expands ``~`` before
+    loading: training/setup/data._home_expanded)."""
     if not isinstance(part, abc.Mapping) or part.get("source") not in _LOCAL_FILE_LOADERS:
         return []
     base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")
@@ -1200,7 +1201,7 @@ def lora_model_problem(cfg: DictConfig) -> Optional[str]:
     or ``lora_rank`` passes by name; any other builder is built on the meta device (no memory,
     no weights) and its adapter parameters are looked for, as the recipe does after building
     it (training/setup/model.py, distributed.py)."""
-    if _is_lora_model(cfg):
+    if is_lora_model(cfg):
         return None
     model_cfg = cfg.get("model", None)
     component = _value(cfg, "model._component_")

@@ -45,7 +45,7 @@ def test_every_lora_checkpoint_holds_its_adapter_config(tmp_path):
 def test_a_dora_run_writes_no_peft_adapter_config(tmp_path):
     """PEFT loads torchtune's DoRA adapter with its config as a plain LoRA (magnitudes ignored:
     wrong outputs, one warning); without the config PEFT refuses the folder. The merged model
-    and torchtune's adapter file are written, and a copied base adapter_config.json is not kept."""
+    and torchtune's adapter file are written."""
     out = tmp_path / "run"
     run_recipe("lora_finetune_single_device", "tiny/lora_single_device", out,
                ["max_steps_per_epoch=1", "model.use_dora=True"])

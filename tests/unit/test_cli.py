@@ -430,6 +430,15 @@ def test_a_config_of_another_recipe_names_the_recipe_whose_keys_it_has(tmp_path,
     rc, _, err = _run(capsys, "run", "full_finetune_single_device", "--config", "tiny/full_single_device",
                       f"output_dir={tmp_path / 'out'}", "zzz=1")
     assert rc == 2 and "does not use config key(s) 'zzz'" in err and "run it with" not in err, err
+    # A LoRA key on a full config: no LoRA recipe offered, the model has no adapters.
+    rc, _, err = _run(capsys, "run", "full_finetune_single_device", "--config", "tiny/full_single_device",
+                      f"output_dir={tmp_path / 'out'}", "save_adapter_weights_only=True")
+    assert rc == 2 and "run it with" not in err, err
+    # Distributed: both recipes that take a QAT config's keys are named.
+    rc, _, err = _run(capsys, "run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config",
+                      "tiny/qat_distributed", f"output_dir={tmp_path / 'out'}")
+    assert rc == 2 and err.strip().endswith("; the config's keys are those of qat_distributed: run it with "
+                                            "that recipe"), err
 
 
 def test_a_copied_recipes_unknown_key_points_to_its_config_keys(tmp_path, capsys):

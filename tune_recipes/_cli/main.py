@@ -38,7 +38,7 @@ from tune_recipes.config import (
     load_config,
     validate_config,
 )
-from tune_recipes.validation import WARNED_ENV, check_config, warnings_after_checks
+from tune_recipes.validation import WARNED_ENV, check_config, is_lora_model, warnings_after_checks
 
 
 class CliError(Exception):
@@ -270,11 +270,17 @@ def _check_recipe(cfg, recipe: registry.Resolved, recipe_name: str, *, env: bool
                          recipe_file=str(recipe.path) if recipe.origin == "file" else None)
         except ConfigError as e:
             # A config of another recipe (a LoRA config given to the full fine-tune): say whose.
+            # Not for a user's own recipe (its CONFIG_KEYS may be what lacks the key).
             fits = registry.recipes_taking_the_keys(cfg.keys(), like=name) \
-                if str(e).startswith(f"{name} does not use config key(s)") else []
+                if recipe.origin != "file" and str(e).startswith(f"{name} does not use config key(s)") \
+                else []
+            # A LoRA-type recipe (it saves adapters) only for a model with adapters.
+            fits = [f for f in fits if is_lora_model(cfg)
+                    or "save_adapter_weights_only" not in registry.recipe_config_keys(
+                        registry.resolve_recipe(f).path)]
             if fits:
-                raise ConfigError(f"{e}; the config's keys are those of {fits[0]}: run it with "
-                                  "that recipe") from None
+                raise ConfigError(f"{e}; the config's keys are those of {' or '.join(fits)}: run "
+                                  "it with that recipe") from None
             raise
         if env and output_dir_check:
             _check_output_dir(cfg, known, nodes)

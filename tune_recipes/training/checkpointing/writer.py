@@ -116,16 +116,16 @@ def _without_torchtune_save_lines():
         logger.removeFilter(f)
 
 
-def drop_another_runs_records(folder: Path, adapter_saved: bool) -> None:
+def drop_another_runs_records(folder: Path, peft_config_saved: bool) -> None:
     """Remove from a checkpoint ``folder`` the records torchtune's HF checkpointer copied from
     ``checkpoint_dir`` (it copies every small non-weight file, so a run started from another
     run's checkpoint folder inherits that run's): its ``finished_run.json`` (this run writes
-    its own, in its final folder only) and, where this save holds no adapter, its
-    ``adapter_config.json``, which makes transformers and PEFT load the folder as an adapter
-    whose weights are not there. The model's own files (config.json, tokenizer, generation
-    config) stay."""
+    its own, in its final folder only) and, where this save writes no PEFT config (no adapter,
+    or a DoRA one), its ``adapter_config.json``, which makes transformers and PEFT load the
+    folder as an adapter whose weights are not there (or as another kind of adapter). The
+    model's own files (config.json, tokenizer, generation config) stay."""
     (folder / FINISHED_RUN_FILE).unlink(missing_ok=True)
-    if not adapter_saved:
+    if not peft_config_saved:
         (folder / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
 
 
@@ -287,7 +287,7 @@ class CheckpointWriter:
                 else f"the epoch {epoch} checkpoint")
         # NOTE: read before the save: torchtune's save pops the adapter entries from ``ckpt``
         # when it writes the recipe state.
-        adapter_saved = training.ADAPTER_CONFIG in ckpt
+        peft_config_saved = training.ADAPTER_CONFIG in ckpt  # not for DoRA: io.lora_checkpoint_entries
         # NOTE: torchtune's checkpointers write everything under ``_output_dir``; pointing it
         # at the staging folder for one call is what makes their writes atomic here.
         real_output_dir = self.checkpointer._output_dir
@@ -306,7 +306,7 @@ class CheckpointWriter:
                 self.checkpointer._output_dir = real_output_dir
             # torchtune names its folder by the epoch; a step checkpoint is renamed below.
             written = staging / f"epoch_{epoch}"
-            drop_another_runs_records(written, adapter_saved=adapter_saved)
+            drop_another_runs_records(written, peft_config_saved=peft_config_saved)
             readable_as_umask_allows(written)
             if self.lora is not None:
                 complete_peft_adapter_config(written, self.base_checkpoint_dir)

@@ -46,7 +46,8 @@ class JsonlMetricLogger:
         if log_dir is None:
             raise ConfigError("metric_logger.log_dir is null: this logger writes "
                               "<log_dir>/metrics.jsonl; set metric_logger.log_dir=${output_dir}")
-        self.path = Path(log_dir) / filename
+        log_dir = Path(log_dir).expanduser()  # as tune validate reads it
+        self.path = log_dir / filename
         self._begun = False
         # config.yaml as it was before log_config replaced it, kept aside with the earlier
         # run's rows if this run turns out fresh (log_config comes before begin_run).
@@ -65,7 +66,7 @@ class JsonlMetricLogger:
         except OSError as e:
             raise ConfigError(
                 f"cannot write the metrics file {self.path}: {e.strerror or e}; is "
-                f"metric_logger.log_dir ({log_dir}; by default output_dir) writable?"
+                f"metric_logger.log_dir ({log_dir}; output_dir in the shipped configs) writable?"
             ) from None
 
     def begin_run(self, resume_step: Optional[int]) -> None:

@@ -195,6 +195,7 @@ class StepReporter:
         self._clock = clock
         self._last_line_at: Optional[float] = None
         self._epoch: Dict[str, Any] = {}
+        self._eta_from: Optional[tuple] = None
         # The run folder or metrics file close() draws metrics.png from, beside it (None: none).
         self.plot_from = plot_from
         self.log_every_n_steps = max(1, int(log_every_n_steps))
@@ -218,8 +219,8 @@ class StepReporter:
     def start_epoch(self, epoch: int, total_epochs: int, steps: int, done: int = 0) -> None:
         """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
         self.flush()
-        self._epoch = {"name": f"epoch {epoch + 1}/{total_epochs}", "steps": steps, "done": done,
-                       "first": done, "started": self._clock()}
+        self._epoch = {"name": f"epoch {epoch + 1}/{total_epochs}", "steps": steps, "done": done}
+        self._eta_from: Optional[tuple] = None  # (clock, steps done) at the epoch's first line
         if self.is_main and self.show_progress:
             self._pbar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{total_epochs}",
                               dynamic_ncols=True, file=sys.stdout)
@@ -303,12 +304,24 @@ class StepReporter:
         if epoch:
             where = (f"{epoch['name']}, step {epoch['done']}/{epoch['steps']} "
                      f"(step {row.step} of the run)")
-            ran = epoch["done"] - epoch["first"]
+            # The rate since the epoch's first line: its first steps (a compile, the loader's
+            # workers starting) would make an ETA of hours.
+            if self._eta_from is None:
+                self._eta_from = (now, epoch["done"])
+            since, done_then = self._eta_from
             left = epoch["steps"] - epoch["done"]
-            if ran > 0 and left > 0:
-                eta = f", epoch ETA {_duration((now - epoch['started']) / ran * left)}"
-        print(f"{where}: loss {loss:.4f}, lr {row.lr:.2e}, {tokens_per_s:,.0f} tokens/s{eta}",
-              flush=True)
+            if epoch["done"] > done_then and left > 0:
+                eta = f", epoch ETA {_duration((now - since) / (epoch['done'] - done_then) * left)}"
+        self._print_line(f"{where}: loss {loss:.4f}, lr {row.lr:.2e}, {tokens_per_s:,.0f} "
+                         f"tokens/s{eta}")
+
+    def _print_line(self, line: str) -> None:
+        """A plain line; a stdout that fails (a closed pipe, a full disk) ends the lines, never
+        the run (the rows are in the metric logger already)."""
+        try:
+            print(line, flush=True)
+        except OSError:
+            self.plain_lines = False
 
     @contextlib.contextmanager
     def paused(self):
@@ -326,7 +339,7 @@ class StepReporter:
         if self._pbar is not None:
             self._pbar.write(f"step {global_step}: val_loss {val_loss:.4f}")
         elif self.plain_lines and self.is_main:
-            print(f"step {global_step}: val_loss {val_loss:.4f}", flush=True)
+            self._print_line(f"step {global_step} of the run: val_loss {val_loss:.4f}")
 
     def end_epoch(self) -> None:
         self.flush()

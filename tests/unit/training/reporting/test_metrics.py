@@ -86,7 +86,7 @@ def test_an_unwritable_log_dir_is_one_clear_error_not_an_attribute_error(tmp_pat
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the folder should be: fails for root too
     with pytest.raises(ConfigError, match=f"cannot write the metrics file {blocker}/metrics.jsonl: .*; is "
-                                          rf"metric_logger.log_dir \({blocker}; by default output_dir\) writable"):
+                                          rf"metric_logger.log_dir \({blocker}; output_dir in the shipped configs\) writable"):
         JsonlMetricLogger(blocker)
     if os.geteuid() != 0:
         ro = tmp_path / "ro"
@@ -94,6 +94,13 @@ def test_an_unwritable_log_dir_is_one_clear_error_not_an_attribute_error(tmp_pat
         ro.chmod(0o500)
         with pytest.raises(ConfigError, match=r"Permission denied; is metric_logger.log_dir \("):
             JsonlMetricLogger(ro)
+
+
+def test_a_log_dir_under_home_written_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    logger = JsonlMetricLogger("~/runs")
+    logger.close()
+    assert logger.path == tmp_path / "runs" / "metrics.jsonl" and logger.path.is_file()
 
 
 def test_a_resumed_run_drops_the_rows_after_its_checkpoint(tmp_path):

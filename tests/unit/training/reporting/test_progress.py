@@ -244,12 +244,24 @@ def test_off_a_terminal_plain_lines_not_a_bar_and_nothing_when_quiet(capsys):
     out = capsys.readouterr().out
     assert "\r" not in out
     lines = out.strip().splitlines()
+    # The ETA from the rate since the epoch's first line (its first step may hold a compile).
     assert lines == [
-        "epoch 1/2, step 1/10 (step 1 of the run): loss 3.0000, lr 1.00e-03, 13 tokens/s, epoch ETA 1:08",
+        "epoch 1/2, step 1/10 (step 1 of the run): loss 3.0000, lr 1.00e-03, 13 tokens/s",
         "epoch 1/2, step 5/10 (step 5 of the run): loss 7.0000, lr 1.00e-03, 13 tokens/s, epoch ETA 0:38",
-        "step 5: val_loss 1.5000",
+        "step 5 of the run: val_loss 1.5000",
         "epoch 1/2, step 9/10 (step 9 of the run): loss 11.0000, lr 1.00e-03, 13 tokens/s, epoch ETA 0:08",
         "epoch 1/2, step 10/10 (step 10 of the run): loss 12.0000, lr 1.00e-03, 13 tokens/s"], lines
+    # A stdout that fails (a closed pipe) ends the lines, not the run.
+    import sys
+
+    broken = StepReporter(_Log(), clock=lambda: now[0], lag=False)
+    real, sys.stdout = sys.stdout, type("Closed", (), {"write": lambda self, s: (_ for _ in ()).throw(
+        BrokenPipeError(32, "Broken pipe")), "flush": lambda self: None})()
+    try:
+        _steps(broken)
+    finally:
+        sys.stdout = real
+    assert not broken.plain_lines and len(broken.metric_logger.rows) == 3
     # Quiet (log_level WARNING), or a logger that prints its own rows: no lines.
     for quiet in (StepReporter(_Log(), show_progress=False), StepReporter(type("StdoutLogger", (_Log,), {})())):
         _steps(quiet)
