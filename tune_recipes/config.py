@@ -69,7 +69,26 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     for item in overrides:
         if item.startswith("~"):
             _delete_key(cfg, item[1:], path)
-    return cfg
+    return _home_expanded(cfg)
+
+
+def _home_expanded(cfg: DictConfig) -> DictConfig:
+    """Every value that starts with ``~/`` (or is ``~``) with the home folder written out, as a
+    shell would and as ``tune validate`` reads paths: torchtune's checkpointers, Hugging Face's
+    loaders and the recipes' own files take ``~`` as a folder's name (output_dir, checkpoint_dir,
+    tokenizer.path, data_files, log_dir alike)."""
+    def expand(node):
+        if isinstance(node, dict):
+            return {k: expand(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [expand(v) for v in node]
+        if isinstance(node, str) and (node == "~" or node.startswith("~/")):
+            return os.path.expanduser(node)
+        return node
+
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    expanded = expand(plain)
+    return cfg if expanded == plain else OmegaConf.create(expanded)
 
 
 def _apply_override(cfg: DictConfig, item: str) -> DictConfig:

@@ -1005,8 +1005,8 @@ def local_data_files(part) -> List[tuple]:
     """``(as written, the path it names)`` for each local path of a dataset config's
     ``data_files`` (one, a list, or a mapping from split to either; from ``data_dir`` when
     given; not a URL or a glob), where ``source`` is a packaged file loader: what ``tune
-    validate`` checks and the dataset setup's error lines name (the setup expands ``~`` before
-    loading: training/setup/data._home_expanded)."""
+    validate`` checks and the dataset setup's error lines name (a config's ``~`` is expanded
+    when it is loaded: config._home_expanded)."""
     if not isinstance(part, abc.Mapping) or part.get("source") not in _LOCAL_FILE_LOADERS:
         return []
     base = Path(str(part["data_dir"])).expanduser() if part.get("data_dir") else Path(".")

@@ -134,9 +134,10 @@ def takes_the_keys(recipe_name: str, keys, complete: bool = False) -> bool:
 
     recipe = resolve_recipe(recipe_name)
     known = recipe_config_keys(recipe.path) if recipe is not None else None
-    if known is None or not all(str(k) in known or str(k) in TORCHTUNE_KEYS for k in keys):
+    keys = {str(k) for k in keys}
+    if known is None or not all(k in known or k in TORCHTUNE_KEYS for k in keys):
         return False
-    return not complete or all(k in set(map(str, keys)) for k in REQUIRED if k in known)
+    return not complete or all(k in keys for k in REQUIRED if k in known)
 
 
 def recipes_taking_the_keys(keys, like: str = "") -> List[str]:

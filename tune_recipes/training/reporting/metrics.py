@@ -46,8 +46,7 @@ class JsonlMetricLogger:
         if log_dir is None:
             raise ConfigError("metric_logger.log_dir is null: this logger writes "
                               "<log_dir>/metrics.jsonl; set metric_logger.log_dir=${output_dir}")
-        log_dir = Path(log_dir).expanduser()  # as tune validate reads it
-        self.path = log_dir / filename
+        self.path = Path(log_dir) / filename
         self._begun = False
         # config.yaml as it was before log_config replaced it, kept aside with the earlier
         # run's rows if this run turns out fresh (log_config comes before begin_run).

@@ -220,7 +220,7 @@ class StepReporter:
         """``done``: steps of this epoch already run (a run resumed mid-epoch)."""
         self.flush()
         self._epoch = {"name": f"epoch {epoch + 1}/{total_epochs}", "steps": steps, "done": done}
-        self._eta_from: Optional[tuple] = None  # (clock, steps done) at the epoch's first line
+        self._eta_from = None  # (clock, steps done) at the epoch's first line
         if self.is_main and self.show_progress:
             self._pbar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{total_epochs}",
                               dynamic_ncols=True, file=sys.stdout)

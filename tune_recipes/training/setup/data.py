@@ -1,6 +1,5 @@
 """Dataset and dataloader, the same for every recipe."""
 
-import os
 from functools import partial
 from typing import Optional
 from pathlib import Path
@@ -85,7 +84,6 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         # YAML reads `{input:prompt}` (no space after the colon) as the key "input:prompt".
         raise ConfigError(f"{key}.column_map holds {unset[0]!r} with no value: write a space "
                           f"after the colon, {{{str(unset[0]).replace(':', ': ', 1)}}}")
-    cfg_dataset = _home_expanded(cfg_dataset)
     try:
         dataset = tt_config.instantiate(cfg_dataset, tokenizer)
     except ConfigError:
@@ -125,26 +123,6 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
         dataset = ExampleErrorsNamed(dataset, key, chat=_is_chat(cfg_dataset))
     check_first_examples(dataset, tokenizer, key)
     return dataset
-
-
-def _home_expanded(cfg_dataset):
-    """``data_files`` and ``data_dir`` with a leading ``~`` expanded, as a shell would and as
-    ``tune validate`` reads them (Hugging Face's loaders take ``~`` as a folder's name)."""
-    if not isinstance(cfg_dataset, DictConfig):
-        return cfg_dataset
-
-    def expand(value):
-        if isinstance(value, str):
-            return os.path.expanduser(value)
-        if isinstance(value, ListConfig):
-            return [expand(v) for v in value]
-        if isinstance(value, DictConfig):
-            return {k: expand(v) for k, v in value.items()}
-        return value
-
-    changes = {key: expand(cfg_dataset[key]) for key in ("data_files", "data_dir")
-               if key in cfg_dataset and "~" in str(cfg_dataset[key])}
-    return OmegaConf.merge(cfg_dataset, changes) if changes else cfg_dataset
 
 
 # What making one example into tokens raises for a row it cannot take (a missing column, a

@@ -97,8 +97,17 @@ def test_an_unwritable_log_dir_is_one_clear_error_not_an_attribute_error(tmp_pat
 
 
 def test_a_log_dir_under_home_written_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from tune_recipes.config import load_config
+
     monkeypatch.setenv("HOME", str(tmp_path))
-    logger = JsonlMetricLogger("~/runs")
+    (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(
+        {"output_dir": "~/runs", "metric_logger": {"log_dir": "${output_dir}"}, "keep": "a~/b"}))
+    cfg = load_config(tmp_path / "run.yaml", ["tokenizer.path=~/tok"])
+    assert cfg.output_dir == str(tmp_path / "runs") and cfg.tokenizer.path == str(tmp_path / "tok")
+    assert cfg.keep == "a~/b"  # only a leading ~ is the home folder
+    logger = JsonlMetricLogger(cfg.metric_logger.log_dir)
     logger.close()
     assert logger.path == tmp_path / "runs" / "metrics.jsonl" and logger.path.is_file()
 

@@ -290,11 +290,16 @@ def test_a_bad_validation_row_anywhere_is_one_line_at_setup(tmp_path):
 
 def test_a_data_file_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
     """`dataset.data_files=~/data.json`: tune validate reads ~ as a shell does; the loaders
-    took it as a folder's name ("Unable to find '<cwd>/~/data.json'")."""
+    took it as a folder's name ("Unable to find '<cwd>/~/data.json'"). The config, as loaded,
+    holds the home folder written out."""
+    from tune_recipes.config import load_config
+
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "data.json").write_text(json.dumps([{"input": f"q {i}", "output": f"a {i}"}
                                                     for i in range(4)]))
     for files in ("~/data.json", ["~/data.json"], {"train": "~/data.json"}):
-        cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset",
-                                "source": "json", "data_files": files, "split": "train"})
+        (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml({"dataset": {
+            "_component_": "torchtune.datasets.instruct_dataset", "source": "json",
+            "data_files": files, "split": "train"}}))
+        cfg = load_config(tmp_path / "run.yaml").dataset
         assert len(build_dataset(cfg, tiny_tokenizer())) == 4
