@@ -148,7 +148,12 @@ class TensorBoardLogger(_WithJsonl):
         self._tb = _torchtune_tensorboard()(log_dir=str(log_dir), organize_logs=organize_logs,
                                             **kwargs)
         self.log_dir = self._tb.log_dir  # where the event file is
+        self._view_dir = log_dir
         self._init_jsonl(log_dir, jsonl)
+
+    def where(self) -> str:
+        return (f"TensorBoard: event files in {self.log_dir} "
+                f"(view: tensorboard --logdir {self._view_dir})")
 
     def log(self, name: str, data: Any, step: int) -> None:
         self.log_dict({name: data}, step)
@@ -203,6 +208,16 @@ class WandBLogger(_WithJsonl):
             raise ConfigError(f"metric_logger (W&B): {first}; or set metric_logger.mode=offline "
                               "or disabled") from None
         self._init_jsonl(log_dir, jsonl)
+
+    def where(self) -> Optional[str]:
+        run = self.run
+        if run is None:  # mode=disabled, or a process other than rank 0
+            return None
+        url = getattr(run, "url", None)
+        if url:
+            return f"W&B: run {run.name or run.id} at {url}"
+        run_dir = Path(run.dir).parent  # run.dir is the run's files/ folder
+        return f"W&B: offline run in {run_dir} (upload later: wandb sync {run_dir})"
 
     @property
     def run(self):
@@ -284,6 +299,11 @@ class MLFlowLogger(_WithJsonl):
         self.run_id = run_id
         self._closed = False
         self._init_jsonl(log_dir, jsonl)
+
+    def where(self) -> str:
+        view = (f"mlflow ui --backend-store-uri {self.tracking_uri}"
+                if self.tracking_uri.startswith("file:") else self.tracking_uri)
+        return f"MLflow: run {self.run_id} in {self.tracking_uri} (view: {view})"
 
     def log(self, name: str, data: Any, step: int) -> None:
         self.log_dict({name: data}, step)

@@ -170,3 +170,34 @@ def test_a_fresh_run_moves_the_earlier_runs_resume_configs_aside_with_it(make, t
     assert OmegaConf.load(tmp_path / f"config.{suffix}.yaml").optimizer.lr == 2.0
     assert OmegaConf.load(tmp_path / f"config.{suffix}.1.yaml").optimizer.lr == 1.0
     assert OmegaConf.load(tmp_path / "config.yaml").optimizer.lr == 3.0
+
+
+@pytest.mark.parametrize("component,expect", [
+    ("TensorBoardLogger", r"TensorBoard: event files in {d}/run_0_\S+ \(view: tensorboard --logdir {d}\)"),
+    ("MLFlowLogger", r"MLflow: run \w+ in file://{d}/mlruns \(view: mlflow ui --backend-store-uri file://{d}/mlruns\)"),
+    ("WandBLogger", r"W&B: offline run in {d}/wandb/offline-run-\S+ \(upload later: wandb sync {d}/wandb/offline-run-\S+\)"),
+])
+def test_a_logger_writing_beyond_metrics_jsonl_says_where_at_the_start(component, expect, tmp_path,
+                                                                      monkeypatch, caplog):
+    """A user opening TensorBoard, MLflow or W&B needs the folder, store or run: the run's
+    setup prints it once (through the recipes' reporter setup)."""
+    import re
+
+    from tune_recipes.training.setup.recipe import build_reporter
+
+    pytest.importorskip({"TensorBoardLogger": "tensorboard", "MLFlowLogger": "mlflow",
+                         "WandBLogger": "wandb"}[component])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = {"_component_": f"tune_recipes.loggers.{component}", "log_dir": str(tmp_path)}
+    if component == "WandBLogger":
+        logger["mode"] = "offline"
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "metric_logger": logger})
+    with caplog.at_level("INFO"):
+        rep = build_reporter(cfg, torch.device("cpu"))
+    try:
+        lines = caplog.messages
+        pattern = re.compile(expect.format(d=re.escape(str(tmp_path))))
+        assert sum(bool(pattern.search(l)) for l in lines) == 1, lines
+    finally:
+        rep.close()

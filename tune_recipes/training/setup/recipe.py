@@ -284,6 +284,10 @@ def build_reporter(cfg: DictConfig, device, is_main: bool = True,
     if is_main:
         metric_logger = tt_config.instantiate(cfg.metric_logger)
         metric_logger.log_config(cfg)
+        # Loggers that write beyond metrics.jsonl (TensorBoard, MLflow, W&B) say where, once.
+        where = metric_logger.where() if hasattr(metric_logger, "where") else None
+        if where:
+            log.info("%s", where)
         if resume_step is not None and hasattr(metric_logger, "drop_rows_after"):
             metric_logger.drop_rows_after(resume_step)
         elif resume_step is None and hasattr(metric_logger, "begin_run"):
