@@ -115,3 +115,30 @@ def test_a_full_run_started_from_a_lora_runs_folder_saves_plain_model_folders(tm
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE((out / "epoch_1" / WEIGHTS).stat().st_mode) == 0o666 & ~umask
+
+
+def test_an_adapter_trained_on_a_trained_folder_names_that_folder_as_its_base(tmp_path):
+    """`tune download` records the hub repo in original_repo_id.json; torchtune's checkpointer
+    copied it into every save and named that repo as the base of any adapter later trained on
+    the saved folder: PEFT then loaded the adapter onto the download, dropping the full
+    fine-tune. A trained folder is not that repo: the record is not copied."""
+    import json
+
+    from tune_recipes.resolvers import tiny_checkpoint
+
+    download = tmp_path / "download"
+    shutil.copytree(tiny_checkpoint(), download)
+    (download / "original_repo_id.json").write_text(json.dumps({"repo_id": "org/tiny-base"}))
+    full = tmp_path / "full"
+    run_recipe("full_finetune_single_device", "tiny/full_single_device", full,
+               ["max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1",
+                f"checkpointer.checkpoint_dir={download}"])
+    assert not (full / "epoch_0" / "original_repo_id.json").exists()
+    lora = tmp_path / "lora"
+    run_recipe("lora_finetune_single_device", "tiny/lora_single_device", lora,
+               ["max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1",
+                "save_adapter_weights_only=True",
+                f"checkpointer.checkpoint_dir={full / 'epoch_0'}",
+                f"checkpointer.checkpoint_files=[{WEIGHTS}]"])
+    adapter_config = json.loads((lora / "epoch_0" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(full / "epoch_0")

@@ -539,7 +539,9 @@ def _earlier_download_of(folder) -> Optional[str]:
     """The repo id torchtune recorded in ``folder`` after a download that completed there
     (``original_repo_id.json``), or None."""
     try:
-        return json.loads((Path(folder) / "original_repo_id.json").read_text()).get("repo_id")
+        from tune_recipes.constants import DOWNLOADED_REPO_FILE
+
+        return json.loads((Path(folder) / DOWNLOADED_REPO_FILE).read_text()).get("repo_id")
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 

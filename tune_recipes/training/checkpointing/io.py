@@ -519,11 +519,13 @@ def _checked_epoch_dir(out: Path) -> Path:
 
 
 def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) -> None:
-    """Record where the base model lives in ``adapter_config.json``.
+    """Make ``adapter_config.json`` loadable as is: where the base model lives, and the task.
 
     torchtune leaves ``base_model_name_or_path`` out unless the checkpoint folder names a hub
-    repo; transformers' ``from_pretrained(epoch_dir)`` and PEFT's auto classes then fail with a
-    KeyError. Pointing it at the base checkpoint folder makes the adapter folder loadable as is.
+    repo (transformers' ``from_pretrained(epoch_dir)`` then fails with a KeyError): the base
+    checkpoint folder goes there. It also writes no ``task_type``, without which PEFT's
+    ``AutoPeftModelForCausalLM`` cannot tell which model class to build; every recipe here
+    trains a causal LM.
     """
     path = Path(epoch_dir) / ADAPTER_CONFIG_FILE
     if not path.is_file():
@@ -531,7 +533,49 @@ def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) 
     cfg = json.loads(path.read_text())
     if not cfg.get("base_model_name_or_path"):
         cfg["base_model_name_or_path"] = str(base_model_name_or_path)
-        path.write_text(json.dumps(cfg, indent=2) + "\n")
+    if not cfg.get("task_type"):
+        cfg["task_type"] = "CAUSAL_LM"
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+PEFT_ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def undo_rope_permutation_of_peft_adapter(epoch_dir: Path, num_heads: int, num_kv_heads: int,
+                                          head_dim: int) -> None:
+    """Rewrite the PEFT adapter's q/k ``lora_B`` rows in the model's own order.
+
+    torchtune 0.6.1 writes every PEFT adapter's q_proj/k_proj ``lora_B`` with the rows of each
+    head interleaved the way Llama's Hugging Face weights are (its ``tune_to_peft_adapter_weights``
+    permutes whatever the model type), while its Qwen2 weights are saved unpermuted (Qwen2's
+    Hugging Face and torchtune layouts are the same). Loaded onto the base through PEFT, such
+    an adapter shifts the wrong rows: a Qwen2.5 LoRA's logits came out about as far from the
+    trained model's as the untrained base's. This inverts that permutation for a model whose
+    weights are not permuted; the merged weights and ``adapter_model.pt`` are not affected.
+    """
+    path = Path(epoch_dir) / PEFT_ADAPTER_FILE
+    if not path.is_file():
+        return
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+
+    def unpermuted(t: torch.Tensor, heads: int) -> torch.Tensor:
+        rank = t.shape[-1]
+        # torchtune's permutation: view(heads, head_dim // 2, 2, rank).transpose(1, 2).
+        return (t.view(heads, 2, head_dim // 2, rank).transpose(1, 2)
+                .reshape(heads * head_dim, rank).contiguous())
+
+    changed = False
+    for key, value in tensors.items():
+        if ".lora_B." not in key:
+            continue
+        if ".q_proj." in key:
+            tensors[key], changed = unpermuted(value, num_heads), True
+        elif ".k_proj." in key:
+            tensors[key], changed = unpermuted(value, num_kv_heads), True
+    if changed:
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 @dataclass

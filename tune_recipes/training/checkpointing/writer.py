@@ -15,10 +15,11 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 from torchtune import training
+from torchtune.training.checkpointing._utils import ModelType
 
 from tune_recipes.config import positive_int_or_none
 from tune_recipes.validation import brief
-from tune_recipes.constants import CHECKPOINT_SAVE_EVENT
+from tune_recipes.constants import CHECKPOINT_SAVE_EVENT, DOWNLOADED_REPO_FILE
 from tune_recipes.training.checkpointing.io import (
     ADAPTER_CONFIG_FILE,
     EPOCH_STATE_FILE,
@@ -28,6 +29,7 @@ from tune_recipes.training.checkpointing.io import (
     CheckpointError,
     LoRASpec,
     complete_peft_adapter_config,
+    undo_rope_permutation_of_peft_adapter,
     lora_checkpoint_entries,
     step_dirs,
 )
@@ -123,8 +125,12 @@ def drop_another_runs_records(folder: Path, peft_config_saved: bool) -> None:
     its own, in its final folder only) and, where this save writes no PEFT config (no adapter,
     or a DoRA one), its ``adapter_config.json``, which makes transformers and PEFT load the
     folder as an adapter whose weights are not there (or as another kind of adapter). The
-    model's own files (config.json, tokenizer, generation config) stay."""
+    model's own files (config.json, tokenizer, generation config) stay, but not
+    ``original_repo_id.json``: ``tune download`` records there the hub repo the folder holds,
+    which a trained folder no longer is, and torchtune's checkpointer names that repo as the
+    base of every PEFT adapter trained from the folder."""
     (folder / FINISHED_RUN_FILE).unlink(missing_ok=True)
+    (folder / DOWNLOADED_REPO_FILE).unlink(missing_ok=True)
     if not peft_config_saved:
         (folder / ADAPTER_CONFIG_FILE).unlink(missing_ok=True)
 
@@ -310,6 +316,12 @@ class CheckpointWriter:
             readable_as_umask_allows(written)
             if self.lora is not None:
                 complete_peft_adapter_config(written, self.base_checkpoint_dir)
+                if getattr(self.checkpointer, "_model_type", None) == ModelType.QWEN2:
+                    hf = self.checkpointer._config
+                    undo_rope_permutation_of_peft_adapter(
+                        written, num_heads=hf["num_attention_heads"],
+                        num_kv_heads=hf["num_key_value_heads"],
+                        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
             if intermediate:
                 # The folder's own copy travels with it: resume reads it from there.
                 os.replace(staging / RECIPE_STATE_FILE, written / EPOCH_STATE_FILE)
