@@ -10,8 +10,8 @@ quantization. A post-training quantizer (``Int8DynActInt4WeightQuantizer``) quan
 checkpoint directly.
 
 Writes ``<output_dir>/model-<mode>.pt`` (the quantized state dict) and
-``<output_dir>/quantize.json`` (mode, group size, source files), and runs one forward pass on the
-result as a smoke check.
+``<output_dir>/quantize.json`` (mode, group size, quantizer, source folder), and runs one forward
+pass on the result as a smoke check.
 """
 
 import filecmp
@@ -27,7 +27,7 @@ from torchtune import config as tt_config, training, utils
 from torchtune.modules.peft import get_adapter_params
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
-from tune_recipes.training.checkpointing.io import move_into_new_folder
+from tune_recipes.training.checkpointing.io import QUANTIZED_RECORD_FILE, move_into_new_folder
 from tune_recipes.training.checkpointing.state import seed_everything
 from tune_recipes.training.reporting.metrics import time_stamp
 from tune_recipes.training.setup.model import load_weights
@@ -59,7 +59,7 @@ def keep_earlier_quantized_model_aside(output_dir: Path, path: Path, written: Pa
     ``output_dir/earlier.<time>/`` (returned; None when nothing moved). The same checkpoint
     quantized the same way again replaces nothing that differs. NOTE: compared by bytes, not by
     the source's path: a retrained run's new ``epoch_0/`` sits where the old one did."""
-    meta_path = output_dir / "quantize.json"
+    meta_path = output_dir / QUANTIZED_RECORD_FILE
     try:
         earlier = json.loads(meta_path.read_text()) if meta_path.exists() else None
         earlier_mode = earlier.get("mode") if isinstance(earlier, dict) else None
@@ -92,6 +92,9 @@ class QuantizationRecipe:
         if problem:
             # Found by the smoke forward otherwise, after the conversion: a dtype traceback.
             raise ConfigError(problem)
+        # Recorded: a QAT quantizer's converted model and a post-training one's are saved under
+        # the same name (torchtune's) but load into different module trees (docs: Load it).
+        self._quantizer_component = cfg.quantizer.get("_component_")
         self._output_dir = Path(cfg.output_dir)
         seed_everything(cfg.get("seed", 0), cfg)
 
@@ -148,10 +151,10 @@ class QuantizationRecipe:
         tmp = path.with_suffix(".pt.tmp")
         torch.save(self._model.state_dict(), tmp)
         meta = {"mode": mode, "groupsize": getattr(self._quantizer, "groupsize", None),
-                "source": self._source}
+                "quantizer": self._quantizer_component, "source": self._source}
         keep_earlier_quantized_model_aside(self._output_dir, path, tmp, meta)
         tmp.replace(path)  # a crash mid-write never leaves a truncated model-*.pt
-        (self._output_dir / "quantize.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (self._output_dir / QUANTIZED_RECORD_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         print(f"saved {path}")
         return path
 

@@ -1,5 +1,6 @@
 """QAT on a single device and the quantize recipe (tiny model, CPU, fp32)."""
 
+import json
 import runpy
 import shutil
 
@@ -126,6 +127,9 @@ def test_quantize_matches_fake_quantized_model(tmp_path, qat_reference):
     tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
          f"checkpointer.checkpoint_dir={qat_reference / 'epoch_0'}")
     assert (out / "model-8da4w.pt").is_file()
+    # The record names the quantizer whose module tree the file loads into (below).
+    record = json.loads((out / "quantize.json").read_text())
+    assert record["quantizer"] == "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer"
     ckpt = training.FullModelHFCheckpointer(
         checkpoint_dir=str(qat_reference / "epoch_0"),
         checkpoint_files=["model-00001-of-00001.safetensors"], model_type="LLAMA3",
@@ -229,3 +233,33 @@ def test_a_quantize_it_cannot_do_is_one_line_and_writes_nothing(tmp_path, overri
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert line in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.glob("model-*.pt"))
+
+
+def test_a_post_training_quantized_model_loads_as_the_docs_say(tmp_path):
+    """A plain checkpoint quantized by a post-training quantizer: the file loads into the
+    quantizer's own module tree (docs/recipes/quantize.md, Load it) and gives the logits of the
+    plain model quantized in memory; quantize.json names that quantizer."""
+    from torchtune import training
+    from torchtune.training.quantization import Int8DynActInt4WeightQuantizer
+
+    from tune_recipes.models import tiny_llama3
+    from tune_recipes.resolvers import tiny_checkpoint
+
+    ptq = "torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
+    out = tmp_path / "quantized"
+    tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}",
+         f"checkpointer.checkpoint_dir={tiny_checkpoint()}",
+         "checkpointer.checkpoint_files=[model.safetensors]", f"quantizer._component_={ptq}")
+    assert json.loads((out / "quantize.json").read_text())["quantizer"] == ptq
+    ckpt = training.FullModelHFCheckpointer(
+        checkpoint_dir=tiny_checkpoint(), checkpoint_files=["model.safetensors"],
+        model_type="LLAMA3", output_dir=str(tmp_path / "unused"),
+    ).load_checkpoint()[training.MODEL_KEY]
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        in_memory = tiny_llama3()
+        in_memory.load_state_dict(ckpt)
+        expected = Int8DynActInt4WeightQuantizer(groupsize=32).quantize(in_memory)(tokens)
+        loaded = Int8DynActInt4WeightQuantizer(groupsize=32).quantize(tiny_llama3())
+        loaded.load_state_dict(torch.load(out / "model-8da4w.pt", weights_only=False), assign=True)
+        torch.testing.assert_close(loaded(tokens), expected, rtol=1e-5, atol=1e-5)

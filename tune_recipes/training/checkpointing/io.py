@@ -357,11 +357,31 @@ def refuse_reading_an_earlier_step(output_dir: str, read_by_the_run: Dict[str, s
                 f"run in {out}: copy it out of output_dir first, or choose another output_dir")
 
 
+QUANTIZED_RECORD_FILE = "quantize.json"  # the quantize recipe's record beside its model
+
+
+def _outputs_made_from(out: Path, moving: List[Path]) -> List[Path]:
+    """Folders of ``out`` holding what was made from the checkpoints ``moving`` away: a
+    quantized model (``quantize.json`` whose ``source`` lies inside one of them, as the shipped
+    quantize configs write ``<output_dir>/quantized/`` from ``<output_dir>/epoch_<n>/``). Left
+    behind, its record would name the new run's folder as the source of the earlier run's
+    model."""
+    made = []
+    for folder in sorted(d for d in out.iterdir() if d.is_dir() and d not in moving):
+        try:
+            source = json.loads((folder / QUANTIZED_RECORD_FILE).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(source, str) and any(_is_within(Path(source), d) for d in moving):
+            made.append(folder)
+    return made
+
+
 def keep_earlier_checkpoints_aside(output_dir: str,
                                    read_by_the_run: Optional[Dict[str, str]] = None) -> Optional[Path]:
     """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
-    (and ``recipe_state/``, and ``step_<n>/`` folders older than them): they move into
-    ``checkpoints.<suffix>/`` (returned), named as the earlier run's kept metrics and config
+    (and ``recipe_state/``, ``step_<n>/`` folders older than them, and a quantized model made
+    from them: ``_outputs_made_from``): they move into ``checkpoints.<suffix>/`` (returned), named as the earlier run's kept metrics and config
     are (``earlier_run_suffix``), and one line says so.
 
     NOTE: moved, not left for the new run to overwrite: the new run's ``epoch_0/`` would
@@ -404,6 +424,7 @@ def keep_earlier_checkpoints_aside(output_dir: str,
         found = steps
         if not found:
             return None
+    found += _outputs_made_from(out, found)
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         suffix = earlier_run_suffix(metrics)

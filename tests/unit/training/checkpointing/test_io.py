@@ -449,3 +449,20 @@ def test_torchtunes_recipe_state_copy_of_the_chosen_epoch_says_nothing(tmp_path,
     with caplog.at_level(logging.WARNING):
         checkpointer_config_for_resume(cfg, str(tmp_path), full_weights=True)
     assert any("is not used" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fresh_run_moves_a_quantized_model_of_the_earlier_checkpoints_with_them(tmp_path):
+    """The shipped quantize configs write <output_dir>/quantized/ from <output_dir>/epoch_<n>/:
+    left behind by a fresh run, its quantize.json would name the new run's epoch_0 as the
+    source of the earlier run's quantized model. A folder quantized from elsewhere stays."""
+    import json
+
+    (tmp_path / "epoch_0").mkdir()
+    for name, source in (("quantized", tmp_path / "epoch_0"), ("from_elsewhere", tmp_path.parent)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model-8da4w.pt").write_bytes(b"q")
+        (tmp_path / name / "quantize.json").write_text(json.dumps({"source": str(source)}))
+    kept = keep_earlier_checkpoints_aside(str(tmp_path))
+    assert sorted(p.name for p in kept.iterdir()) == ["epoch_0", "quantized"]
+    assert (kept / "quantized" / "model-8da4w.pt").read_bytes() == b"q"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept.name, "from_elsewhere"])
