@@ -76,7 +76,7 @@ def test_lora_save_never_writes_the_merge_into_the_live_weights(tmp_path):
     q = "layers.0.attn.q_proj.weight"
     assert not torch.equal(saved[training.MODEL_KEY][q], before[q])  # the merge happened
     assert json.loads((tmp_path / "epoch_0" / "adapter_config.json").read_text()) == {
-        "base_model_name_or_path": "/base"}
+        "base_model_name_or_path": "/base", "task_type": "CAUSAL_LM"}
 
 
 def test_intermediate_full_save_carries_state_and_optimizer(tmp_path):
@@ -215,8 +215,11 @@ def test_the_save_line_names_each_file_where_it_ends_up(tmp_path, capsys, caplog
     err = capsys.readouterr().err
     size = (tmp_path / "epoch_0" / "adapter_config.json").stat().st_size
     record = (tmp_path / "epoch_0" / "finished_run.json").stat().st_size
-    assert err == (f"epoch 0 checkpoint saved to {tmp_path / 'epoch_0'}: finished_run.json "
-                   f"({record} B), adapter_config.json ({size} B), model.safetensors (9 B)\n"), err
+    # Largest first.
+    listing = sorted([("finished_run.json", record), ("adapter_config.json", size),
+                      ("model.safetensors", 9)], key=lambda f: (-f[1], f[0]))
+    assert err == (f"epoch 0 checkpoint saved to {tmp_path / 'epoch_0'}: "
+                   + ", ".join(f"{name} ({n} B)" for name, n in listing) + "\n"), err
     # The final epoch records what a continuation keeps (it has no recipe_state.pt).
     assert json.loads((tmp_path / "epoch_0" / "finished_run.json").read_text()) == {
         "seed": 3, "max_steps_per_epoch": None, "epochs_run": 1}
