@@ -318,6 +318,22 @@ def checkpointer_config_for_finished_run(cfg_checkpointer: DictConfig, point: Re
     return cfg
 
 
+def refuse_checkpoints_elsewhere(cfg_checkpointer: DictConfig, output_dir: str) -> None:
+    """``checkpointer.output_dir`` must be ``output_dir`` (torchtune's configs set it to
+    ``${output_dir}``). NOTE: torchtune's checkpointer writes the epoch folders into its own
+    ``output_dir``, while resuming, the step folders, the guard against a fresh run over an
+    earlier one and the lock all read ``output_dir``: apart, a resume found nothing and a fresh
+    run wrote over the earlier run's checkpoints."""
+    where = cfg_checkpointer.get("output_dir") if cfg_checkpointer is not None else None
+    if where is None or Path(str(where)).expanduser().resolve() == Path(output_dir).expanduser().resolve():
+        return
+    raise ConfigError(
+        f"checkpointer.output_dir={where} is not output_dir={output_dir}: the recipes keep a "
+        "run's checkpoints, recipe state and metrics in one folder (resume and the checks that "
+        "keep an earlier run's checkpoints look there); set checkpointer.output_dir=${output_dir}, "
+        f"or output_dir={where} to keep everything there")
+
+
 def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir: str,
                                       resume: Union[bool, str],
                                       full_weights: Optional[bool]) -> DictConfig:
@@ -327,6 +343,7 @@ def checkpointer_config_for_output_dir(cfg_checkpointer: DictConfig, output_dir:
     (``auto`` with nothing to resume included) is refused beside an earlier run's
     ``step_<n>/`` (``refuse_stale_step_checkpoints``). Raises ConfigError. The recipes and
     ``tune validate`` both call it, so they agree."""
+    refuse_checkpoints_elsewhere(cfg_checkpointer, output_dir)
     point = resume_point(output_dir, resume)
     if point is None:
         refuse_stale_step_checkpoints(Path(output_dir))

@@ -466,3 +466,21 @@ def test_a_fresh_run_moves_a_quantized_model_of_the_earlier_checkpoints_with_the
     assert sorted(p.name for p in kept.iterdir()) == ["epoch_0", "quantized"]
     assert (kept / "quantized" / "model-8da4w.pt").read_bytes() == b"q"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept.name, "from_elsewhere"])
+
+
+def test_checkpoints_written_elsewhere_than_output_dir_are_refused_before_anything(tmp_path):
+    """torchtune's checkpointer writes epoch folders into checkpointer.output_dir, while resume
+    and the guards over an earlier run's checkpoints read output_dir: apart, a resume found
+    nothing and a fresh run wrote over the earlier run's step folders."""
+    from tune_recipes.training.checkpointing.io import checkpointer_config_for_output_dir
+
+    out = tmp_path / "run"
+    apart = OmegaConf.create({"checkpoint_dir": "/base", "output_dir": str(out / "ckpt")})
+    for resume in (False, "auto", True):
+        with pytest.raises(ConfigError, match=rf"checkpointer.output_dir={out / 'ckpt'} is not "
+                                              rf"output_dir={out}: .*checkpointer.output_dir=\$\{{output_dir\}}"):
+            checkpointer_config_for_output_dir(apart, str(out), resume, full_weights=True)
+    assert not out.exists()
+    # The same folder spelt another way is the same folder.
+    same = OmegaConf.create({"checkpoint_dir": "/base", "output_dir": f"{tmp_path}/x/../run/"})
+    assert checkpointer_config_for_output_dir(same, str(out), False, full_weights=True) is same
