@@ -1,5 +1,6 @@
 """Where a run stands, and what a checkpoint holds, beyond the weights, to continue exactly."""
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,46 @@ class SavedState:
                 f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, this run has "
                 f"optimizer_in_bwd={bool(in_bwd)}: resume with "
                 f"optimizer_in_bwd={bool(self.optimizer_in_bwd)}, or {fresh}")
+
+    def _saved_param_groups(self) -> List[Dict[str, Any]]:
+        """The saved optimizer's param groups: one optimizer's, or with ``optimizer_in_bwd``
+        those of the optimizer of each parameter."""
+        opt = self.optimizer
+        if not isinstance(opt, dict):
+            return []
+        if isinstance(opt.get("param_groups"), list):
+            return opt["param_groups"]
+        return [g for v in opt.values() if isinstance(v, dict)
+                for g in v.get("param_groups", []) if isinstance(g, dict)]
+
+    def keep_optimizer_settings(self, cfg: DictConfig, is_main: bool = True) -> None:
+        """The resumed optimizer state restores its ``lr`` and ``weight_decay`` (torch's
+        ``load_state_dict``, as in torchtune): a config that changed them since trains with the
+        checkpoint's. Say so, and put the checkpoint's values into ``cfg`` so that the run's
+        config.yaml records what it trains with."""
+        groups = self._saved_param_groups()
+        optimizer = cfg.get("optimizer", None)
+        if not groups or optimizer is None:
+            return
+        # lr: the base rate a scheduler started from (initial_lr), else the group's own.
+        saved = {"lr": groups[0].get("initial_lr", groups[0].get("lr")),
+                 "weight_decay": groups[0].get("weight_decay")}
+        for key, kept in saved.items():
+            configured = optimizer.get(key, None)
+            try:
+                same = configured is None or kept is None or math.isclose(
+                    float(configured), float(kept), rel_tol=1e-6)
+            except (TypeError, ValueError):
+                continue
+            if same:
+                continue
+            if is_main:
+                print(f"warning: config optimizer.{key}={configured} differs from the "
+                      f"checkpoint's {kept}; using the checkpoint's (its optimizer state holds "
+                      "it; to train on with another value, start a new run from its weights: "
+                      "another output_dir, checkpointer.checkpoint_dir at the checkpoint "
+                      "folder)", file=sys.stderr)
+            optimizer[key] = kept
 
     def check_epochs(self, cfg: DictConfig, checkpoint: Path) -> None:
         """Refuse to resume this state with ``cfg.epochs`` at or below the epochs it has run:

@@ -117,6 +117,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     saved = SavedState.from_checkpoint(load_recipe_state(state_file))
     saved.check_optimizer(cfg)
     saved.check_epochs(cfg, point.checkpoint)
+    saved.keep_optimizer_settings(cfg, is_main=int(os.environ.get("RANK", "0")) == 0)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"resuming from {state_file.parent}", file=sys.stderr)
     checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)

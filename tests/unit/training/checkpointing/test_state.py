@@ -125,3 +125,24 @@ def test_a_resume_with_no_epochs_left_from_its_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"is after epoch 2 of the 3 .*resume with epochs=3 \(or more than 2\)"):
         after.check_epochs(OmegaConf.create({"epochs": 2}), tmp_path / "epoch_1")
     after.check_epochs(OmegaConf.create({"epochs": 3}), tmp_path / "epoch_1")
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_resume_trains_with_the_checkpoints_lr_and_says_so(in_backward, capsys):
+    """torch's load_state_dict restores the saved lr and weight_decay, whatever the config says
+    now: the run warns, and its config (so its config.yaml) holds the values it trains with."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w], lr=3e-3, weight_decay=0.01)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # group lr 1.5e-3, initial_lr 3e-3
+    state = {"w": opt.state_dict()} if in_backward else opt.state_dict()
+    saved = SavedState(optimizer=state, seed=0, epochs_run=1, total_epochs=2, max_steps_per_epoch=None)
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4,
+                                          "weight_decay": 0.01}})
+    saved.keep_optimizer_settings(cfg)
+    err = capsys.readouterr().err
+    assert "config optimizer.lr=0.0001 differs from the checkpoint's 0.003; using the checkpoint's" in err
+    assert "weight_decay" not in err  # unchanged: no line
+    assert cfg.optimizer.lr == 3e-3 and cfg.optimizer.weight_decay == 0.01
+    cfg.optimizer.weight_decay = 0.5
+    saved.keep_optimizer_settings(cfg, is_main=False)  # other ranks: the values, no line
+    assert capsys.readouterr().err == "" and cfg.optimizer.weight_decay == 0.01
