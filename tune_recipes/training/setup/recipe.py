@@ -52,6 +52,7 @@ from tune_recipes.training.setup.runtime import Runtime
 from tune_recipes.training.step.driver import (
     DATA_SHAPE,
     DATALOADER_STATE,
+    DATASET_EXAMPLES,
     StepDriver,
     StepHook,
     data_shape,
@@ -400,7 +401,15 @@ def setup_data_and_schedule(
         saved_shape = resume.rank_states[rank].get(DATA_SHAPE, {})
         here = data_shape(dataloader, gradient_accumulation_steps)
         changed = [f"{k}={here[k]} (the checkpoint's: {saved_shape[k]})" for k in here
-                   if k in saved_shape and saved_shape[k] != here[k]]
+                   if k in saved_shape and saved_shape[k] != here[k] and k != DATASET_EXAMPLES]
+        examples = (here[DATASET_EXAMPLES], saved_shape.get(DATASET_EXAMPLES))
+        if not changed and None not in examples and examples[0] != examples[1]:
+            raise ConfigError(
+                f"the mid-epoch checkpoint at step {resume.global_step} in {cfg.output_dir} was "
+                f"written on other examples than this run's dataset holds (as many, "
+                f"{here['dataset_size']}, but not the same tokens: another data file, or the "
+                "dataset or tokenizer settings changed): resume on the data it was written on, "
+                "or start a new run from its weights")
         if changed:
             raise ConfigError(
                 f"the mid-epoch checkpoint at step {resume.global_step} in {cfg.output_dir} was "

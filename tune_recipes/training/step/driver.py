@@ -28,6 +28,7 @@ checkpoint, its dataloader already loaded) starts its first epoch at that step.
 """
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
 
@@ -64,12 +65,32 @@ class Position:
     ranks: List[Dict[str, Any]]
 
 
-def data_shape(dataloader, gradient_accumulation_steps: int) -> Dict[str, int]:
+DATASET_EXAMPLES = "dataset_examples"  # data_shape's fingerprint of the examples
+
+
+def dataset_examples_fingerprint(dataset) -> Optional[str]:
+    """A hash of the token ids of a few examples (the first two, the middle and the last), to
+    tell the dataset a mid-epoch checkpoint was written on from another of the same size (a
+    data position means nothing on other examples); None where an example holds no
+    ``tokens``."""
+    n = len(dataset)
+    digest = hashlib.sha1()
+    for i in sorted({0, 1, n // 2, n - 1} & set(range(n))):
+        example = dataset[i]
+        tokens = example.get("tokens") if isinstance(example, dict) else None
+        if tokens is None:
+            return None
+        digest.update(torch.as_tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def data_shape(dataloader, gradient_accumulation_steps: int) -> Dict[str, Any]:
     """What a mid-epoch checkpoint's data position depends on, recorded with it and compared on
     resume (a key an older checkpoint lacks is not compared)."""
     return {"batch_size": dataloader.batch_size, "dataset_size": len(dataloader.dataset),
             "gradient_accumulation_steps": gradient_accumulation_steps,
-            "shuffle": bool(getattr(dataloader.sampler, "shuffle", False))}
+            "shuffle": bool(getattr(dataloader.sampler, "shuffle", False)),
+            DATASET_EXAMPLES: dataset_examples_fingerprint(dataloader.dataset)}
 
 
 class StepHook(Protocol):

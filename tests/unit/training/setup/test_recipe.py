@@ -271,6 +271,30 @@ def test_a_mid_epoch_resume_with_other_data_settings_is_refused_by_name(override
         setup_data_and_schedule(cfg, tokenizer, optimizer, state, ignore_index=-100, resume=resume)
 
 
+def test_a_mid_epoch_resume_on_other_examples_of_the_same_count_is_refused():
+    """The data settings alike, the examples not (another file of as many rows, or rows cut by
+    another max_seq_len): the checkpoint's position would continue on examples it never saw
+    in that order. The resume on its own data goes on."""
+    from tune_recipes.training.checkpointing.state import SavedState
+    from tune_recipes.training.step.driver import DATA_SHAPE, DATALOADER_STATE, data_shape
+
+    def setup(overrides, resume=None):
+        cfg = load_config(CONFIG, overrides)
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+        state = RecipeState(seed=cfg.seed, total_epochs=3, max_steps_per_epoch=6, epochs_run=0)
+        return setup_data_and_schedule(cfg, tt_config.instantiate(cfg.tokenizer), optimizer,
+                                       state, ignore_index=-100, resume=resume)
+
+    written = data_shape(setup([]).dataloader, 1)
+    resume = SavedState(optimizer=None, seed=0, epochs_run=0, total_epochs=3,
+                        max_steps_per_epoch=6, global_step=2,
+                        rank_states=[{DATALOADER_STATE: {"_num_yielded": 2}, DATA_SHAPE: written}])
+    setup(["seed=0"], resume)  # its own data
+    with pytest.raises(ConfigError, match=r"written on other examples than this run's dataset "
+                                          r"holds \(as many, \d+, but not the same tokens"):
+        setup(["seed=0", "tokenizer.max_seq_len=40"], resume)
+
+
 def test_a_fake_quant_start_past_the_run_is_named_once_the_length_is_known(capsys):
     def warned(after):
         cfg = load_config(CONFIG, [f"fake_quant_after_n_steps={after}"])
