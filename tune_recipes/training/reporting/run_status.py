@@ -77,7 +77,13 @@ def interrupted_message(script: Path, args: List[str], step: Optional[int] = Non
                 f"{published[0]} is complete, nothing to resume")
     checkpoint = last_checkpoint() if checkpoint is None else checkpoint
     if checkpoint is None:
-        return f"{how} at step {step}; no checkpoint saved by this run"
+        line = f"{how} at step {step}; no checkpoint saved by this run"
+        asked = [a.split("=", 1)[1] for a in args if a.startswith("resume_from_checkpoint=")]
+        if step == 0 and asked and asked[-1].lower() not in ("false", "0", "no", "off"):
+            # Stopped before the resume began (while the process started): the checkpoint it
+            # was asked to resume is where it was.
+            line += f", nor any checkpoint resumed yet; {resume_hint(script, args)}"
+        return line
     if published is None and step == 0:  # no step run since the resume
         return (f"{how} while resuming from {checkpoint}, before its first step; "
                 f"{resume_hint(script, args)}")

@@ -20,6 +20,17 @@ def test_the_interrupt_line_names_step_checkpoint_and_resume_command(monkeypatch
     assert "\n" not in line
 
 
+def test_a_resume_stopped_before_it_began_says_how_to_resume(monkeypatch):
+    """Ctrl-C while the process starts (imports, the config), before the resume names its
+    checkpoint: the line still says how to resume, not only that nothing was saved."""
+    monkeypatch.setattr(run_status, "_status", {"step": 0, "checkpoint": None})
+    args = ["--config", "tiny/full_single_device", "output_dir=/tmp/o", "resume_from_checkpoint=True"]
+    assert run_status.interrupted_message("r/full.py", args) == (
+        "interrupted at step 0; no checkpoint saved by this run, nor any checkpoint resumed yet; "
+        "resume with: tune run full --config tiny/full_single_device output_dir=/tmp/o "
+        "resume_from_checkpoint=auto")
+
+
 def test_a_checkpoint_counts_once_its_folder_is_renamed_into_place(monkeypatch, tmp_path):
     monkeypatch.setattr(run_status, "_status", {"step": 3, "checkpoint": None, "publishing": None})
     staged, final = tmp_path / ".saving" / "epoch_0", tmp_path / "epoch_0"
