@@ -38,10 +38,18 @@ STAGING_DIR = ".saving"  # under output_dir; NOTE: not "epoch_*": torchtune glob
 
 
 def replace_file_atomically(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` so that ``dst`` is always either the old or the new file."""
+    """Make ``dst`` hold ``src``'s bytes so that ``dst`` is always either the old or the new
+    file: a hard link to ``src`` where the filesystem allows one (an 8B full run's recipe state
+    is its whole optimizer state, written once instead of twice), else a copy. NOTE: both
+    names stay valid apart: every later write here replaces a name (``os.replace``), never a
+    file's bytes in place."""
     tmp = dst.with_name(dst.name + ".tmp")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, tmp)
+    tmp.unlink(missing_ok=True)  # left by a killed save
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
 
 

@@ -380,3 +380,21 @@ def test_a_distributed_save_writes_no_all_gather_padding(tmp_path, monkeypatch):
         assert torch.equal(v, model.state_dict()[k]), k
     exp_avg = next(iter(saved[training.OPT_KEY]["state"].values()))["exp_avg"]
     assert torch.equal(exp_avg, next(iter(opt.state_dict()["state"].values()))["exp_avg"])
+
+
+def test_the_shared_recipe_state_is_the_epochs_own_file_not_a_second_copy(tmp_path):
+    """recipe_state/recipe_state.pt (where torchtune's tools look) is a hard link to the newest
+    epoch folder's recipe_state.pt: an 8B full run's optimizer state is written once an epoch,
+    not twice. The next epoch replaces the name, never the bytes, so the older epoch keeps its own."""
+    model = tiny_llama3()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = CheckpointWriter(_Checkpointer(tmp_path), output_dir=str(tmp_path))
+    for epoch in (0, 1):
+        writer.save(model, opt, RecipeState(seed=3, total_epochs=3, max_steps_per_epoch=None,
+                                            epochs_run=epoch + 1), epoch=epoch)
+        shared = tmp_path / "recipe_state" / "recipe_state.pt"
+        own = tmp_path / f"epoch_{epoch}" / "recipe_state.pt"
+        assert shared.stat().st_ino == own.stat().st_ino
+    assert torch.load(tmp_path / "epoch_0" / "recipe_state.pt", weights_only=True)[training.EPOCHS_KEY] == 1
+    assert torch.load(shared, weights_only=True)[training.EPOCHS_KEY] == 2
+    assert not list(tmp_path.rglob("*.tmp"))
