@@ -332,6 +332,13 @@ def test_a_resume_with_another_lora_rank_is_one_line_naming_the_key(tmp_path):
     assert "the adapter being resumed does not fit this run's LoRA settings (layers.0." in last
     assert "in the checkpoint" in last and "model.lora_rank" in last, last
     assert (out / "epoch_0" / "adapter_model.safetensors").is_file()
+    # Another lora_alpha fits every shape but scales the adapter otherwise: refused alike.
+    proc = run_recipe(*lora, out, [*TWO_EPOCHS, "model.lora_alpha=64", "resume_from_checkpoint=True"],
+                      check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "does not fit this run's LoRA settings (lora_alpha is " in last
+    assert "64 in this run's config" in last, last
 
 
 def test_a_resume_by_the_other_kind_of_recipe_names_the_writer_and_keeps_the_folder(tmp_path):

@@ -111,8 +111,8 @@ def adapter_does_not_fit(detail: str) -> ConfigError:
     differs), wherever it is found."""
     return ConfigError(
         f"model: the adapter being resumed does not fit this run's LoRA settings ({detail}); "
-        "model.lora_rank, lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output and "
-        "use_dora must be the checkpoint's (see the run's config.yaml)")
+        "model.lora_rank, lora_alpha, lora_attn_modules, apply_lora_to_mlp, "
+        "apply_lora_to_output and use_dora must be the checkpoint's (see the run's config.yaml)")
 
 
 def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str, Any]) -> None:

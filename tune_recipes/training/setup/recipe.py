@@ -20,6 +20,7 @@ from torchtune.utils import get_logger
 from tune_recipes.config import ConfigError
 from tune_recipes.constants import DEFAULT_COLLATE
 from tune_recipes.training.checkpointing.io import (
+    ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     FINISHED_RUN_FILE,
     RECIPE_STATE_FILE,
@@ -47,6 +48,7 @@ from tune_recipes.training.setup.data import (
     training_padding_free,
     whole_model_dynamic_compile_warning,
 )
+from tune_recipes.training.setup.model import adapter_does_not_fit
 from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
 from tune_recipes.training.step.driver import (
@@ -119,6 +121,8 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     saved.check_optimizer(cfg)
     saved.check_epochs(cfg, point.checkpoint)
     saved.keep_optimizer_settings(cfg, is_main=int(os.environ.get("RANK", "0")) == 0)
+    if adapter:
+        check_resumed_adapter_scale(cfg.model, state_file.parent)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"resuming from {state_file.parent}", file=sys.stderr)
     checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
@@ -131,6 +135,26 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
             f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
         )
     return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
+
+
+def check_resumed_adapter_scale(cfg_model: DictConfig, checkpoint: Path) -> None:
+    """A resumed adapter trained with another ``lora_alpha`` fits every tensor shape, yet
+    scales each update differently (alpha / rank): the loss jumped on the first resumed step.
+    The checkpoint's PEFT ``adapter_config.json`` records its alpha (DoRA runs write none:
+    not checked)."""
+    try:
+        saved = json.loads((checkpoint / ADAPTER_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    alpha = saved.get("lora_alpha") if isinstance(saved, dict) else None
+    configured = cfg_model.get("lora_alpha", None)
+    try:
+        differs = alpha is not None and configured is not None and float(alpha) != float(configured)
+    except (TypeError, ValueError):
+        return
+    if differs:
+        raise adapter_does_not_fit(f"lora_alpha is {alpha} in the checkpoint, {configured} in "
+                                   "this run's config")
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
