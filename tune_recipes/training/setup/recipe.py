@@ -477,6 +477,15 @@ def setup_data_and_schedule(
         print(f"warning: fake_quant_after_n_steps={after} is not before the run's last step "
               f"({total_steps} optimizer steps): the run never trains with fake quantization, "
               "so it is a plain fine-tune; lower fake_quant_after_n_steps", file=sys.stderr)
+    every = cfg.get("save_every_n_steps", None)
+    if (rank == 0 if is_main is None else is_main) and isinstance(every, int) \
+            and not isinstance(every, bool) and every > 0 and steps > 0 \
+            and not any(s % steps for s in range(every, total_steps, every)):
+        # As StepDriver's checkpoint_due: never at an epoch's last step, where the epoch's
+        # checkpoint is written.
+        print(f"warning: save_every_n_steps={every} writes no mid-epoch checkpoint in this "
+              f"run ({state.total_epochs} epoch(s) of {steps} steps, each saved at its end); "
+              f"lower it below {steps} for checkpoints inside an epoch", file=sys.stderr)
     lr_schedule = LRSchedule(
         cfg.get("lr_scheduler", None), optimizer, num_training_steps=total_steps,
         last_epoch=global_step - 1,

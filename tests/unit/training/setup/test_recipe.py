@@ -228,6 +228,19 @@ def test_a_warmup_longer_than_the_dataset_makes_the_run_is_named_once_the_length
     assert "is as long as the whole run or longer" in capsys.readouterr().err
 
 
+def test_a_save_every_n_steps_that_saves_nothing_mid_epoch_is_named(capsys):
+    """save_every_n_steps at or past every step inside an epoch (a mid-epoch checkpoint is never
+    written at an epoch's last step): one warning at the start, not a run with none."""
+    cfg = load_config(CONFIG, ["save_every_n_steps=6"])
+    _plan(cfg, epochs_run=0, max_steps=6)  # 3 epochs of 6: every multiple is an epoch end
+    assert "warning: save_every_n_steps=6 writes no mid-epoch checkpoint in this run " \
+           "(3 epoch(s) of 6 steps, each saved at its end)" in capsys.readouterr().err
+    for every in (4, 5):  # step 4 of epoch 1; step 5 of epoch 1
+        cfg.save_every_n_steps = every
+        _plan(cfg, epochs_run=0, max_steps=6)
+        assert "save_every_n_steps" not in capsys.readouterr().err
+
+
 def test_the_run_pads_batches_for_its_device_up_to_the_tokenizers_max_seq_len():
     """The recipes' data setup pads padded batches on to 128-token multiples for a CUDA device
     only, never past the tokenizer's max_seq_len (nothing touches the device to build them).
