@@ -10,9 +10,9 @@ CHECKPOINT_SAVE_EVENT = "tune_recipes.checkpoint_save"
 # A run's checkpoint folders in output_dir (training/checkpointing/io.py writes and reads them;
 # plotting.py recognizes a run's output_dir by them): one per epoch, one per mid-epoch step.
 EPOCH_DIR_PATTERN = r"^epoch_(\d+)$"
+STEP_DIR_PATTERN = r"^step_(\d+)$"
 # Written by `tune download` (torchtune's) into the folder it downloaded a hub repo to.
 DOWNLOADED_REPO_FILE = "original_repo_id.json"
-STEP_DIR_PATTERN = r"^step_(\d+)$"
 
 # The collate of unpacked batches unless a config names another (torchtune's: pad each row).
 DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"

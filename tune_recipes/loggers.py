@@ -211,7 +211,8 @@ class WandBLogger(_WithJsonl):
 
     def where(self) -> Optional[str]:
         run = self.run
-        if run is None:  # mode=disabled, or a process other than rank 0
+        # None on a process other than rank 0; mode=disabled: a stand-in run that writes nothing.
+        if run is None or getattr(run, "disabled", False):
             return None
         url = getattr(run, "url", None)
         if url:
@@ -301,8 +302,10 @@ class MLFlowLogger(_WithJsonl):
         self._init_jsonl(log_dir, jsonl)
 
     def where(self) -> str:
-        view = (f"mlflow ui --backend-store-uri {self.tracking_uri}"
-                if self.tracking_uri.startswith("file:") else self.tracking_uri)
+        # A server (http/https/databricks) is viewed at its address; a store on this machine
+        # (a file: or sqlite: URI, or a plain path) through `mlflow ui`.
+        served = self.tracking_uri.split(":", 1)[0] in ("http", "https", "databricks")
+        view = self.tracking_uri if served else f"mlflow ui --backend-store-uri {self.tracking_uri}"
         return f"MLflow: run {self.run_id} in {self.tracking_uri} (view: {view})"
 
     def log(self, name: str, data: Any, step: int) -> None:

@@ -134,6 +134,8 @@ def test_an_adapter_trained_on_a_trained_folder_names_that_folder_as_its_base(tm
                ["max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1",
                 f"checkpointer.checkpoint_dir={download}"])
     assert not (full / "epoch_0" / "original_repo_id.json").exists()
+    # A folder saved before (or by torchtune) still carries the record: its own path wins.
+    (full / "epoch_0" / "original_repo_id.json").write_text(json.dumps({"repo_id": "org/tiny-base"}))
     lora = tmp_path / "lora"
     run_recipe("lora_finetune_single_device", "tiny/lora_single_device", lora,
                ["max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=1",

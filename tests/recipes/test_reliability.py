@@ -44,6 +44,8 @@ def test_resume_refuses_a_malicious_recipe_state_and_runs_nothing(tmp_path):
     for state_path in (out / "epoch_0" / "recipe_state.pt", out / "recipe_state" / "recipe_state.pt"):
         state = torch.load(state_path, weights_only=True)
         state["evil"] = _RunsCode(marker)
+        # A new file under the name: the two names are one file (a hard link) until now.
+        state_path.unlink()
         torch.save(state, state_path)
         proc = run_recipe(*FULL, out, [*TWO_EPOCHS, "resume_from_checkpoint=True"], check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -339,6 +341,12 @@ def test_a_resume_with_another_lora_rank_is_one_line_naming_the_key(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "does not fit this run's LoRA settings (lora_alpha is " in last
     assert "64 in this run's config" in last, last
+    # A finished run continued with more epochs is checked alike.
+    done = tmp_path / "done"
+    run_recipe(*lora, done, ["max_steps_per_epoch=2", "epochs=1"])
+    proc = run_recipe(*lora, done, [*TWO_EPOCHS, "model.lora_alpha=64", "resume_from_checkpoint=True"],
+                      check=False)
+    assert proc.returncode == 2 and "(lora_alpha is " in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_resume_by_the_other_kind_of_recipe_names_the_writer_and_keeps_the_folder(tmp_path):

@@ -201,3 +201,18 @@ def test_a_logger_writing_beyond_metrics_jsonl_says_where_at_the_start(component
         assert sum(bool(pattern.search(l)) for l in lines) == 1, lines
     finally:
         rep.close()
+
+
+def test_a_disabled_wandb_run_names_no_folder(tmp_path, monkeypatch, caplog):
+    """mode=disabled writes nothing: no line pointing at a run folder that is never made."""
+    from tune_recipes.training.setup.recipe import build_reporter
+
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "metric_logger": {
+        "_component_": "tune_recipes.loggers.WandBLogger", "log_dir": str(tmp_path),
+        "mode": "disabled"}})
+    with caplog.at_level("INFO"):
+        rep = build_reporter(cfg, torch.device("cpu"))
+    rep.close()
+    assert not [m for m in caplog.messages if m.startswith("W&B:")], caplog.messages

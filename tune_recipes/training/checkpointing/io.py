@@ -31,6 +31,7 @@ EPOCH_STATE_FILE = "recipe_state.pt"
 FINISHED_RUN_FILE = "finished_run.json"
 ADAPTER_FILE = "adapter_model.pt"  # torchtune's name for the adapter it loads on resume
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # the PEFT adapter's config
+PEFT_ADAPTER_FILE = "adapter_model.safetensors"  # the PEFT adapter's weights
 # Keys of a mid-epoch checkpoint's recipe state (tune_recipes.training.checkpointing.state).
 GLOBAL_STEP_KEY = "global_step"
 RANK_STATES_KEY = "rank_states"
@@ -205,7 +206,7 @@ def refuse_another_recipes_checkpoint(ckpt_dir: Path, full_weights: Optional[boo
     # checkpoint_dir into a full fine-tune's folders too (a run started from a LoRA run's
     # merged weights, or a Hub repo that ships one); the writer drops that copy
     # (``drop_another_runs_records``), but folders written by torchtune's recipes keep it.
-    has_adapter = any((ckpt_dir / name).is_file() for name in (ADAPTER_FILE, "adapter_model.safetensors"))
+    has_adapter = any((ckpt_dir / name).is_file() for name in (ADAPTER_FILE, PEFT_ADAPTER_FILE))
     if full_weights and has_adapter:
         holds, writer = "a LoRA adapter", "a LoRA-type recipe"
     elif full_weights is False and not has_adapter and _model_files(ckpt_dir):
@@ -330,7 +331,7 @@ def refuse_checkpoints_elsewhere(cfg_checkpointer: DictConfig, output_dir: str) 
     raise ConfigError(
         f"checkpointer.output_dir={where} is not output_dir={output_dir}: the recipes keep a "
         "run's checkpoints, recipe state and metrics in one folder (resume and the checks that "
-        "keep an earlier run's checkpoints look there); set checkpointer.output_dir=${output_dir}, "
+        "keep an earlier run's checkpoints look there); set 'checkpointer.output_dir=${output_dir}', "
         f"or output_dir={where} to keep everything there")
 
 
@@ -441,13 +442,20 @@ def keep_earlier_checkpoints_aside(output_dir: str,
         found = steps
         if not found:
             return None
-    found += _outputs_made_from(out, found)
+    made = _outputs_made_from(out, found)
+    found += made
     metrics = out / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         suffix = earlier_run_suffix(metrics)
     else:
         suffix = time_stamp(max(d.stat().st_mtime for d in found))
     kept = move_into_new_folder(out, f"checkpoints.{suffix}", found)
+    for folder in made:  # its record names where its source now is, beside it
+        record_file = kept / folder.name / QUANTIZED_RECORD_FILE
+        record = json.loads(record_file.read_text())
+        source = Path(record["source"]).resolve().relative_to(out.resolve())
+        record["source"] = str(kept.resolve() / source)
+        record_file.write_text(json.dumps(record, indent=2) + "\n")
     moved = ", ".join(d.name + "/" for d in found)
     if read:
         print(f"{out} held an earlier run's mid-epoch checkpoints: {moved} moved to "
@@ -569,14 +577,18 @@ def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) 
     if not path.is_file():
         return
     cfg = json.loads(path.read_text())
-    if not cfg.get("base_model_name_or_path"):
+    base = Path(str(base_model_name_or_path))
+    # NOTE: a base that is a training run's epoch_<n>/ or step_<n>/ folder is named as such even
+    # where torchtune named a hub repo: folders saved by torchtune, or by this project before it
+    # stopped copying `tune download`'s original_repo_id.json, still carry the repo they were
+    # trained from, which is not the weights this adapter was trained on.
+    trained = _EPOCH_DIR.match(base.name) or STEP_DIR.match(base.name)
+    if not cfg.get("base_model_name_or_path") or trained:
         cfg["base_model_name_or_path"] = str(base_model_name_or_path)
     if not cfg.get("task_type"):
         cfg["task_type"] = "CAUSAL_LM"
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
-
-PEFT_ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def undo_rope_permutation_of_peft_adapter(epoch_dir: Path, num_heads: int, num_kv_heads: int,
@@ -591,12 +603,16 @@ def undo_rope_permutation_of_peft_adapter(epoch_dir: Path, num_heads: int, num_k
     trained model's as the untrained base's. This inverts that permutation for a model whose
     weights are not permuted; the merged weights and ``adapter_model.pt`` are not affected.
     """
-    path = Path(epoch_dir) / PEFT_ADAPTER_FILE
-    if not path.is_file():
-        return
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(path)
+    path = Path(epoch_dir) / PEFT_ADAPTER_FILE
+    safetensors = path.is_file()
+    if not safetensors:  # checkpointer.safe_serialization=False: torch.save's adapter_model.bin
+        path = path.with_suffix(".bin")
+        if not path.is_file():
+            return
+    tensors = load_file(path) if safetensors else torch.load(path, map_location="cpu",
+                                                             weights_only=True)
 
     def unpermuted(t: torch.Tensor, heads: int) -> torch.Tensor:
         rank = t.shape[-1]
@@ -612,8 +628,10 @@ def undo_rope_permutation_of_peft_adapter(epoch_dir: Path, num_heads: int, num_k
             tensors[key], changed = unpermuted(value, num_heads), True
         elif ".k_proj." in key:
             tensors[key], changed = unpermuted(value, num_kv_heads), True
-    if changed:
+    if changed and safetensors:
         save_file(tensors, path, metadata={"format": "pt"})
+    elif changed:
+        torch.save(tensors, path)
 
 
 @dataclass

@@ -142,8 +142,14 @@ class SavedState:
         for key, kept in saved.items():
             configured = optimizer.get(key, None)
             try:
+                # NOTE: float(): torchao's AdamW8bit (and tune_recipes.optim's) keeps lr as a
+                # 0-dim fp32 tensor, which OmegaConf cannot hold and prints as 0.00300000002.
+                if isinstance(kept, torch.Tensor):
+                    kept = float(f"{kept.item():.7g}")  # fp32's 7 significant digits
+                elif kept is not None:
+                    kept = float(kept)
                 same = configured is None or kept is None or math.isclose(
-                    float(configured), float(kept), rel_tol=1e-6)
+                    float(configured), kept, rel_tol=1e-6)
             except (TypeError, ValueError):
                 continue
             if same:

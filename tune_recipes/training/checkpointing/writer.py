@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 from torchtune import training
-from torchtune.training.checkpointing._utils import ModelType
+from torchtune.training import ModelType
 
 from tune_recipes.config import positive_int_or_none
 from tune_recipes.validation import brief

@@ -1,6 +1,8 @@
 """Single-device models, ready to train (the distributed ones: ``setup.distributed``)."""
 
+import json
 import os
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -19,7 +21,7 @@ from tune_recipes.modules.nf4 import use_lean_nf4_dequantization
 from tune_recipes.modules.rms_norm import use_fused_rms_norm
 from tune_recipes.modules.rope import use_interleaved_rope
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
-from tune_recipes.training.checkpointing.io import LoRASpec
+from tune_recipes.training.checkpointing.io import ADAPTER_CONFIG_FILE, LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
 from tune_recipes.training.setup.fp8 import convert_to_fp8
 from tune_recipes.validation import activation_memory_budget_value, brief
@@ -128,6 +130,26 @@ def check_resumed_adapter_shapes(model: nn.Module, adapter_state_dict: Dict[str,
         if key in own and tuple(own[key].shape) != tuple(value.shape):
             raise adapter_does_not_fit(f"{key} is {list(value.shape)} in the checkpoint, "
                                        f"{list(own[key].shape)} in this run's model")
+
+
+def check_resumed_adapter_scale(cfg_model: DictConfig, checkpoint: Path) -> None:
+    """A resumed adapter trained with another ``lora_alpha`` fits every tensor shape, yet
+    scales each update differently (alpha / rank): the loss jumped on the first resumed step.
+    The checkpoint's PEFT ``adapter_config.json`` records its alpha (DoRA runs write none:
+    not checked)."""
+    try:
+        saved = json.loads((checkpoint / ADAPTER_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    alpha = saved.get("lora_alpha") if isinstance(saved, dict) else None
+    configured = cfg_model.get("lora_alpha", None)
+    try:
+        differs = alpha is not None and configured is not None and float(alpha) != float(configured)
+    except (TypeError, ValueError):
+        return
+    if differs:
+        raise adapter_does_not_fit(f"lora_alpha is {alpha} in the checkpoint, {configured} in "
+                                   "this run's config")
 
 
 def check_lora_keys(cfg_model: DictConfig, lora, base_missing, base_unexpected, lora_missing,

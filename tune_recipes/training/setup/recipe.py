@@ -20,7 +20,6 @@ from torchtune.utils import get_logger
 from tune_recipes.config import ConfigError
 from tune_recipes.constants import DEFAULT_COLLATE
 from tune_recipes.training.checkpointing.io import (
-    ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     FINISHED_RUN_FILE,
     RECIPE_STATE_FILE,
@@ -48,7 +47,7 @@ from tune_recipes.training.setup.data import (
     training_padding_free,
     whole_model_dynamic_compile_warning,
 )
-from tune_recipes.training.setup.model import adapter_does_not_fit
+from tune_recipes.training.setup.model import check_resumed_adapter_scale
 from tune_recipes.training.setup.profiling import setup_profiler
 from tune_recipes.training.setup.runtime import Runtime
 from tune_recipes.training.step.driver import (
@@ -58,6 +57,7 @@ from tune_recipes.training.step.driver import (
     StepDriver,
     StepHook,
     data_shape,
+    mid_epoch_save_due,
 )
 from tune_recipes.training.step.normalization import NormalizationPath, StepLossNormalizer
 from tune_recipes.training.step.optim import LRSchedule, OptimizerInBackward
@@ -122,7 +122,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     saved.check_epochs(cfg, point.checkpoint)
     saved.keep_optimizer_settings(cfg, is_main=int(os.environ.get("RANK", "0")) == 0)
     if adapter:
-        check_resumed_adapter_scale(cfg.model, state_file.parent)
+        check_resumed_adapter_scale(cfg.model, point.checkpoint)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"resuming from {state_file.parent}", file=sys.stderr)
     checkpointer = instantiate_checkpointer_for_resume(cfg_checkpointer, cfg.output_dir)
@@ -135,26 +135,6 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
             f"{cfg.output_dir}; set checkpointer.adapter_checkpoint or start afresh"
         )
     return checkpointer, ckpt, SavedState.from_checkpoint(ckpt)
-
-
-def check_resumed_adapter_scale(cfg_model: DictConfig, checkpoint: Path) -> None:
-    """A resumed adapter trained with another ``lora_alpha`` fits every tensor shape, yet
-    scales each update differently (alpha / rank): the loss jumped on the first resumed step.
-    The checkpoint's PEFT ``adapter_config.json`` records its alpha (DoRA runs write none:
-    not checked)."""
-    try:
-        saved = json.loads((checkpoint / ADAPTER_CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return
-    alpha = saved.get("lora_alpha") if isinstance(saved, dict) else None
-    configured = cfg_model.get("lora_alpha", None)
-    try:
-        differs = alpha is not None and configured is not None and float(alpha) != float(configured)
-    except (TypeError, ValueError):
-        return
-    if differs:
-        raise adapter_does_not_fit(f"lora_alpha is {alpha} in the checkpoint, {configured} in "
-                                   "this run's config")
 
 
 def read_checkpoint(checkpointer: Any, cfg_checkpointer: DictConfig,
@@ -290,6 +270,8 @@ def _continue_finished_run(cfg: DictConfig, cfg_checkpointer: DictConfig, point:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(0)
+    if adapter:
+        check_resumed_adapter_scale(cfg.model, point.checkpoint)
     checkpointer = tt_config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
     ckpt = read_checkpoint(checkpointer, cfg_checkpointer)
     if adapter:
@@ -480,9 +462,8 @@ def setup_data_and_schedule(
     every = cfg.get("save_every_n_steps", None)
     if (rank == 0 if is_main is None else is_main) and isinstance(every, int) \
             and not isinstance(every, bool) and every > 0 and steps > 0 \
-            and not any(s % steps for s in range(every, total_steps, every)):
-        # As StepDriver's checkpoint_due: never at an epoch's last step, where the epoch's
-        # checkpoint is written.
+            and not any(mid_epoch_save_due(done, (done - 1) % steps, steps, every)
+                        for done in range(global_step + 1, total_steps + 1)):
         print(f"warning: save_every_n_steps={every} writes no mid-epoch checkpoint in this "
               f"run ({state.total_epochs} epoch(s) of {steps} steps, each saved at its end); "
               f"lower it below {steps} for checkpoints inside an epoch", file=sys.stderr)

@@ -84,6 +84,15 @@ def dataset_examples_fingerprint(dataset) -> Optional[str]:
     return digest.hexdigest()[:16]
 
 
+def mid_epoch_save_due(global_step: int, index_in_epoch: int, steps_per_epoch: int,
+                       save_every_n_steps: Optional[int]) -> bool:
+    """Whether ``save_every_n_steps`` asks for a mid-epoch checkpoint after the optimizer step
+    that made ``global_step`` steps (``index_in_epoch``: its 0-based place in its epoch). Never
+    at an epoch's last step: the epoch checkpoint is written right after it."""
+    return (save_every_n_steps is not None and global_step % save_every_n_steps == 0
+            and index_in_epoch + 1 < steps_per_epoch)
+
+
 def data_shape(dataloader, gradient_accumulation_steps: int) -> Dict[str, Any]:
     """What a mid-epoch checkpoint's data position depends on, recorded with it and compared on
     resume (a key an older checkpoint lacks is not compared)."""
@@ -166,6 +175,7 @@ class StepDriver:
         self.validator = validator
         self._validated_at: Optional[int] = None
         self.save_every_n_steps = positive_int_or_none("save_every_n_steps", save_every_n_steps)
+        self._data_shape: Optional[Dict[str, Any]] = None  # position()'s, built at its first call
         if not 0 <= first_step_in_epoch < steps_per_epoch:
             raise ValueError(f"first_step_in_epoch={first_step_in_epoch} is outside an epoch of "
                              f"{steps_per_epoch} steps")
@@ -240,8 +250,10 @@ class StepDriver:
         # The row still waiting for its values (the lagging reporter) is written before the
         # checkpoint: a run killed after the save would otherwise never log the saved step.
         self.reporter.flush()
+        if self._data_shape is None:  # reads a few examples (their fingerprint): once a run
+            self._data_shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
         mine = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict(),
-                DATA_SHAPE: data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)}
+                DATA_SHAPE: self._data_shape}
         if self.device.type == "cuda":
             mine[CUDA_RNG_STATE] = torch.cuda.get_rng_state(self.device)
         ranks = [mine]
@@ -332,9 +344,8 @@ class Step:
         """After ``finish``: whether ``save_every_n_steps`` asks for a mid-epoch checkpoint
         now. Never at an epoch's last step: the epoch checkpoint is written right after it."""
         d = self.driver
-        n = d.save_every_n_steps
-        return (self.finished and n is not None and d.global_step % n == 0
-                and self.index + 1 < d.steps_per_epoch)
+        return self.finished and mid_epoch_save_due(d.global_step, self.index, d.steps_per_epoch,
+                                                    d.save_every_n_steps)
 
     @contextlib.contextmanager
     def _bar_closed_on_config_error(self):

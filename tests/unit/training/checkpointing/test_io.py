@@ -465,6 +465,9 @@ def test_a_fresh_run_moves_a_quantized_model_of_the_earlier_checkpoints_with_the
     kept = keep_earlier_checkpoints_aside(str(tmp_path))
     assert sorted(p.name for p in kept.iterdir()) == ["epoch_0", "quantized"]
     assert (kept / "quantized" / "model-8da4w.pt").read_bytes() == b"q"
+    # Its record names the moved epoch folder, not the new run's epoch_0 to come.
+    record = json.loads((kept / "quantized" / "quantize.json").read_text())
+    assert record["source"] == str((kept / "epoch_0").resolve())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept.name, "from_elsewhere"])
 
 
@@ -478,9 +481,41 @@ def test_checkpoints_written_elsewhere_than_output_dir_are_refused_before_anythi
     apart = OmegaConf.create({"checkpoint_dir": "/base", "output_dir": str(out / "ckpt")})
     for resume in (False, "auto", True):
         with pytest.raises(ConfigError, match=rf"checkpointer.output_dir={out / 'ckpt'} is not "
-                                              rf"output_dir={out}: .*checkpointer.output_dir=\$\{{output_dir\}}"):
+                                              rf"output_dir={out}: .*'checkpointer.output_dir=\$\{{output_dir\}}'"):
             checkpointer_config_for_output_dir(apart, str(out), resume, full_weights=True)
     assert not out.exists()
     # The same folder spelt another way is the same folder.
     same = OmegaConf.create({"checkpoint_dir": "/base", "output_dir": f"{tmp_path}/x/../run/"})
     assert checkpointer_config_for_output_dir(same, str(out), False, full_weights=True) is same
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_a_qwen2_peft_adapter_gets_its_q_k_rows_back_in_the_models_order(tmp_path, safe_serialization):
+    """torchtune permutes q/k lora_B rows into Llama's HF order for every model type; Qwen2's
+    weights are never permuted, so the adapter's rows are put back (either file format)."""
+    from safetensors.torch import load_file, save_file
+    from torchtune.models.convert_weights import tune_to_peft_adapter_weights
+
+    from tune_recipes.training.checkpointing.io import undo_rope_permutation_of_peft_adapter
+
+    heads, kv_heads, head_dim, rank = 4, 2, 8, 3
+    g = torch.Generator().manual_seed(0)
+    tune = {"layers.0.attn.q_proj.lora_b.weight": torch.randn(heads * head_dim, rank, generator=g),
+            "layers.0.attn.k_proj.lora_b.weight": torch.randn(kv_heads * head_dim, rank, generator=g),
+            "layers.0.attn.v_proj.lora_b.weight": torch.randn(kv_heads * head_dim, rank, generator=g),
+            "layers.0.attn.q_proj.lora_a.weight": torch.randn(rank, heads * head_dim, generator=g)}
+    peft = tune_to_peft_adapter_weights(dict(tune), num_heads=heads, num_kv_heads=kv_heads,
+                                        dim=heads * head_dim, head_dim=head_dim)
+    prefix = "base_model.model.model.layers.0.self_attn."
+    assert not torch.equal(peft[prefix + "q_proj.lora_B.weight"], tune["layers.0.attn.q_proj.lora_b.weight"])
+    name = "adapter_model.safetensors" if safe_serialization else "adapter_model.bin"
+    if safe_serialization:
+        save_file(peft, tmp_path / name)
+    else:
+        torch.save(peft, tmp_path / name)
+    undo_rope_permutation_of_peft_adapter(tmp_path, heads, kv_heads, head_dim)
+    back = load_file(tmp_path / name) if safe_serialization else torch.load(tmp_path / name)
+    for module in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(back[prefix + f"{module}.lora_B.weight"],
+                           tune[f"layers.0.attn.{module}.lora_b.weight"]), module
+    assert torch.equal(back[prefix + "q_proj.lora_A.weight"], tune["layers.0.attn.q_proj.lora_a.weight"])

@@ -146,3 +146,21 @@ def test_a_resume_trains_with_the_checkpoints_lr_and_says_so(in_backward, capsys
     cfg.optimizer.weight_decay = 0.5
     saved.keep_optimizer_settings(cfg, is_main=False)  # other ranks: the values, no line
     assert capsys.readouterr().err == "" and cfg.optimizer.weight_decay == 0.01
+
+
+def test_a_resume_of_an_8bit_adamw_state_reads_its_tensor_lr(capsys):
+    """torchao's AdamW8bit (the 3B and 8B full configs' optimizer, through ours) keeps lr as a
+    0-dim tensor: read as the number it holds, not a traceback from OmegaConf."""
+    from tune_recipes.optim import AdamW8bit
+
+    w = torch.nn.Parameter(torch.zeros(256, 4))
+    opt = AdamW8bit([w], lr=3e-3, weight_decay=0.01)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    saved = SavedState(optimizer=opt.state_dict(), seed=0, epochs_run=1, total_epochs=2,
+                       max_steps_per_epoch=None)
+    assert isinstance(saved._saved_param_groups()[0]["lr"], torch.Tensor)
+    cfg = OmegaConf.create({"optimizer": {"lr": 1e-4, "weight_decay": 0.01}})
+    saved.keep_optimizer_settings(cfg)
+    assert "config optimizer.lr=0.0001 differs from the checkpoint's 0.003;" in capsys.readouterr().err
+    assert cfg.optimizer.lr == 0.003

@@ -235,10 +235,15 @@ def test_a_save_every_n_steps_that_saves_nothing_mid_epoch_is_named(capsys):
     _plan(cfg, epochs_run=0, max_steps=6)  # 3 epochs of 6: every multiple is an epoch end
     assert "warning: save_every_n_steps=6 writes no mid-epoch checkpoint in this run " \
            "(3 epoch(s) of 6 steps, each saved at its end)" in capsys.readouterr().err
-    for every in (4, 5):  # step 4 of epoch 1; step 5 of epoch 1
+    for every in (4, 5, 11):  # step 4 of epoch 1; step 5 of epoch 1; step 5 of epoch 2
         cfg.save_every_n_steps = every
         _plan(cfg, epochs_run=0, max_steps=6)
         assert "save_every_n_steps" not in capsys.readouterr().err
+    _, optimizer = _plan(cfg, epochs_run=0, max_steps=6)
+    capsys.readouterr()
+    # resumed for the last epoch (steps 13-18): none is a multiple of 11
+    _plan(cfg, epochs_run=2, max_steps=6, optimizer_state=optimizer.state_dict())
+    assert "warning: save_every_n_steps=11 writes no mid-epoch checkpoint" in capsys.readouterr().err
 
 
 def test_the_run_pads_batches_for_its_device_up_to_the_tokenizers_max_seq_len():
