@@ -399,8 +399,9 @@ def keep_earlier_checkpoints_aside(output_dir: str,
                                    read_by_the_run: Optional[Dict[str, str]] = None) -> Optional[Path]:
     """A fresh run into an ``output_dir`` that holds an earlier run's ``epoch_<n>/`` folders
     (and ``recipe_state/``, ``step_<n>/`` folders older than them, and a quantized model made
-    from them: ``_outputs_made_from``): they move into ``checkpoints.<suffix>/`` (returned), named as the earlier run's kept metrics and config
-    are (``earlier_run_suffix``), and one line says so.
+    from them: ``_outputs_made_from``): they move into ``checkpoints.<suffix>/`` (returned),
+    named as the earlier run's kept metrics and config are (``earlier_run_suffix``), and one
+    line says so.
 
     NOTE: moved, not left for the new run to overwrite: the new run's ``epoch_0/`` would
     replace the earlier one's while the earlier ``epoch_1/`` ... stayed, and a later resume would
@@ -588,7 +589,6 @@ def complete_peft_adapter_config(epoch_dir: Path, base_model_name_or_path: str) 
     if not cfg.get("task_type"):
         cfg["task_type"] = "CAUSAL_LM"
     path.write_text(json.dumps(cfg, indent=2) + "\n")
-
 
 
 def undo_rope_permutation_of_peft_adapter(epoch_dir: Path, num_heads: int, num_kv_heads: int,

@@ -29,9 +29,9 @@ from tune_recipes.training.checkpointing.io import (
     CheckpointError,
     LoRASpec,
     complete_peft_adapter_config,
-    undo_rope_permutation_of_peft_adapter,
     lora_checkpoint_entries,
     step_dirs,
+    undo_rope_permutation_of_peft_adapter,
 )
 
 STAGING_DIR = ".saving"  # under output_dir; NOTE: not "epoch_*": torchtune globs ^epoch_(\d+)
