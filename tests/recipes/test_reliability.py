@@ -367,6 +367,27 @@ def test_a_resume_by_the_other_kind_of_recipe_names_the_writer_and_keeps_the_fol
         assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0"]
 
 
+def test_a_resume_by_another_kind_of_training_with_alike_files_is_refused(tmp_path):
+    """A full run's checkpoint resumed by QAT, a LoRA run's by distillation: the files fit, so
+    only the recorded kind of training tells; one line naming both, the folder kept."""
+    lora = ("lora_finetune_single_device", "tiny/lora_single_device")
+    for writer, reader, said in (
+            (FULL, ("qat_single_device", "tiny/qat_single_device"),
+             "was written by a full fine-tune (full_finetune_*), and this config runs "
+             "quantization-aware training"),
+            (lora, ("knowledge_distillation_single_device", "tiny/kd_single_device"),
+             "was written by a LoRA-type fine-tune (lora_finetune_*), and this config runs "
+             "knowledge distillation")):
+        out = tmp_path / writer[0]
+        run_recipe(*writer, out, TWO_EPOCHS)
+        shutil.rmtree(out / "epoch_1")
+        proc = run_recipe(*reader, out, [*TWO_EPOCHS, "resume_from_checkpoint=True"], check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert said in last and "start a new run from its weights" in last, last
+        assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0"]
+
+
 @pytest.mark.integration
 def test_a_resumed_checkpoints_file_cut_short_is_named_with_its_folder(tmp_path):
     # The line names the folder being resumed (not the base checkpoint_dir) and the way on.

@@ -27,6 +27,30 @@ OPTIMIZER_IN_BWD_KEY = "optimizer_in_bwd"
 # RANK_STATES_KEY, per rank (in rank order) its RNG state(s) and its dataloader's position.
 
 
+# What kind of training wrote the checkpoint (``training_kind``): a resume by another kind,
+# whose checkpoint files look alike (a full fine-tune's and QAT's, a LoRA run's and a
+# distillation's), would continue one run under another objective.
+TRAINING_KIND_KEY = "training_kind"
+_TRAINING_KINDS = {
+    "full": "a full fine-tune (full_finetune_*)",
+    "lora": "a LoRA-type fine-tune (lora_finetune_*)",
+    "qat": "quantization-aware training (qat_single_device, qat_distributed)",
+    "qat_lora": "QAT with LoRA (qat_lora_finetune_distributed)",
+    "kd": "knowledge distillation (knowledge_distillation_*)",
+}
+
+
+def training_kind(cfg: DictConfig) -> str:
+    """The kind of training ``cfg`` configures, read from the keys each kind requires: a
+    ``teacher_model`` (distillation), a ``quantizer`` (QAT), LoRA arguments of the model."""
+    lora = OmegaConf.select(cfg, "model.lora_rank", default=None) is not None
+    if cfg.get("teacher_model", None) is not None:
+        return "kd"
+    if cfg.get("quantizer", None) is not None:
+        return "qat_lora" if lora else "qat"
+    return "lora" if lora else "full"
+
+
 def optimizer_identity(cfg: DictConfig) -> Tuple[Optional[str], bool]:
     """What a checkpoint's optimizer state depends on, from the run's config:
     (``optimizer._component_``, ``optimizer_in_bwd``). Recorded at save, compared at resume."""
@@ -58,6 +82,7 @@ class SavedState:
     skipped_steps: int = 0
     optimizer_component: Optional[str] = None  # None: not recorded (an older checkpoint)
     optimizer_in_bwd: Optional[bool] = None  # likewise
+    training_kind: Optional[str] = None  # likewise
 
     @property
     def mid_epoch(self) -> bool:
@@ -86,6 +111,7 @@ class SavedState:
             skipped_steps=ckpt.get(SKIPPED_STEPS_KEY, 0),
             optimizer_component=ckpt.get(OPTIMIZER_COMPONENT_KEY),
             optimizer_in_bwd=ckpt.get(OPTIMIZER_IN_BWD_KEY),
+            training_kind=ckpt.get(TRAINING_KIND_KEY),
         )
 
     def check_optimizer(self, cfg: DictConfig) -> None:
@@ -162,6 +188,19 @@ class SavedState:
                       "folder)", file=sys.stderr)
             optimizer[key] = kept
 
+    def check_training_kind(self, cfg: DictConfig, checkpoint: Path) -> None:
+        """Refuse to resume a checkpoint another kind of training wrote (``training_kind``;
+        older checkpoints record none and are not checked)."""
+        kind = training_kind(cfg)
+        if self.training_kind is None or self.training_kind == kind:
+            return
+        saved = _TRAINING_KINDS.get(self.training_kind, self.training_kind)
+        raise ConfigError(
+            f"resume_from_checkpoint: {checkpoint} was written by {saved}, and this config runs "
+            f"{_TRAINING_KINDS[kind]}: resume it with its own recipe and config, or start a new "
+            "run from its weights: another output_dir, with checkpointer.checkpoint_dir "
+            "pointing at the checkpoint folder")
+
     def check_epochs(self, cfg: DictConfig, checkpoint: Path) -> None:
         """Refuse to resume this state with ``cfg.epochs`` at or below the epochs it has run:
         there is nothing to train from ``checkpoint`` (a mid-epoch one is inside epoch
@@ -208,6 +247,7 @@ class RecipeState:
     optimizer_component: Optional[str] = None  # recorded with the optimizer state
     optimizer_in_bwd: bool = False  # likewise
     seed_configured: bool = True  # False: `seed: null`, a seed drawn for the run
+    training_kind: Optional[str] = None  # recorded with the checkpoint (``training_kind``)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "RecipeState":
@@ -218,7 +258,8 @@ class RecipeState:
         return cls(seed=seed_everything(cfg.seed, cfg), total_epochs=cfg.epochs,
                    max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
                    optimizer_component=component, optimizer_in_bwd=in_bwd,
-                   seed_configured=cfg.get("seed", None) is not None)
+                   seed_configured=cfg.get("seed", None) is not None,
+                   training_kind=training_kind(cfg))
 
     def checkpoint_entries(self, optimizer_state: Optional[Dict[str, Any]],
                            position=None) -> Dict[str, Any]:
@@ -232,6 +273,8 @@ class RecipeState:
             RNG_KEY: torch.get_rng_state(),
             SKIPPED_STEPS_KEY: self.skipped_steps,
         }
+        if self.training_kind is not None:
+            out[TRAINING_KIND_KEY] = self.training_kind
         if optimizer_state is not None:
             out[training.OPT_KEY] = optimizer_state
             if self.optimizer_component is not None:

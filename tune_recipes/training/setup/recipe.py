@@ -118,6 +118,7 @@ def load_checkpoint(cfg: DictConfig, adapter: bool) -> Tuple[Any, Dict[str, Any]
     # output_dir (config.yaml, metrics): the recipe state alone decides whether this run can
     # continue it (the saved optimizer state must fit this run's optimizer; epochs must be left).
     saved = SavedState.from_checkpoint(load_recipe_state(state_file))
+    saved.check_training_kind(cfg, point.checkpoint)
     saved.check_optimizer(cfg)
     saved.check_epochs(cfg, point.checkpoint)
     saved.keep_optimizer_settings(cfg, is_main=int(os.environ.get("RANK", "0")) == 0)

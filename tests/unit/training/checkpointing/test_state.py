@@ -164,3 +164,23 @@ def test_a_resume_of_an_8bit_adamw_state_reads_its_tensor_lr(capsys):
     saved.keep_optimizer_settings(cfg)
     assert "config optimizer.lr=0.0001 differs from the checkpoint's 0.003;" in capsys.readouterr().err
     assert cfg.optimizer.lr == 0.003
+
+
+def test_the_kind_of_training_is_recorded_and_an_unrecorded_one_is_not_compared():
+    from tune_recipes.training.checkpointing.state import TRAINING_KIND_KEY, training_kind
+
+    lora = OmegaConf.create({"model": {"lora_rank": 8}, "seed": 0, "epochs": 1,
+                             "optimizer": {"_component_": "torch.optim.AdamW"}})
+    assert training_kind(lora) == "lora"
+    assert training_kind(OmegaConf.merge(lora, {"teacher_model": {"_component_": "x"}})) == "kd"
+    assert training_kind(OmegaConf.merge(lora, {"quantizer": {"_component_": "x"}})) == "qat_lora"
+    entries = RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=None,
+                          training_kind=training_kind(lora)).checkpoint_entries(None)
+    assert entries[TRAINING_KIND_KEY] == "lora"
+    kd = OmegaConf.merge(lora, {"teacher_model": {"_component_": "x"}})
+    saved = SavedState(optimizer=None, seed=0, epochs_run=0, total_epochs=1,
+                       max_steps_per_epoch=None, training_kind="lora")
+    with pytest.raises(ConfigError, match="was written by a LoRA-type fine-tune"):
+        saved.check_training_kind(kd, "/run/epoch_0")
+    saved.training_kind = None  # written before the kind was recorded (or by torchtune)
+    saved.check_training_kind(kd, "/run/epoch_0")
