@@ -958,6 +958,38 @@ def loss_problem(cfg: DictConfig) -> Optional[str]:
     return None
 
 
+def distillation_losses_problem(ce_loss: Any, kd_loss: Any) -> Optional[str]:
+    """What distillation needs of its two losses, built: the student's logits (not a fused
+    linear loss, which never makes them), chunked alike by ``loss`` and ``kd_loss`` (both
+    read the same chunks of the student's output); None when they fit. The recipes' loss and
+    ``tune validate`` (``distillation_config_problem``) both ask it."""
+    if getattr(ce_loss, "is_fused_linear_loss", False):
+        return ("loss: distillation needs the student's logits, which a fused linear loss never "
+                "makes; use a logits loss (torchtune.modules.loss.CEWithChunkedOutputLoss)")
+    ce_chunks = getattr(ce_loss, "num_output_chunks", None)
+    kd_chunks = getattr(kd_loss, "num_output_chunks", None)
+    if ce_chunks != kd_chunks:
+        return (f"loss and kd_loss must chunk the logits alike (loss.num_output_chunks="
+                f"{ce_chunks}, kd_loss.num_output_chunks={kd_chunks})")
+    return None
+
+
+def distillation_config_problem(cfg: DictConfig) -> Optional[str]:
+    """``distillation_losses_problem`` on the config's ``loss`` and ``kd_loss``, built as the
+    recipe builds them; None where either cannot be built (reported where it is built)."""
+    built = []
+    for key in ("loss", "kd_loss"):
+        section = _value(cfg, key)
+        fn = _resolves_to(section.get("_component_")) if isinstance(section, dict) else None
+        if fn is None:
+            return None
+        try:
+            built.append(fn(**{k: v for k, v in section.items() if k != "_component_"}))
+        except Exception:  # noqa: BLE001 - bad arguments are reported where the loss is built
+            return None
+    return distillation_losses_problem(*built)
+
+
 def lr_scheduler_problem(cfg: DictConfig) -> Optional[str]:
     """The recipes build ``lr_scheduler`` as ``component(optimizer, num_training_steps=N,
     last_epoch=S)`` (training/step/optim.LRSchedule): a scheduler that takes no
@@ -1312,6 +1344,7 @@ CROSS_KEY: List[tuple] = [
     (("fsdp",), fsdp_offload_problem),
     (("optimizer",), optimizer_problem),
     (("loss",), loss_problem),
+    (("loss", "kd_loss"), distillation_config_problem),
     (("lr_scheduler",), lr_scheduler_problem),
     (("checkpointer",), checkpointer_model_type_problem),
     (("teacher_checkpointer",), teacher_model_type_problem),

@@ -141,6 +141,13 @@ CASES = [
     ("tiny/kd_single_device", ["teacher_checkpointer.checkpoint_dir=/no/teacher"],
      "teacher_checkpointer.checkpoint_dir=/no/teacher: no such directory"),
     ("tiny/kd_single_device", ["~teacher_model"], "missing required key(s) teacher_model"),
+    # both losses read the student's logits, in the same chunks (else only the recipe's setup,
+    # after both models are built, said so)
+    ("tiny/kd_single_device", ["kd_loss.num_output_chunks=4"],
+     "loss and kd_loss must chunk the logits alike (loss.num_output_chunks=2, kd_loss.num_output_chunks=4)"),
+    ("tiny/kd_distributed", ["loss._component_=tune_recipes.modules.loss.FusedLinearCrossEntropyLoss",
+                             "~loss.num_output_chunks"],
+     "loss: distillation needs the student's logits, which a fused linear loss never makes"),
     ("tiny/kd_distributed", ["custom_sharded_layers=tok_embeddings"],
      "custom_sharded_layers=tok_embeddings: expected a list"),
     # quantize

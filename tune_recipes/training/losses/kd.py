@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tune_recipes.config import ConfigError
+from tune_recipes.validation import distillation_losses_problem
 from tune_recipes.training.step.batch import shift_labels
 
 
@@ -18,15 +19,10 @@ class DistillationLoss:
                  kd_loss: nn.Module, kd_ratio: float) -> None:
         if not 0.0 <= float(kd_ratio) <= 1.0:
             raise ConfigError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
+        problem = distillation_losses_problem(ce_loss, kd_loss)
+        if problem:
+            raise ConfigError(problem)
         ce_chunks = getattr(ce_loss, "num_output_chunks", None)
-        kd_chunks = getattr(kd_loss, "num_output_chunks", None)
-        if (ce_chunks is None) != (kd_chunks is None) or ce_chunks != kd_chunks:
-            raise ConfigError(
-                f"loss and kd_loss must chunk the logits alike (loss.num_output_chunks={ce_chunks}, "
-                f"kd_loss.num_output_chunks={kd_chunks})"
-            )
-        if getattr(ce_loss, "is_fused_linear_loss", False):
-            raise ConfigError("loss: distillation needs the student's logits; use a logits loss")
         vocabularies = [getattr(getattr(m, "tok_embeddings", None), "num_embeddings", None)
                         for m in (teacher, student)]
         if None not in vocabularies and vocabularies[0] != vocabularies[1]:
