@@ -27,7 +27,11 @@ from torchtune import config as tt_config, training, utils
 from torchtune.modules.peft import get_adapter_params
 
 from tune_recipes.config import ConfigError, check_known_keys, parse
-from tune_recipes.training.checkpointing.io import QUANTIZED_RECORD_FILE, move_into_new_folder
+from tune_recipes.training.checkpointing.io import (
+    QUANTIZED_RECORD_FILE,
+    move_into_new_folder,
+    quantized_record,
+)
 from tune_recipes.training.checkpointing.state import seed_everything
 from tune_recipes.training.reporting.metrics import time_stamp
 from tune_recipes.training.setup.model import load_weights
@@ -60,11 +64,8 @@ def keep_earlier_quantized_model_aside(output_dir: Path, path: Path, written: Pa
     quantized the same way again replaces nothing that differs. NOTE: compared by bytes, not by
     the source's path: a retrained run's new ``epoch_0/`` sits where the old one did."""
     meta_path = output_dir / QUANTIZED_RECORD_FILE
-    try:
-        earlier = json.loads(meta_path.read_text()) if meta_path.exists() else None
-        earlier_mode = earlier.get("mode") if isinstance(earlier, dict) else None
-    except (OSError, ValueError):
-        earlier, earlier_mode = None, None
+    earlier = quantized_record(output_dir)
+    earlier_mode = earlier.get("mode") if earlier is not None else None
     moving = []
     if path.exists() and not filecmp.cmp(path, written, shallow=False):
         moving.append(path)

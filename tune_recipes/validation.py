@@ -929,6 +929,19 @@ _TOKEN_LOSSES = ("torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunke
                  "tune_recipes.modules.loss.FusedLinearCrossEntropyLoss")
 
 
+def _built(cfg: DictConfig, key: str) -> Any:
+    """The component ``key`` configures, built from its arguments (a loss: no tensors), or None
+    where it does not resolve or refuses its arguments (reported where the recipe builds it)."""
+    section = _value(cfg, key)
+    fn = _resolves_to(section.get("_component_")) if isinstance(section, dict) else None
+    if fn is None:
+        return None
+    try:
+        return fn(**{k: v for k, v in section.items() if k != "_component_"})
+    except Exception:  # noqa: BLE001 - bad arguments are reported where the component is built
+        return None
+
+
 def loss_problem(cfg: DictConfig) -> Optional[str]:
     """The ``loss`` section: a loss with ``ignore_index`` equal to the datasets' -100, or None.
     A loss without one (``torch.nn.MSELoss``) fails at the recipe's start and any other index
@@ -941,12 +954,8 @@ def loss_problem(cfg: DictConfig) -> Optional[str]:
     if index is not None and index != IGNORE_INDEX:
         return (f"loss.ignore_index={_show(index)}: the datasets mark the tokens without a loss "
                 f"(prompt, padding) with {IGNORE_INDEX}; set loss.ignore_index={IGNORE_INDEX}")
-    fn = _resolves_to(component)
-    if fn is None:
-        return None
-    try:
-        loss = fn(**{k: v for k, v in section.items() if k != "_component_"})
-    except Exception:  # noqa: BLE001 - bad arguments are reported where the loss is built
+    loss = _built(cfg, "loss")
+    if loss is None:
         return None
     if not _is_int(getattr(loss, "ignore_index", None)):
         return (f"loss._component_={component}: the recipes need a token-level loss that skips "
@@ -977,17 +986,10 @@ def distillation_losses_problem(ce_loss: Any, kd_loss: Any) -> Optional[str]:
 def distillation_config_problem(cfg: DictConfig) -> Optional[str]:
     """``distillation_losses_problem`` on the config's ``loss`` and ``kd_loss``, built as the
     recipe builds them; None where either cannot be built (reported where it is built)."""
-    built = []
-    for key in ("loss", "kd_loss"):
-        section = _value(cfg, key)
-        fn = _resolves_to(section.get("_component_")) if isinstance(section, dict) else None
-        if fn is None:
-            return None
-        try:
-            built.append(fn(**{k: v for k, v in section.items() if k != "_component_"}))
-        except Exception:  # noqa: BLE001 - bad arguments are reported where the loss is built
-            return None
-    return distillation_losses_problem(*built)
+    ce_loss, kd_loss = _built(cfg, "loss"), _built(cfg, "kd_loss")
+    if ce_loss is None or kd_loss is None:
+        return None
+    return distillation_losses_problem(ce_loss, kd_loss)
 
 
 def lr_scheduler_problem(cfg: DictConfig) -> Optional[str]:

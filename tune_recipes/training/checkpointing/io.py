@@ -378,6 +378,15 @@ def refuse_reading_an_earlier_step(output_dir: str, read_by_the_run: Dict[str, s
 QUANTIZED_RECORD_FILE = "quantize.json"  # the quantize recipe's record beside its model
 
 
+def quantized_record(folder: Path) -> Optional[dict]:
+    """The quantize recipe's ``quantize.json`` in ``folder``, or None (none, or unreadable)."""
+    try:
+        record = json.loads((Path(folder) / QUANTIZED_RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _outputs_made_from(out: Path, moving: List[Path]) -> List[Path]:
     """Folders of ``out`` holding what was made from the checkpoints ``moving`` away: a
     quantized model (``quantize.json`` whose ``source`` lies inside one of them, as the shipped
@@ -386,10 +395,7 @@ def _outputs_made_from(out: Path, moving: List[Path]) -> List[Path]:
     model."""
     made = []
     for folder in sorted(d for d in out.iterdir() if d.is_dir() and d not in moving):
-        try:
-            source = json.loads((folder / QUANTIZED_RECORD_FILE).read_text()).get("source")
-        except (OSError, ValueError, AttributeError):
-            continue
+        source = (quantized_record(folder) or {}).get("source")
         if isinstance(source, str) and any(_is_within(Path(source), d) for d in moving):
             made.append(folder)
     return made
@@ -453,7 +459,7 @@ def keep_earlier_checkpoints_aside(output_dir: str,
     kept = move_into_new_folder(out, f"checkpoints.{suffix}", found)
     for folder in made:  # its record names where its source now is, beside it
         record_file = kept / folder.name / QUANTIZED_RECORD_FILE
-        record = json.loads(record_file.read_text())
+        record = quantized_record(kept / folder.name)
         source = Path(record["source"]).resolve().relative_to(out.resolve())
         record["source"] = str(kept.resolve() / source)
         record_file.write_text(json.dumps(record, indent=2) + "\n")
