@@ -160,6 +160,12 @@ CASES = {
         # the memory target (0.75x): compile's recompute chooser keeping 70% of the activations
         _v("ours_budget_07", "ours", "ours: packed settings, compiled graphs saving 70% of activations",
            **OURS_1B_PACKED, activation_memory_budget=0.7),
+        # what the trained MLPs' recomputed down-projection input and the compact k and v save
+        # and cost: each undone (bench hooks)
+        _v("ours_torchtune_mlp", "ours", "ours: packed settings, torchtune's MLP (its product saved)",
+           env={"BENCH_TORCHTUNE_MLP": "1"}, **OURS_1B_PACKED),
+        _v("ours_expanded_kv", "ours", "ours: packed settings, torchtune's MLP, k and v saved as expanded views",
+           env={"BENCH_TORCHTUNE_MLP": "1", "BENCH_EXPANDED_KV": "1"}, **OURS_1B_PACKED),
         _SAME, _v("ours_fp8", "ours", "ours: the full-row FP8 settings", **OURS_1B),
         # Which part of the FP8 settings moves the loss (over 220 steps: --steps 220): FP8
         # products alone (no fast accumulation in backward, no e4m3 MLP activations), and those

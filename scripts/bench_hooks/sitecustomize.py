@@ -43,6 +43,13 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   backward: ~0.75 GiB at the 1B (16 layers x 50 MB), ~1.6 GB at 8B. It slices the expanded
   copy back (``k[:, ::group]``), so only while torch.compile traces, where the copy is never
   made: the slice reads the projections' values directly.
+- BENCH_TORCHTUNE_MLP=1: ours' compiled full fine-tune keeps torchtune's MLP, whose graph saves
+  the down projection's input, instead of recomputing it in backward
+  (tune_recipes/modules/swiglu_down.py): what the recompute costs and saves.
+- BENCH_EXPANDED_KV=1: ours' attention over document spans gets k and v as views of torchtune's
+  copies expanded to every query head (which the attention then saves, keeping the expansion
+  alive) instead of one head a group in memory of its own (_one_copy_a_group in
+  tune_recipes/modules/document_attention.py).
 """
 import os
 import sys
@@ -149,3 +156,16 @@ if os.environ.get("BENCH_TORCHTUNE_RMS_NORM") == "1" and _IS_RECIPE:
 
     # The model setup imports the name when the recipe starts, after this hook.
     _rms_norm.use_fused_rms_norm = lambda model: 0
+
+if os.environ.get("BENCH_TORCHTUNE_MLP") == "1" and _IS_RECIPE:
+    import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
+    from tune_recipes.training.setup import model as _model
+
+    _model.recompute_down_inputs = lambda model: 0
+
+if os.environ.get("BENCH_EXPANDED_KV") == "1" and _IS_RECIPE:
+    import tune_recipes  # noqa: F401 - first: its notice filters, before torchtune imports torchao
+    from tune_recipes.modules import document_attention as _document_attention
+
+    _document_attention._one_copy_a_group = (
+        lambda t, kv_heads: t if t.shape[1] == kv_heads else t.unflatten(1, (kv_heads, -1))[:, :, 0])

@@ -476,7 +476,7 @@ def test_the_size_oblivious_lever_sets_torchs_config_in_our_recipes_process():
     assert "oblivious False" in _run_hook_probe(probe).stdout
 
 
-# Each eager-path lever undoes one change through the name a recipe or setup imports after the
+# Each lever undoes one change through the name a recipe or setup imports after the
 # hook ran: (the lever, a probe printing what that name does, without it, with it).
 _EAGER_LEVERS = [
     ("BENCH_AC_NON_REENTRANT",
@@ -494,6 +494,15 @@ _EAGER_LEVERS = [
     ("BENCH_NF4_TORCHAO",
      "from tune_recipes.training.setup import model\n"
      "print('result', model.use_lean_nf4_dequantization())", "True", "False"),
+    ("BENCH_TORCHTUNE_MLP",  # the tiny model's two MLPs, or none
+     "from tune_recipes.models import tiny_llama3\n"
+     "from tune_recipes.training.setup import model\n"
+     "print('result', model.recompute_down_inputs(tiny_llama3()))", "2", "0"),
+    ("BENCH_EXPANDED_KV",  # k at 2 of 8 heads: its own 2-head memory, or the 8-head expansion's
+     "import torch\n"
+     "from tune_recipes.modules import document_attention\n"
+     "k = torch.zeros(1, 2, 4, 8).unsqueeze(2).expand(1, 2, 4, 4, 8).flatten(1, 2)\n"
+     "print('result', document_attention._one_copy_a_group(k, 2).untyped_storage().nbytes())", "256", "1024"),
 ]
 
 

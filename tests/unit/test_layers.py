@@ -60,6 +60,7 @@ TESTS = {
     "modules/rms_norm.py": "modules/test_rms_norm.py",
     "modules/rope.py": "modules/test_rope.py",
     "modules/fp8_mlp.py": "modules/test_fp8_mlp.py",
+    "modules/swiglu_down.py": "modules/test_swiglu_down.py",
     "modules/document_attention.py": "modules/test_document_attention.py",
     "modules/varlen_attention.py": "modules/test_varlen_attention.py",
     "modules/output.py": "modules/test_output.py",

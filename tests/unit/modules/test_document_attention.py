@@ -245,6 +245,35 @@ def test_document_spans_take_the_head_counts_tensor_parallelism_leaves():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_flash_attention_takes_k_and_v_in_memory_of_their_own(monkeypatch):
+    """torchtune copies k and v out to every query head before the attention call. Flash
+    attention (whose inputs its backward saves) gets one head a group in memory of its own: a
+    view would keep the whole expanded copy alive until the backward, 4x the bytes at 4 query
+    heads a k/v head. One packed row (a batch of one row: the padding-free step's), as torchtune
+    passes them; the values are the group's own head."""
+    from tune_recipes.modules import varlen_attention
+
+    given = {}
+
+    def flash(q, k, v, cu_seqlens, max_len):
+        given.update(k=k, v=v)
+        return torch.zeros_like(q), None
+
+    monkeypatch.setattr(varlen_attention, "_runs_flash", lambda q: True)
+    monkeypatch.setattr(varlen_attention, "_flash_forward", flash)
+    call = _document_attention_call(lambda *a, **k: None, _Heads(2))
+    s, d = 64, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, s, d, generator=g)
+    k, v = (torch.randn(1, 2, s, d, generator=g) for _ in range(2))
+    expanded = [t.unsqueeze(2).expand(1, 2, 4, s, d).flatten(1, 2) for t in (k, v)]
+    call(q, *expanded, mask=varlen_attention.document_spans([[20, 44]], s))
+    for name, own in (("k", k), ("v", v)):
+        got = given[name]
+        assert got.untyped_storage().nbytes() == got.numel() * got.element_size(), name
+        torch.testing.assert_close(got, own[0].transpose(0, 1), rtol=0, atol=0)
+
+
 def _routed_tiny_llama_and_its_graph():
     """The tiny Llama (eval, seed 0) with document attention routed, and it compiled as one
     graph (aot_eager) after dynamo's caches and counters are reset."""

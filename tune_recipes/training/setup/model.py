@@ -20,6 +20,7 @@ from tune_recipes.modules.host_embedding import keep_embedding_on_cpu
 from tune_recipes.modules.nf4 import use_lean_nf4_dequantization
 from tune_recipes.modules.rms_norm import use_fused_rms_norm
 from tune_recipes.modules.rope import use_interleaved_rope
+from tune_recipes.modules.swiglu_down import recompute_down_inputs
 from tune_recipes.modules.peft import adapter_init_state_dict, initialize_dora_magnitudes
 from tune_recipes.training.checkpointing.io import ADAPTER_CONFIG_FILE, LoRASpec
 from tune_recipes.training.setup.activations import apply_activation_checkpointing
@@ -254,9 +255,12 @@ def compile_layers(model: nn.Module, verbose: bool = True) -> None:
 def compile_layers_or_model(model: nn.Module, scope: Optional[str],
                             activation_memory_budget: Optional[float] = None) -> None:
     """torch.compile per transformer layer (``layers``/None, as torchtune) or the whole model,
-    under ``activation_memory_budget`` (``set_activation_memory_budget``). Route the model's
-    document attention first (``route_document_attention``), so that it compiles into the graphs."""
+    under ``activation_memory_budget`` (``set_activation_memory_budget``), each trained SwiGLU
+    MLP recomputing its down projection's input in backward (``modules.swiglu_down``). Route the
+    model's document attention first (``route_document_attention``), so that it compiles into
+    the graphs."""
     set_activation_memory_budget(activation_memory_budget)
+    recompute_down_inputs(model)
     if scope in (None, "layers"):
         compile_layers(model)
     elif scope == "model":
