@@ -11,16 +11,22 @@ def _mlp_wide(result):
     return sum(n for (shape, _), n in result["by_shape"] if shape == (TINY["tokens"], TINY["intermediate_dim"]))
 
 
-def test_a_budget_below_one_recomputes_the_mlp_product_instead_of_saving_it():
-    """Torch's default partition saves three MLP-wide tensors a layer (gate, up and
-    silu(gate) * up, the down projection's input); at activation_memory_budget 0.7 two (the
-    product is recomputed in the backward), and fewer bytes a token a layer in all."""
+def test_the_recipes_mlp_saves_two_mlp_wide_tensors_a_layer_and_torchtunes_three():
+    """Torch's default partition of torchtune's MLP saves three MLP-wide tensors a layer (gate,
+    up and silu(gate) * up, the down projection's input); at activation_memory_budget 0.7 two
+    (the product recomputed in the backward). The recipes' compiled MLP saves two at torch's
+    default budget: the product's bytes less, nothing else changed."""
     script = load_script("saved_activations")
-    default = script.saved_activations(1.0, **TINY)
-    budget = script.saved_activations(0.7, **TINY)
-    assert _mlp_wide(default) == 3 * TINY["layers"], default["by_shape"]
-    assert _mlp_wide(budget) == 2 * TINY["layers"], budget["by_shape"]
-    assert budget["bytes_per_token_per_layer"] < 0.8 * default["bytes_per_token_per_layer"]
+    torchtune_default = script.saved_activations(1.0, **TINY, torchtune_mlp=True)
+    torchtune_budget = script.saved_activations(0.7, **TINY, torchtune_mlp=True)
+    ours = script.saved_activations(1.0, **TINY)
+    assert _mlp_wide(torchtune_default) == 3 * TINY["layers"], torchtune_default["by_shape"]
+    assert _mlp_wide(torchtune_budget) == 2 * TINY["layers"], torchtune_budget["by_shape"]
+    assert _mlp_wide(ours) == 2 * TINY["layers"], ours["by_shape"]
+    assert torchtune_budget["bytes_per_token_per_layer"] < 0.8 * torchtune_default["bytes_per_token_per_layer"]
+    # ours: exactly the product less, one bf16 MLP-wide value a token a layer
+    assert (torchtune_default["bytes_per_token_per_layer"] - ours["bytes_per_token_per_layer"]
+            == 2 * TINY["intermediate_dim"])
     # the weights (MLP: 256 x 64 and 64 x 256) and the RoPE cache are state, not activations
     state = {(256, 64), (64, 256), (2048, 8, 2)}
-    assert not state & {shape for (shape, _), _ in default["by_shape"]}, default["by_shape"]
+    assert not state & {shape for (shape, _), _ in torchtune_default["by_shape"]}, torchtune_default["by_shape"]
