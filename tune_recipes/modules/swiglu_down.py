@@ -65,17 +65,22 @@ class SwiGLUDownFeedForward(FeedForward):
 def _qualifies(module: nn.Module) -> bool:
     """A torchtune ``FeedForward`` with SiLU, an up projection and plain linear projections
     whose down projection trains and has no bias: the case ``_SwiGLUDown`` computes. LoRA,
-    FP8 or fake-quantized projections (other classes) keep their own forward."""
-    return (type(module) is FeedForward and isinstance(module.activation, nn.SiLU)
+    FP8 or fake-quantized projections (other classes) keep their own forward, and so does a
+    down projection with forward hooks (tensor parallelism's output reduction, a user's): the
+    product here never calls its module."""
+    if not (type(module) is FeedForward and isinstance(module.activation, nn.SiLU)
             and module.w3 is not None
-            and all(type(p) is nn.Linear for p in (module.w1, module.w2, module.w3))
-            and module.w2.bias is None and module.w2.weight.requires_grad)
+            and all(type(p) is nn.Linear for p in (module.w1, module.w2, module.w3))):
+        return False
+    down = module.w2
+    hooked = down._forward_hooks or down._forward_pre_hooks
+    return down.bias is None and down.weight.requires_grad and not hooked
 
 
 def recompute_down_inputs(model: nn.Module) -> int:
     """Re-class, in place, every MLP of ``model`` that ``_qualifies`` as a
     ``SwiGLUDownFeedForward``; returns how many. Call it after the parameters' ``requires_grad``
-    are set and before compiling."""
+    are set and before compiling (forward hooks put on a down projection after it never run)."""
     swapped = 0
     for module in model.modules():
         if _qualifies(module):

@@ -78,9 +78,9 @@ def test_backward_keeps_the_gate_and_up_products_not_their_product():
 
 
 def test_only_a_trained_plain_swiglu_mlp_is_swapped():
-    """A frozen down projection (LoRA's base, a teacher), a down projection with a bias, another
-    activation or another class of projection (LoRA, FP8, fake-quantized) keep torchtune's
-    forward; the state dict's names never change."""
+    """A frozen down projection (LoRA's base, a teacher), a down projection with a bias or
+    forward hooks, another activation or another class of projection (LoRA, FP8,
+    fake-quantized) keep torchtune's forward; the state dict's names never change."""
     from torchtune.modules.peft import LoRALinear
 
     frozen = _mlp()
@@ -91,10 +91,13 @@ def test_only_a_trained_plain_swiglu_mlp_is_swapped():
     gelu.activation = nn.GELU()
     lora = _mlp()
     lora.w2 = LoRALinear(48, 16, rank=4, alpha=8)
-    model = nn.Sequential(_mlp(), frozen, biased, gelu, lora)
+    hooked, pre_hooked = _mlp(), _mlp()  # e.g. tensor parallelism's reduction of the product
+    hooked.w2.register_forward_hook(lambda module, args, out: out * 2)
+    pre_hooked.w2.register_forward_pre_hook(lambda module, args: None)
+    model = nn.Sequential(_mlp(), frozen, biased, gelu, lora, hooked, pre_hooked)
     names = list(model.state_dict())
     assert recompute_down_inputs(model) == 1
-    assert [type(m).__name__ for m in model] == ["SwiGLUDownFeedForward"] + ["FeedForward"] * 4
+    assert [type(m).__name__ for m in model] == ["SwiGLUDownFeedForward"] + ["FeedForward"] * 6
     assert list(model.state_dict()) == names
 
 
