@@ -1075,6 +1075,12 @@ _LOADER_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet
                      ".txt": "text", ".arrow": "arrow"}
 _PATTERN_BY_LOADER = {"json": "*.jsonl", "csv": "*.csv", "parquet": "*.parquet", "text": "*.txt",
                       "arrow": "*.arrow"}
+# A file format's name written as ``source`` where a loader's goes: the fix for each.
+_LOADER_BY_ALIAS = {"jsonl": ("json", "JSON Lines are read by json"),
+                    "ndjson": ("json", "JSON Lines are read by json"),
+                    "txt": ("text", "plain text is read by text"),
+                    "tsv": ("csv", "tab-separated files are read by csv (with sep set to a tab)"),
+                    "pq": ("parquet", "parquet files are read by parquet")}
 
 
 def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
@@ -1085,6 +1091,13 @@ def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]
         if not isinstance(part, dict):
             continue
         source = part.get("source")
+        alias = _LOADER_BY_ALIAS.get(source.lower()) if isinstance(source, str) else None
+        if alias and part.get("data_files") is not None and not Path(source).exists():
+            # Hugging Face reads any other source as a Hub dataset's name and retries the
+            # network for it (~30 s offline) before it fails.
+            loader, why = alias
+            return (f"{where}.source={source}: not one of Hugging Face's file loaders "
+                    f"({', '.join(sorted(_LOCAL_FILE_LOADERS))}); {why}: {where}.source={loader}")
         loader = _LOADER_BY_SUFFIX.get(Path(source).suffix.lower()) if isinstance(source, str) else None
         # (a .py source is a loading script, which datasets runs: not a data file)
         if loader and source not in _LOCAL_FILE_LOADERS and Path(source).expanduser().is_file():

@@ -528,6 +528,12 @@ def test_dataset_arguments_the_loader_would_misread_are_named_by_validate(tmp_pa
     with pytest.raises(ConfigError, match=rf"^dataset.data_files={tmp_path}: a folder; name its "
                                           rf"files, e.g. dataset.data_files={tmp_path}/\*.jsonl"):
         check(data_files=str(tmp_path))
+    # A format's name as source: Hugging Face takes it for a Hub dataset and retries the
+    # network for it before it fails.
+    with pytest.raises(ConfigError, match=r"^dataset.source=jsonl: not one of Hugging Face's file "
+                                          r"loaders \(arrow, csv, json, parquet, text\); JSON Lines "
+                                          r"are read by json: dataset.source=json$"):
+        check(source="jsonl")
 
 
 @pytest.mark.unit

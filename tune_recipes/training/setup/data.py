@@ -1,7 +1,8 @@
 """Dataset and dataloader, the same for every recipe."""
 
+import sys
 from functools import partial
-from typing import Optional
+from typing import Optional, Tuple
 from pathlib import Path
 
 import torch
@@ -20,17 +21,20 @@ from tune_recipes.modules.varlen_attention import flash_takes_heads, flash_varle
 from tune_recipes.validation import CHAT_MESSAGE_FIELDS, dataset_packed, local_data_files
 
 
-def build_dataset(cfg_dataset, tokenizer, key: str = "dataset") -> Dataset:
-    """One dataset, or a list of them concatenated. ``key``: the config key, for errors.
+def build_dataset(cfg_dataset, tokenizer, key: str = "dataset", main: bool = True) -> Dataset:
+    """One dataset, or a list of them concatenated. ``key``: the config key, for errors;
+    ``main``: this process prints the warnings (rank 0).
 
     What a user can fix is one ``ConfigError`` naming ``key``: a dataset that needs the
     network on a machine that cannot reach it, a data file that is missing or unreadable, a
-    column the data lacks, and a ``tokenizer.max_seq_len`` that leaves no response token in
-    the first examples (``check_first_examples``)."""
+    column the data lacks, a column the template reads that is empty in some rows or holds
+    numbers (``check_columns``), and a ``tokenizer.max_seq_len`` that leaves no response token
+    in the first examples (``check_first_examples``). Empty responses and first examples
+    without a label token are warnings."""
     if isinstance(cfg_dataset, ListConfig):
-        parts = [_instantiate(c, tokenizer, f"{key}[{i}]") for i, c in enumerate(cfg_dataset)]
+        parts = [_instantiate(c, tokenizer, f"{key}[{i}]", main) for i, c in enumerate(cfg_dataset)]
         return ConcatDataset(datasets=parts)
-    return _instantiate(cfg_dataset, tokenizer, key)
+    return _instantiate(cfg_dataset, tokenizer, key, main)
 
 
 # Exception class names (anywhere in the cause chain) that mean "the network was needed and
@@ -72,7 +76,7 @@ def _raised_in_datasets(e: BaseException) -> bool:
     return last is not None and last.tb_frame.f_code.co_filename.startswith(root)
 
 
-def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
+def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset:
     component = cfg_dataset.get("_component_", "?") if hasattr(cfg_dataset, "get") else "?"
     column_map = cfg_dataset.get("column_map", None) if hasattr(cfg_dataset, "get") else None
     if column_map is not None and not isinstance(column_map, DictConfig):
@@ -118,11 +122,146 @@ def _instantiate(cfg_dataset, tokenizer, key: str) -> Dataset:
                     "line?") if "JSON parse error" in detail else ""
             raise ConfigError(f"{key}: {component} cannot load its data ({detail}){hint}") from None
         raise
+    check_columns(dataset, key, main, source=cfg_dataset.get("source") if hasattr(cfg_dataset, "get") else None)
     if not is_packed(dataset):
         # (A packed dataset tokenized every example while it was built, above.)
         dataset = ExampleErrorsNamed(dataset, key, chat=_is_chat(cfg_dataset))
-    check_first_examples(dataset, tokenizer, key)
+    check_first_examples(dataset, tokenizer, key, main)
     return dataset
+
+
+def _warn(main: bool, text: str) -> None:
+    if main:
+        print(f"warning: {text}", file=sys.stderr)
+
+
+def _template_columns(dataset) -> Tuple[dict, Optional[str]]:
+    """({the template's name: the data's column} for the text columns a torchtune dataset's
+    template reads from each row, the column holding the response or None): torchtune's
+    instruct, alpaca and text-completion transforms; {} for others (chat data: a column of
+    messages; a custom dataset)."""
+    column = getattr(dataset, "_column", None)
+    if isinstance(column, str):  # TextCompletionDataset: the whole row is the text
+        return {"text": column}, column
+    transform = getattr(dataset, "_message_transform", None)
+    column_map = getattr(transform, "column_map", None)
+    if type(transform).__name__ == "AlpacaToMessages":
+        column_map = {"instruction": "instruction", "input": "input", "output": "output", **(column_map or {})}
+    if not isinstance(column_map, dict) or "output" not in column_map:
+        return {}, None
+    text = {name: col for name, col in column_map.items() if name in ("instruction", "input", "output")}
+    return text, column_map["output"]
+
+
+# The roles torchtune 0.6.1's Message and chat templates know; an openai-style turn of another
+# role is masked (the template trains only the assistant's) under a header of its own name.
+_KNOWN_ROLES = ("system", "user", "assistant", "ipython")
+
+
+def _check_conversations(dataset, table, key: str, main: bool) -> None:
+    """A chat dataset's column of messages (torchtune's openai or sharegpt transform), over every
+    row at once: a message without text (a null content or value) is one line naming the first
+    such example; openai-style turns of a role the template does not know (e.g. ``bot``) are a
+    warning with their count: they train nothing. (sharegpt's transform refuses an unknown role
+    itself, named by ``ExampleErrorsNamed``.)"""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    transform = getattr(dataset, "_message_transform", None)
+    style = {"OpenAIToMessages": ("messages", "role", "content"),
+             "ShareGPTToMessages": ("conversations", "from", "value")}.get(type(transform).__name__)
+    column_map = getattr(transform, "_column_map", None)
+    if style is None or not isinstance(column_map, dict) or column_map.get(style[0]) not in table.column_names:
+        return
+    column, role_field, text_field = column_map[style[0]], style[1], style[2]
+    values = table.column(column)
+    if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) \
+            or not pa.types.is_struct(values.type.value_type):
+        return
+    fields = {values.type.value_type.field(i).name for i in range(values.type.value_type.num_fields)}
+    if not {role_field, text_field} <= fields:
+        return  # the other style's fields: ExampleErrorsNamed names the fix
+    messages = pc.list_flatten(values)
+    owner = pc.list_parent_indices(values)
+    text = pc.struct_field(messages, text_field)
+    if text.null_count:
+        first = owner[pc.index(pc.is_null(text), True).as_py()].as_py()
+        raise ConfigError(f"{key}: {text.null_count} message(s) of column {column!r} have no "
+                          f"{text_field!r} (null), the first in example {first}: fix or filter "
+                          "those rows")
+    if role_field != "role":
+        return
+    unknown = pc.invert(pc.is_in(pc.struct_field(messages, role_field), pa.array(_KNOWN_ROLES)))
+    count = pc.sum(unknown).as_py() or 0
+    if count:
+        at = pc.index(unknown, True).as_py()
+        role = pc.struct_field(messages, role_field)[at].as_py()
+        _warn(main, f"{key}: {count} message(s) of column {column!r} have a role the template "
+                    f"does not know ({', '.join(_KNOWN_ROLES)}), the first {role!r} in example "
+                    f"{owner[at].as_py()}: such turns are masked and train nothing; rename or "
+                    "filter them")
+
+
+def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
+                  source: Optional[str] = None) -> None:
+    """The columns a torchtune dataset's template reads (``_template_columns``), checked over
+    every loaded row at once (Arrow's counts, no tokenization): a column with no value in some
+    rows (a row without that field, an empty cell), or read as numbers (a CSV column of
+    numbers), fails here naming the column and the first such example, instead of mid-epoch
+    when a batch reaches it. Responses that are empty train the model to answer with nothing:
+    a warning with their count (an error when every one is). Datasets whose rows are not a
+    plain table (a filtered one, chat data, a custom class) are not checked here."""
+    import pyarrow.compute as pc
+    import pyarrow.types as pat
+
+    inner = getattr(dataset, "ds", dataset)  # a PackedDataset: the dataset it packed
+    data = getattr(inner, "_data", None)
+    table = getattr(getattr(data, "data", None), "table", None)
+    if table is None or getattr(data, "_indices", None) is not None:
+        return
+    rows = table.num_rows
+    _check_conversations(inner, table, key, main)
+    columns, response = _template_columns(inner)
+    for name, column in columns.items():
+        if column not in table.column_names:
+            continue  # check_first_examples names a missing column
+        values = table.column(column)
+        if values.null_count:
+            first = pc.index(pc.is_null(values), True).as_py()
+            raise ConfigError(
+                f"{key}: column {column!r} has no value in {values.null_count} of {rows} rows "
+                f"(a row without that field, or an empty cell), the first in example {first}: "
+                "fix or filter those rows")
+        if not (pat.is_string(values.type) or pat.is_large_string(values.type)):
+            hint = (f"; a CSV column of numbers is read as numbers: give the data as JSON "
+                    f"Lines with those values as strings ({key}.source=json)"
+                    if source == "csv" else "; give those values as strings")
+            raise ConfigError(f"{key}: column {column!r} was read as {values.type}, not text, "
+                              f"and the template reads it as text{hint}")
+    if response is None or response not in table.column_names:
+        return
+    values = table.column(response)
+    if not (pat.is_string(values.type) or pat.is_large_string(values.type)):
+        return
+    empty = pc.sum(pc.equal(pc.utf8_length(values), 0)).as_py() or 0
+    if not empty:
+        return
+    first = pc.index(pc.equal(pc.utf8_length(values), 0), True).as_py()
+    if "text" in columns:  # text completion: an empty row is an end-of-text token alone
+        if empty == rows:
+            raise ConfigError(f"{key}: every row's text (column {response!r}) is empty: nothing "
+                              f"to train on; check {key}.column")
+        _warn(main, f"{key}: {empty} of {rows} rows have empty text (column {response!r}, the "
+                    f"first example {first}): they train nothing but an end of text; filter "
+                    "them out of the data")
+        return
+    if empty == rows:
+        raise ConfigError(f"{key}: every example's response (column {response!r}) is empty, so "
+                          "training would teach the model to answer with nothing; check "
+                          f"{key}.column_map")
+    _warn(main, f"{key}: {empty} of {rows} examples have an empty response (column "
+                f"{response!r}, the first example {first}): they train the model to answer "
+                "with nothing; filter them out of the data")
 
 
 # What making one example into tokens raises for a row it cannot take (a missing column, a
@@ -168,14 +307,18 @@ def _is_chat(cfg_dataset) -> bool:
 
 
 def _no_column(key: str, e: KeyError, index: Optional[int] = None,
-               row: Optional[dict] = None, chat: bool = False) -> ConfigError:
+               row: Optional[dict] = None, chat: bool = False, text: bool = False) -> ConfigError:
     """A KeyError while an example is made into tokens: a column the template reads that the
     data lacks, or (where the example's raw ``row`` shows it) a value the template does not
-    know, such as a conversation role, or a field inside a column."""
+    know, such as a conversation role, or a field inside a column. ``text``: a text-completion
+    dataset (one column, named by its ``column`` key)."""
     which = f"example {index}" if index is not None else "an example"
     missing = e.args[0] if e.args else e
     if isinstance(row, dict) and missing not in row:
         columns = ", ".join(map(str, row))
+        if text:
+            return ConfigError(f"{key}: {which} has no column {missing!r} (its columns: "
+                               f"{columns}); name the text's column with {key}.column")
         if _holds_value(row, missing):
             return ConfigError(
                 f"{key}: {which} holds {missing!r} where the template expects another value "
@@ -250,7 +393,8 @@ class ExampleErrorsNamed(Dataset):
         except ConfigError:
             raise
         except KeyError as e:
-            raise _no_column(self.key, e, index, _raw_row(self.dataset, index), self.chat) from None
+            text = isinstance(getattr(self.dataset, "_column", None), str)  # text completion
+            raise _no_column(self.key, e, index, _raw_row(self.dataset, index), self.chat, text) from None
         except (AttributeError, TypeError, ValueError, AssertionError) as e:
             # (torchtune's message transforms assert what they are given)
             text = _first_line(e)
@@ -273,11 +417,12 @@ class ExampleErrorsNamed(Dataset):
         return getattr(self.dataset, name)
 
 
-def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> None:
+def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset", main: bool = True) -> None:
     """Tokenize the first ``EXAMPLES_CHECKED`` examples now, before any model is built: a
     column the data lacks (a ``column_map`` to set) is one line here rather than a traceback
     at the first batch, and if none of them keeps a label token (every one truncated before
-    its response by ``tokenizer.max_seq_len``, or masked) no step could compute a loss."""
+    its response by ``tokenizer.max_seq_len``, or masked) no step could compute a loss. If
+    some do not, a warning (with ``main``) says how many: such examples train nothing."""
     import torch
 
     n = min(len(dataset), EXAMPLES_CHECKED) if hasattr(dataset, "__len__") else 0
@@ -319,6 +464,16 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset") -> N
             "keeps a label token (each is cut before its response, or fully masked), so no "
             "step has a loss; raise tokenizer.max_seq_len, or set "
             f"{key}.train_on_input=True to train on the prompts too")
+    if masked:
+        causes = []
+        if cut:
+            causes.append(f"{cut} cut before their response by tokenizer.max_seq_len={max_seq_len}")
+        if masked - cut:
+            causes.append(f"{masked - cut} masked whole (no response or assistant turn the "
+                          "template trains on, e.g. a role it does not know)")
+        _warn(main, f"{key}: {masked} of the first {n} examples keep no label token "
+                    f"({'; '.join(causes)}): such examples train nothing, and the rest of the "
+                    "data is likely alike")
 
 
 def padded_batch_multiple(device) -> int:
@@ -484,7 +639,7 @@ def build_validation_dataloader(cfg, tokenizer, *, ignore_index: int, world_size
         return None
     from tune_recipes.training.step.validation import shard_for_rank
 
-    dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val")
+    dataset = build_dataset(cfg.dataset_val, tokenizer, key="dataset_val", main=rank == 0)
     shard = shard_for_rank(dataset, world_size, rank)
     # NOTE: every example of this rank's shard made into tokens once now, not only the first
     # few: validation runs at an epoch's end before the epoch is saved, so a bad row found

@@ -383,9 +383,10 @@ def setup_data_and_schedule(
             )
         state.resume(resume, rank=rank)
     gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
-    dataset = build_dataset(cfg.dataset, tokenizer)
+    main = rank == 0 if is_main is None else is_main
+    dataset = build_dataset(cfg.dataset, tokenizer, main=main)
     padding_free = training_padding_free(cfg, dataset, device, spans)
-    if padding_free and is_packed(dataset) and (rank == 0 if is_main is None else is_main):
+    if padding_free and is_packed(dataset) and main:
         log.info("padding_free: packs without their padding, laid end to end")
     dataloader = build_dataloader(
         dataset, batch_size=cfg.batch_size, shuffle=cfg.shuffle,

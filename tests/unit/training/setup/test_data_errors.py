@@ -111,18 +111,56 @@ def test_a_builders_own_refusal_is_one_line_naming_the_key():
         build_dataset(cfg, tiny_tokenizer(max_seq_len=None))
 
 
-def test_a_row_that_is_not_text_past_the_first_examples_names_its_index(tmp_path):
-    """Row 19 (past the examples checked at setup) has a null answer, or none (the loader fills
-    a missing value with null): the batch that reaches it stops the run with one line naming
-    it, not a tokenizer's traceback mid-epoch."""
+def test_a_row_without_a_value_past_the_first_examples_is_one_line_at_setup(tmp_path):
+    """Row 19 (past the examples tokenized at setup) has a null answer, or none (the loader
+    fills a missing field with null): the column's nulls are counted over every row when the
+    dataset is built, and one line names the column and the first such example, before any
+    step (it stopped the run mid-epoch when the batch reached it)."""
     rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(24)]
     for broken in ({"input": "question 19", "output": None}, {"input": "question 19"}):
         rows[19] = broken
-        dataset = build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
-        assert dataset[18]["tokens"] and dataset[20]["tokens"]  # the others are untouched
-        with pytest.raises(ConfigError, match=r"^dataset: example 19 cannot be made into tokens "
-                                              r"\(AttributeError: 'NoneType' object .*not text"):
-            dataset[19]
+        with pytest.raises(ConfigError, match=r"^dataset: column 'output' has no value in 1 of 24 "
+                                              r"rows \(a row without that field, or an empty "
+                                              r"cell\), the first in example 19: fix or filter"):
+            build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+    rows[19] = {"input": "question 19", "output": "answer 19"}
+    assert len(build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())) == 24
+
+
+@pytest.mark.parametrize("style", ["sharegpt", "openai"])
+def test_a_chat_message_without_text_past_the_first_examples_is_one_line_at_setup(tmp_path, style):
+    """A message's null text inside the column of conversations, row 19: counted over every
+    row when the dataset is built (it stopped the run when its batch came)."""
+    role, text, user, bot = (("from", "value", "human", "gpt") if style == "sharegpt"
+                             else ("role", "content", "user", "assistant"))
+    rows = [{"chat": [{role: user, text: f"q{i}"}, {role: bot, text: f"a{i}"}]} for i in range(24)]
+    rows[19]["chat"][1][text] = None
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(path), "split": "train",
+                            "conversation_column": "chat", "conversation_style": style})
+    with pytest.raises(ConfigError, match=rf"^dataset: 1 message\(s\) of column 'chat' have no "
+                                          rf"'{text}' \(null\), the first in example 19: fix or "
+                                          rf"filter those rows$"):
+        build_dataset(cfg, tiny_tokenizer())
+
+
+def test_openai_turns_of_a_role_the_template_does_not_know_warn_with_their_count(tmp_path, capsys):
+    """An openai-style 'bot' turn is masked (only the assistant's train) under a 'bot' header:
+    the example trains nothing, silently. A warning counts such turns over every row."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(30)]
+    rows[20]["messages"][1]["role"] = rows[25]["messages"][1]["role"] = "bot"
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(path), "split": "train",
+                            "conversation_column": "messages", "conversation_style": "openai"})
+    assert len(build_dataset(cfg, tiny_tokenizer())) == 30
+    assert ("warning: dataset: 2 message(s) of column 'messages' have a role the template does not "
+            "know (system, user, assistant, ipython), the first 'bot' in example 20: such turns are "
+            "masked and train nothing") in capsys.readouterr().err
 
 
 def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
@@ -223,12 +261,72 @@ def test_a_preference_dataset_in_a_supervised_recipe_is_one_line_at_setup(tmp_pa
         build_dataset(cfg, tiny_tokenizer())
 
 
-@pytest.mark.parametrize("value, what", [(4, "int"), (["a", "b"], "list")])
-def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, what):
+@pytest.mark.parametrize("value, read_as", [(4, "int64"), (["a", "b"], "list<item: string>")])
+def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, read_as):
     rows = [{"input": f"question {i}", "output": value} for i in range(4)]
-    with pytest.raises(ConfigError, match=rf"^dataset: example 0 cannot be made into tokens "
-                                          rf"\(AttributeError: '{what}' object"):
+    with pytest.raises(ConfigError, match=rf"^dataset: column 'output' was read as {read_as}, "
+                                          rf"not text, and the template reads it as text"):
         build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+
+
+def test_a_csv_column_of_numbers_names_the_column_and_the_fix(tmp_path):
+    """A CSV's numeric answers are read as numbers (one empty cell: floats); the template
+    wanted text. One line names the column and how to give the values as text."""
+    path = tmp_path / "data.csv"
+    path.write_text("input,output\n" + "".join(f"question {i},{i}\n" for i in range(20)))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "csv",
+                            "data_files": str(path), "split": "train"})
+    with pytest.raises(ConfigError, match=r"^dataset: column 'output' was read as int64, not text.*"
+                                          r"a CSV column of numbers is read as numbers: give the "
+                                          r"data as JSON Lines with those values as strings "
+                                          r"\(dataset.source=json\)$"):
+        build_dataset(cfg, tiny_tokenizer())
+
+
+def test_empty_responses_warn_with_their_count_and_all_empty_is_an_error(tmp_path, capsys):
+    """An empty answer trains the model to answer with nothing (the assistant header and its
+    end token are the labels): a warning counting them over every row; every answer empty is
+    an error. A text-completion row of empty text likewise. Not printed off the main rank."""
+    rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(24)]
+    rows[5]["output"] = rows[21]["output"] = ""
+    assert len(build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())) == 24
+    assert ("warning: dataset: 2 of 24 examples have an empty response (column 'output', the "
+            "first example 5): they train the model to answer with nothing") in capsys.readouterr().err
+    build_dataset(_instruct(tmp_path, rows), tiny_tokenizer(), main=False)
+    assert "warning" not in capsys.readouterr().err
+    for row in rows:
+        row["output"] = ""
+    with pytest.raises(ConfigError, match=r"^dataset: every example's response \(column 'output'\) "
+                                          r"is empty"):
+        build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+    path = tmp_path / "text.json"
+    path.write_text(json.dumps([{"body": f"some text {i}" if i != 3 else ""} for i in range(20)]))
+    text = OmegaConf.create({"_component_": "torchtune.datasets.text_completion_dataset", "source": "json",
+                             "data_files": str(path), "split": "train", "column": "body"})
+    build_dataset(text, tiny_tokenizer())
+    assert "1 of 20 rows have empty text (column 'body', the first example 3)" in capsys.readouterr().err
+
+
+def test_a_text_completion_column_the_data_lacks_names_its_key(tmp_path):
+    path = tmp_path / "text.json"
+    path.write_text(json.dumps([{"body": f"some text {i}"} for i in range(20)]))
+    text = OmegaConf.create({"_component_": "torchtune.datasets.text_completion_dataset", "source": "json",
+                             "data_files": str(path), "split": "train"})
+    with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'text' \(its columns: "
+                                          r"body\); name the text's column with dataset.column$"):
+        build_dataset(text, tiny_tokenizer())
+
+
+def test_some_first_examples_without_a_label_token_warn_with_the_cause(tmp_path, capsys):
+    """Every third prompt too long for tokenizer.max_seq_len: those examples keep no label
+    token and train nothing; a warning counts them among the first examples (all of them cut is
+    the error above)."""
+    rows = [{"input": ("long " * 300 if i % 3 == 0 else f"question {i}"), "output": f"answer {i}"}
+            for i in range(24)]
+    build_dataset(_instruct(tmp_path, rows), tiny_tokenizer(max_seq_len=256))
+    err = capsys.readouterr().err
+    assert ("warning: dataset: 6 of the first 16 examples keep no label token (6 cut before their "
+            "response by tokenizer.max_seq_len=256): such examples train nothing") in err, err
 
 
 def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path):
@@ -269,7 +367,9 @@ def test_a_row_the_template_refuses_for_another_reason_gets_no_not_text_hint(tmp
 
 def test_a_bad_validation_row_anywhere_is_one_line_at_setup(tmp_path):
     """Validation runs at an epoch's end, before the epoch is saved: a row it cannot use is
-    found when the run starts (one line), not after the epoch's training."""
+    found when the run starts (one line), not after the epoch's training: a column's null by
+    the column counts, a conversation the template refuses by making every example into
+    tokens."""
     from tune_recipes.training.setup.data import build_validation_dataloader
 
     rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(40)]
@@ -279,13 +379,22 @@ def test_a_bad_validation_row_anywhere_is_one_line_at_setup(tmp_path):
     cfg = OmegaConf.create({"batch_size": 4, "dataset_val": {
         "_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
         "data_files": str(path), "split": "train"}})
-    with pytest.raises(ConfigError, match=r"^dataset_val: example 33 cannot be made into tokens "
-                                          r"\(AssertionError: .*got None\); a value the template "
-                                          r"reads is not text"):
+    with pytest.raises(ConfigError, match=r"^dataset_val: column 'output' has no value in 1 of 40 "
+                                          r"rows .*the first in example 33"):
         build_validation_dataloader(cfg, tiny_tokenizer(), ignore_index=-100)
     rows[33]["output"] = "a33"
     path.write_text(json.dumps(rows))
     assert len(list(build_validation_dataloader(cfg, tiny_tokenizer(), ignore_index=-100))) == 10
+    chat = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(40)]
+    chat[33]["conversations"][1]["from"] = "human"  # two user turns in a row: the template refuses
+    path.write_text(json.dumps(chat))
+    cfg.dataset_val = {"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                       "data_files": str(path), "split": "train",
+                       "conversation_column": "conversations", "conversation_style": "sharegpt"}
+    with pytest.raises(ConfigError, match=r"^dataset_val: example 33 cannot be made into tokens "
+                                          r"\(ValueError: .*\); fix or filter that row$"):
+        build_validation_dataloader(cfg, tiny_tokenizer(), ignore_index=-100)
 
 
 def test_a_data_file_under_home_written_with_a_tilde_loads(tmp_path, monkeypatch):
