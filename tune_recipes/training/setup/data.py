@@ -145,11 +145,15 @@ def _template_columns(dataset) -> Tuple[dict, Optional[str]]:
         return {"text": column}, column
     transform = getattr(dataset, "_message_transform", None)
     column_map = getattr(transform, "column_map", None)
+    wanted = ("instruction", "input", "output")
     if type(transform).__name__ == "AlpacaToMessages":
-        column_map = {"instruction": "instruction", "input": "input", "output": "output", **(column_map or {})}
+        column_map = {"instruction": "instruction", "output": "output", **(column_map or {})}
+        # NOTE: not alpaca's input: the template reads it only when the row has one (a row
+        # without it, null or empty takes the prompt without input).
+        wanted = ("instruction", "output")
     if not isinstance(column_map, dict) or "output" not in column_map:
         return {}, None
-    text = {name: col for name, col in column_map.items() if name in ("instruction", "input", "output")}
+    text = {name: col for name, col in column_map.items() if name in wanted}
     return text, column_map["output"]
 
 

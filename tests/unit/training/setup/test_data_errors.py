@@ -127,6 +127,20 @@ def test_a_row_without_a_value_past_the_first_examples_is_one_line_at_setup(tmp_
     assert len(build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())) == 24
 
 
+def test_alpaca_rows_without_an_input_are_not_refused(tmp_path):
+    """alpaca's template reads a row's input only when it has one (a row without it, null or
+    empty takes the prompt without input): such rows load, and the null input is no error."""
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(24)]
+    rows[3]["input"] = "some context"
+    del rows[19]["input"]
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
+                            "data_files": str(path), "split": "train"})
+    dataset = build_dataset(cfg, tiny_tokenizer())
+    assert len(dataset) == 24 and dataset[19]["tokens"]
+
+
 @pytest.mark.parametrize("style", ["sharegpt", "openai"])
 def test_a_chat_message_without_text_past_the_first_examples_is_one_line_at_setup(tmp_path, style):
     """A message's null text inside the column of conversations, row 19: counted over every
