@@ -202,8 +202,9 @@ def _check_conversations(dataset, table, key: str, main: bool) -> None:
         role = pc.struct_field(messages, role_field)[at].as_py()
         _warn(main, f"{key}: {count} message(s) of column {column!r} have a role the template "
                     f"does not know ({', '.join(_KNOWN_ROLES)}), the first {role!r} in example "
-                    f"{owner[at].as_py()}: such turns are masked and train nothing; rename or "
-                    "filter them")
+                    f"{owner[at].as_py()}: such turns are masked (never trained on) under a "
+                    "header of that name; rename them (an answer: assistant; a tool's output: "
+                    "ipython) or filter them")
 
 
 def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,

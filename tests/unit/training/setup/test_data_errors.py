@@ -162,7 +162,7 @@ def test_a_chat_message_without_text_past_the_first_examples_is_one_line_at_setu
 
 def test_openai_turns_of_a_role_the_template_does_not_know_warn_with_their_count(tmp_path, capsys):
     """An openai-style 'bot' turn is masked (only the assistant's train) under a 'bot' header:
-    the example trains nothing, silently. A warning counts such turns over every row."""
+    an answer so named trains nothing, silently. A warning counts such turns over every row."""
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(30)]
     rows[20]["messages"][1]["role"] = rows[25]["messages"][1]["role"] = "bot"
@@ -174,7 +174,7 @@ def test_openai_turns_of_a_role_the_template_does_not_know_warn_with_their_count
     assert len(build_dataset(cfg, tiny_tokenizer())) == 30
     assert ("warning: dataset: 2 message(s) of column 'messages' have a role the template does not "
             "know (system, user, assistant, ipython), the first 'bot' in example 20: such turns are "
-            "masked and train nothing") in capsys.readouterr().err
+            "masked (never trained on) under a header of that name") in capsys.readouterr().err
 
 
 def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
