@@ -1083,6 +1083,20 @@ _LOADER_BY_ALIAS = {"jsonl": ("json", "JSON Lines are read by json"),
                     "pq": ("parquet", "parquet files are read by parquet")}
 
 
+def source_format_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
+    """A file format's name as ``source`` beside ``data_files`` (``jsonl`` for ``json``): wrong
+    on every machine. Hugging Face reads it as a Hub dataset's name and retries the network for
+    it (~30 s offline) before it fails."""
+    for where, part in _dataset_parts(cfg, key):
+        source = part.get("source") if isinstance(part, dict) else None
+        alias = _LOADER_BY_ALIAS.get(source.lower()) if isinstance(source, str) else None
+        if alias and part.get("data_files") is not None and not Path(source).exists():
+            loader, why = alias
+            return (f"{where}.source={source}: not one of Hugging Face's file loaders "
+                    f"({', '.join(sorted(_LOCAL_FILE_LOADERS))}); {why}: {where}.source={loader}")
+    return None
+
+
 def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]:
     """``source`` naming a local data file, or ``data_files`` a folder: Hugging Face's loaders
     read ``source`` as a dataset name, loader or script ("Couldn't find any data file at
@@ -1091,13 +1105,6 @@ def local_source_problem(cfg: DictConfig, key: str = "dataset") -> Optional[str]
         if not isinstance(part, dict):
             continue
         source = part.get("source")
-        alias = _LOADER_BY_ALIAS.get(source.lower()) if isinstance(source, str) else None
-        if alias and part.get("data_files") is not None and not Path(source).exists():
-            # Hugging Face reads any other source as a Hub dataset's name and retries the
-            # network for it (~30 s offline) before it fails.
-            loader, why = alias
-            return (f"{where}.source={source}: not one of Hugging Face's file loaders "
-                    f"({', '.join(sorted(_LOCAL_FILE_LOADERS))}); {why}: {where}.source={loader}")
         loader = _LOADER_BY_SUFFIX.get(Path(source).suffix.lower()) if isinstance(source, str) else None
         # (a .py source is a loading script, which datasets runs: not a data file)
         if loader and source not in _LOCAL_FILE_LOADERS and Path(source).expanduser().is_file():
@@ -1772,6 +1779,11 @@ def check_values(cfg: DictConfig, keys: Optional[Iterable[str]], env: bool = Tru
         if problem:
             note = _string_note(value, rule.check)
             raise ConfigError(f"{rule.key}={_show(value)}: {problem}{note}")
+    for key in ("dataset", "dataset_val"):
+        if keys is None or key in keys:
+            problem = source_format_problem(cfg, key)
+            if problem:
+                raise ConfigError(problem)
     if env:
         for key in ("checkpointer", "teacher_checkpointer"):
             if keys is None or key in keys:

@@ -534,6 +534,12 @@ def test_dataset_arguments_the_loader_would_misread_are_named_by_validate(tmp_pa
                                           r"loaders \(arrow, csv, json, parquet, text\); JSON Lines "
                                           r"are read by json: dataset.source=json$"):
         check(source="jsonl")
+    # wrong on every machine: the portable checks (no paths, no devices) refuse it too
+    cfg = _tiny("tiny/full_single_device")
+    cfg.dataset = {"_component_": "torchtune.datasets.instruct_dataset", "source": "ndjson",
+                   "data_files": "/elsewhere/rows.jsonl", "split": "train"}
+    with pytest.raises(ConfigError, match=r"^dataset.source=ndjson: not one of"):
+        check_config(cfg, recipe, _keys(recipe), env=False)
 
 
 @pytest.mark.unit

@@ -67,7 +67,8 @@ def _qualifies(module: nn.Module) -> bool:
     whose down projection trains and has no bias: the case ``_SwiGLUDown`` computes. LoRA,
     FP8 or fake-quantized projections (other classes) keep their own forward, and so does a
     down projection with forward hooks (tensor parallelism's output reduction, a user's): the
-    product here never calls its module."""
+    product here never calls its module (its backward hooks and torch's global module hooks
+    do not run for it either)."""
     if not (type(module) is FeedForward and isinstance(module.activation, nn.SiLU)
             and module.w3 is not None
             and all(type(p) is nn.Linear for p in (module.w1, module.w2, module.w3))):

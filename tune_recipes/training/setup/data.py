@@ -88,6 +88,12 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
         # YAML reads `{input:prompt}` (no space after the colon) as the key "input:prompt".
         raise ConfigError(f"{key}.column_map holds {unset[0]!r} with no value: write a space "
                           f"after the colon, {{{str(unset[0]).replace(':', ': ', 1)}}}")
+    source = cfg_dataset.get("source") if hasattr(cfg_dataset, "get") else None
+    packed = hasattr(cfg_dataset, "get") and cfg_dataset.get("packed", False) is True
+    if packed:
+        # Packing makes every row into tokens first: the columns are checked before that (one
+        # line naming the column, not the first row packing stops at, minutes in).
+        _check_columns_before_packing(cfg_dataset, tokenizer, key, main, source)
     try:
         dataset = tt_config.instantiate(cfg_dataset, tokenizer)
     except ConfigError:
@@ -99,7 +105,6 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
                 f"{key}: {component} needs the network to fetch its data and cannot reach it "
                 f"({_first_line(e)}); fetch it once while online (it is cached), or point "
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
-        packed = hasattr(cfg_dataset, "get") and cfg_dataset.get("packed", False) is True
         if packed and isinstance(e, _EXAMPLE_ERRORS) and not _raised_in_datasets(e):
             # A packed dataset tokenizes every example as it is built, and its error names
             # none: find the example (raises its one line) ...
@@ -122,12 +127,24 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
                     "line?") if "JSON parse error" in detail else ""
             raise ConfigError(f"{key}: {component} cannot load its data ({detail}){hint}") from None
         raise
-    check_columns(dataset, key, main, source=cfg_dataset.get("source") if hasattr(cfg_dataset, "get") else None)
+    if not packed:
+        check_columns(dataset, key, main, source=source)
     if not is_packed(dataset):
         # (A packed dataset tokenized every example while it was built, above.)
         dataset = ExampleErrorsNamed(dataset, key, chat=_is_chat(cfg_dataset))
     check_first_examples(dataset, tokenizer, key, main)
     return dataset
+
+
+def _check_columns_before_packing(cfg_dataset, tokenizer, key: str, main: bool, source) -> None:
+    """``check_columns`` on the dataset a packed config packs, built unpacked (its rows
+    loaded, none made into tokens). A config the unpacked build refuses is left to the packed
+    build's own error."""
+    try:
+        unpacked = tt_config.instantiate(OmegaConf.merge(cfg_dataset, {"packed": False}), tokenizer)
+    except Exception:  # noqa: BLE001 - the packed build below reports its own error
+        return
+    check_columns(unpacked, key, main, source=source)
 
 
 def _warn(main: bool, text: str) -> None:
@@ -148,9 +165,10 @@ def _template_columns(dataset) -> Tuple[dict, Optional[str]]:
     wanted = ("instruction", "input", "output")
     if type(transform).__name__ == "AlpacaToMessages":
         column_map = {"instruction": "instruction", "output": "output", **(column_map or {})}
-        # NOTE: not alpaca's input: the template reads it only when the row has one (a row
-        # without it, null or empty takes the prompt without input).
-        wanted = ("instruction", "output")
+        # NOTE: alpaca's output only. Its input is read only when a row has one (a row without
+        # it, null or empty, takes the prompt without input), and its instruction goes through
+        # str.format, which writes a null or a number as text: torchtune trains on both.
+        wanted = ("output",)
     if not isinstance(column_map, dict) or "output" not in column_map:
         return {}, None
     text = {name: col for name, col in column_map.items() if name in wanted}
@@ -179,6 +197,11 @@ def _check_conversations(dataset, table, key: str, main: bool) -> None:
         return
     column, role_field, text_field = column_map[style[0]], style[1], style[2]
     values = table.column(column)
+    if values.null_count:
+        first = pc.index(pc.is_null(values), True).as_py()
+        raise ConfigError(f"{key}: column {column!r} has no conversation in {values.null_count} "
+                          f"of {table.num_rows} rows (a row without that field), the first in "
+                          f"example {first}: fix or filter those rows")
     if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)) \
             or not pa.types.is_struct(values.type.value_type):
         return
@@ -187,24 +210,28 @@ def _check_conversations(dataset, table, key: str, main: bool) -> None:
         return  # the other style's fields: ExampleErrorsNamed names the fix
     messages = pc.list_flatten(values)
     owner = pc.list_parent_indices(values)
-    text = pc.struct_field(messages, text_field)
-    if text.null_count:
-        first = owner[pc.index(pc.is_null(text), True).as_py()].as_py()
-        raise ConfigError(f"{key}: {text.null_count} message(s) of column {column!r} have no "
+    roles = pc.struct_field(messages, role_field)
+    missing = pc.is_null(pc.struct_field(messages, text_field))
+    if getattr(transform, "new_system_prompt", None) is not None:
+        # the data's system turns are dropped for the config's prompt: their text is never read
+        missing = pc.and_(missing, pc.invert(pc.equal(roles, "system")))
+    count = pc.sum(missing).as_py() or 0
+    if count:
+        first = owner[pc.index(missing, True).as_py()].as_py()
+        raise ConfigError(f"{key}: {count} message(s) of column {column!r} have no "
                           f"{text_field!r} (null), the first in example {first}: fix or filter "
                           "those rows")
     if role_field != "role":
         return
-    unknown = pc.invert(pc.is_in(pc.struct_field(messages, role_field), pa.array(_KNOWN_ROLES)))
+    unknown = pc.invert(pc.is_in(roles, pa.array(_KNOWN_ROLES)))
     count = pc.sum(unknown).as_py() or 0
     if count:
         at = pc.index(unknown, True).as_py()
-        role = pc.struct_field(messages, role_field)[at].as_py()
-        _warn(main, f"{key}: {count} message(s) of column {column!r} have a role the template "
-                    f"does not know ({', '.join(_KNOWN_ROLES)}), the first {role!r} in example "
-                    f"{owner[at].as_py()}: such turns are masked (never trained on) under a "
-                    "header of that name; rename them (an answer: assistant; a tool's output: "
-                    "ipython) or filter them")
+        _warn(main, f"{key}: {count} message(s) of column {column!r} have a role torchtune's "
+                    f"messages do not know ({', '.join(_KNOWN_ROLES)}), the first "
+                    f"{roles[at].as_py()!r} in example {owner[at].as_py()}: such turns are masked "
+                    "(never trained on) and templated under their own name; an answer "
+                    "so named trains nothing: rename those to assistant, or filter them")
 
 
 def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
@@ -214,8 +241,9 @@ def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
     rows (a row without that field, an empty cell), or read as numbers (a CSV column of
     numbers), fails here naming the column and the first such example, instead of mid-epoch
     when a batch reaches it. Responses that are empty train the model to answer with nothing:
-    a warning with their count (an error when every one is). Datasets whose rows are not a
-    plain table (a filtered one, chat data, a custom class) are not checked here."""
+    a warning with their count (an error when every one is); chat data by
+    ``_check_conversations``. Datasets whose rows are not a plain table (one built with a
+    ``filter_fn``: an indices mapping; a custom class) are not checked here."""
     import pyarrow.compute as pc
     import pyarrow.types as pat
 
@@ -233,14 +261,23 @@ def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
         values = table.column(column)
         if values.null_count:
             first = pc.index(pc.is_null(values), True).as_py()
+            words = (f"; the csv loader also reads the words None, NA, NaN and null as no "
+                     f"value: {key}.keep_default_na=False keeps them as text"
+                     if source == "csv" else "")
             raise ConfigError(
                 f"{key}: column {column!r} has no value in {values.null_count} of {rows} rows "
                 f"(a row without that field, or an empty cell), the first in example {first}: "
-                "fix or filter those rows")
+                f"fix or filter those rows{words}")
         if not (pat.is_string(values.type) or pat.is_large_string(values.type)):
-            hint = (f"; a CSV column of numbers is read as numbers: give the data as JSON "
-                    f"Lines with those values as strings ({key}.source=json)"
-                    if source == "csv" else "; give those values as strings")
+            if pat.is_temporal(values.type):
+                hint = ("; the loader read every value of the column as a date or time, not as "
+                        "text: keep them as text by writing them otherwise (not ISO 8601), "
+                        "or from a CSV (source=csv)")
+            elif source == "csv":
+                hint = (f"; a CSV column of numbers is read as numbers: give the data as JSON "
+                        f"Lines with those values as strings ({key}.source=json)")
+            else:
+                hint = "; give those values as strings"
             raise ConfigError(f"{key}: column {column!r} was read as {values.type}, not text, "
                               f"and the template reads it as text{hint}")
     if response is None or response not in table.column_names:
@@ -248,25 +285,28 @@ def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
     values = table.column(response)
     if not (pat.is_string(values.type) or pat.is_large_string(values.type)):
         return
-    empty = pc.sum(pc.equal(pc.utf8_length(values), 0)).as_py() or 0
+    is_empty = pc.equal(pc.binary_length(values), 0)  # from the offsets: no text is read
+    empty = pc.sum(is_empty).as_py() or 0
     if not empty:
         return
-    first = pc.index(pc.equal(pc.utf8_length(values), 0), True).as_py()
-    if "text" in columns:  # text completion: an empty row is an end-of-text token alone
+    first = pc.index(is_empty, True).as_py()
+    held_out = key.startswith("dataset_val")
+    if "text" in columns:  # text completion: an empty row is an end-of-text token at most
         if empty == rows:
             raise ConfigError(f"{key}: every row's text (column {response!r}) is empty: nothing "
-                              f"to train on; check {key}.column")
+                              f"to {'score' if held_out else 'train on'}; check {key}.column")
         _warn(main, f"{key}: {empty} of {rows} rows have empty text (column {response!r}, the "
-                    f"first example {first}): they train nothing but an end of text; filter "
-                    "them out of the data")
+                    f"first example {first}): they {'score' if held_out else 'train'} nothing; "
+                    "filter them out of the data")
         return
     if empty == rows:
         raise ConfigError(f"{key}: every example's response (column {response!r}) is empty, so "
-                          "training would teach the model to answer with nothing; check "
-                          f"{key}.column_map")
+                          f"{'the validation loss would score' if held_out else 'training would teach the model'} "
+                          f"to answer with nothing; check {key}.column_map")
     _warn(main, f"{key}: {empty} of {rows} examples have an empty response (column "
-                f"{response!r}, the first example {first}): they train the model to answer "
-                "with nothing; filter them out of the data")
+                f"{response!r}, the first example {first}): "
+                f"{'the validation loss scores them as answers of nothing' if held_out else 'they train the model to answer with nothing'}"
+                "; filter them out of the data")
 
 
 # What making one example into tokens raises for a row it cannot take (a missing column, a
@@ -342,9 +382,12 @@ def _no_column(key: str, e: KeyError, index: Optional[int] = None,
             return ConfigError(
                 f"{key}: {which}'s messages have no field {missing!r} (their fields: "
                 f"{', '.join(sorted(fields))}); {fix}")
+        names = [str(c) for c in row]
+        example = (f"{{input: {names[0]}, output: {names[1]}}}" if len(names) >= 2
+                   else "{input: prompt, output: response}")
         return ConfigError(
             f"{key}: {which} has no column {missing!r} (its columns: {columns}; map them with "
-            f"{key}.column_map, e.g. column_map={{input: prompt, output: response}}; chat data: "
+            f"{key}.column_map, e.g. column_map={example}; chat data: "
             f"check {key}.conversation_style)")
     return ConfigError(f"{key}: {which} has no column {e} (map the data's columns with "
                        f"{key}.column_map, e.g. column_map={{input: prompt, output: response}})")
@@ -469,7 +512,12 @@ def check_first_examples(dataset: Dataset, tokenizer, key: str = "dataset", main
             "keeps a label token (each is cut before its response, or fully masked), so no "
             "step has a loss; raise tokenizer.max_seq_len, or set "
             f"{key}.train_on_input=True to train on the prompts too")
-    if masked:
+    if masked and is_packed(dataset):
+        # (every pack is max_seq_len long: its length says nothing of why)
+        _warn(main, f"{key}: {masked} of the first {n} packs keep no label token: their "
+                    "examples train nothing (each cut before its response by "
+                    f"tokenizer.max_seq_len={max_seq_len}, or masked whole)")
+    elif masked:
         causes = []
         if cut:
             causes.append(f"{cut} cut before their response by tokenizer.max_seq_len={max_seq_len}")

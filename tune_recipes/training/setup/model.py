@@ -260,7 +260,10 @@ def compile_layers_or_model(model: nn.Module, scope: Optional[str],
     model's document attention first (``route_document_attention``), so that it compiles into
     the graphs."""
     set_activation_memory_budget(activation_memory_budget)
-    recompute_down_inputs(model)
+    recomputing = recompute_down_inputs(model)
+    if recomputing:
+        log.info("compile: %d MLPs recompute their down projection's input in backward "
+                 "(modules.swiglu_down)", recomputing)
     if scope in (None, "layers"):
         compile_layers(model)
     elif scope == "model":

@@ -115,7 +115,7 @@ def test_a_row_without_a_value_past_the_first_examples_is_one_line_at_setup(tmp_
     """Row 19 (past the examples tokenized at setup) has a null answer, or none (the loader
     fills a missing field with null): the column's nulls are counted over every row when the
     dataset is built, and one line names the column and the first such example, before any
-    step (it stopped the run mid-epoch when the batch reached it)."""
+    step, whether or not the dataset is packed."""
     rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(24)]
     for broken in ({"input": "question 19", "output": None}, {"input": "question 19"}):
         rows[19] = broken
@@ -123,16 +123,21 @@ def test_a_row_without_a_value_past_the_first_examples_is_one_line_at_setup(tmp_
                                               r"rows \(a row without that field, or an empty "
                                               r"cell\), the first in example 19: fix or filter"):
             build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
+    # Packed: checked before packing makes every row into tokens, the same line.
+    with pytest.raises(ConfigError, match=r"^dataset: column 'output' has no value in 1 of 24 rows"):
+        build_dataset(_instruct(tmp_path, rows, packed=True), tiny_tokenizer(max_seq_len=256))
     rows[19] = {"input": "question 19", "output": "answer 19"}
     assert len(build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())) == 24
 
 
 def test_alpaca_rows_without_an_input_are_not_refused(tmp_path):
     """alpaca's template reads a row's input only when it has one (a row without it, null or
-    empty takes the prompt without input): such rows load, and the null input is no error."""
+    empty takes the prompt without input), and formats its instruction with str.format (a
+    number is written as text): such rows load, as torchtune loads them."""
     rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(24)]
     rows[3]["input"] = "some context"
     del rows[19]["input"]
+    del rows[7]["instruction"]  # null: str.format writes it as text, as torchtune trains on it
     path = tmp_path / "alpaca.json"
     path.write_text(json.dumps(rows))
     cfg = OmegaConf.create({"_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
@@ -144,7 +149,7 @@ def test_alpaca_rows_without_an_input_are_not_refused(tmp_path):
 @pytest.mark.parametrize("style", ["sharegpt", "openai"])
 def test_a_chat_message_without_text_past_the_first_examples_is_one_line_at_setup(tmp_path, style):
     """A message's null text inside the column of conversations, row 19: counted over every
-    row when the dataset is built (it stopped the run when its batch came)."""
+    row when the dataset is built, before any step."""
     role, text, user, bot = (("from", "value", "human", "gpt") if style == "sharegpt"
                              else ("role", "content", "user", "assistant"))
     rows = [{"chat": [{role: user, text: f"q{i}"}, {role: bot, text: f"a{i}"}]} for i in range(24)]
@@ -172,21 +177,51 @@ def test_openai_turns_of_a_role_the_template_does_not_know_warn_with_their_count
                             "data_files": str(path), "split": "train",
                             "conversation_column": "messages", "conversation_style": "openai"})
     assert len(build_dataset(cfg, tiny_tokenizer())) == 30
-    assert ("warning: dataset: 2 message(s) of column 'messages' have a role the template does not "
-            "know (system, user, assistant, ipython), the first 'bot' in example 20: such turns are "
-            "masked (never trained on) under a header of that name") in capsys.readouterr().err
+    assert ("warning: dataset: 2 message(s) of column 'messages' have a role torchtune's messages "
+            "do not know (system, user, assistant, ipython), the first 'bot' in example 20: such "
+            "turns are masked (never trained on)") in capsys.readouterr().err
+
+
+def test_chat_rows_without_a_conversation_and_system_turns_the_config_replaces(tmp_path):
+    """A row without its conversation (null) is one line at setup; a system turn without text
+    is no error when new_system_prompt replaces the data's system turns (never read)."""
+    rows = [{"messages": [{"role": "system", "content": None}, {"role": "user", "content": f"q{i}"},
+                          {"role": "assistant", "content": f"a{i}"}]} for i in range(24)]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                            "data_files": str(path), "split": "train",
+                            "conversation_column": "messages", "conversation_style": "openai"})
+    with pytest.raises(ConfigError, match=r"^dataset: 24 message\(s\) of column 'messages' have no "
+                                          r"'content' \(null\), the first in example 0"):
+        build_dataset(cfg, tiny_tokenizer())
+    cfg.new_system_prompt = "Be brief."
+    assert len(build_dataset(cfg, tiny_tokenizer())) == 24
+    rows[21] = {"messages": None}
+    path.write_text(json.dumps(rows))
+    with pytest.raises(ConfigError, match=r"^dataset: column 'messages' has no conversation in 1 of "
+                                          r"24 rows \(a row without that field\), the first in "
+                                          r"example 21"):
+        build_dataset(cfg, tiny_tokenizer())
 
 
 def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     """A packed dataset makes every example into tokens as it is built, and torchtune's error
-    names none (a null answer was an AttributeError traceback mid-packing; a missing column
-    named no example, and listed no columns): the example is found and named as unpacked."""
+    names none (a role the template does not know is a traceback mid-packing; a missing
+    column names no example, and lists no columns): the example is found and named as
+    unpacked."""
+    turns = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+             for i in range(30)]
+    turns[25]["conversations"][1]["from"] = "bot"  # a role sharegpt's transform does not know
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(turns))
+    chat = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                             "data_files": str(path), "split": "train", "packed": True,
+                             "conversation_column": "conversations", "conversation_style": "sharegpt"})
+    with pytest.raises(ConfigError, match=r"^dataset: example 25 holds 'bot' where the template "
+                                          r"expects another value"):
+        build_dataset(chat, tiny_tokenizer(max_seq_len=64))
     rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(30)]
-    rows[25] = {"input": "question 25", "output": None}
-    with pytest.raises(ConfigError, match=r"^dataset: example 25 cannot be made into tokens "
-                                          r"\(AttributeError: 'NoneType' object .*not text"):
-        build_dataset(_instruct(tmp_path, rows, packed=True), tiny_tokenizer(max_seq_len=64))
-    rows[25] = {"input": "question 25", "output": "answer 25"}
     rows = [{"prompt": r["input"], "output": r["output"]} for r in rows]
     with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'input' \(its "
                                           r"columns: prompt, output;.*column_map"):
@@ -297,6 +332,38 @@ def test_a_csv_column_of_numbers_names_the_column_and_the_fix(tmp_path):
         build_dataset(cfg, tiny_tokenizer())
 
 
+def test_csv_words_read_as_no_value_and_iso_dates_read_as_times_name_the_way_out(tmp_path):
+    """pandas reads a CSV's None/NA cells as no value, and the JSON loader reads ISO dates as
+    timestamps: each line says so, and keep_default_na=False keeps the words as text."""
+    path = tmp_path / "data.csv"
+    path.write_text("input,output\n" + "".join(f"question {i},{'NA' if i == 5 else 'yes'}\n" for i in range(20)))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "csv",
+                            "data_files": str(path), "split": "train"})
+    with pytest.raises(ConfigError, match=r"the first in example 5: fix or filter those rows; the "
+                                          r"csv loader also reads the words None, NA, NaN and null as "
+                                          r"no value: dataset.keep_default_na=False keeps them as text$"):
+        build_dataset(cfg, tiny_tokenizer())
+    cfg.keep_default_na = False
+    assert len(build_dataset(cfg, tiny_tokenizer())) == 20
+    lines = tmp_path / "dates.jsonl"  # (Arrow's JSON Lines reader takes ISO dates for times)
+    lines.write_text("".join(json.dumps({"input": f"when is event {i}?", "output": "2021-03-01"}) + "\n"
+                             for i in range(20)))
+    cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "json",
+                            "data_files": str(lines), "split": "train"})
+    with pytest.raises(ConfigError, match=r"^dataset: column 'output' was read as timestamp.*the loader "
+                                          r"read every value of the column as a date or time"):
+        build_dataset(cfg, tiny_tokenizer())
+
+
+def test_a_missing_column_hint_maps_the_datas_own_columns(tmp_path):
+    rows = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(4)]
+    with pytest.raises(ConfigError, match=r"has no column 'prompt' \(its columns: question, answer; "
+                                          r"map them with dataset.column_map, e.g. "
+                                          r"column_map=\{input: question, output: answer\}"):
+        build_dataset(_instruct(tmp_path, rows, column_map={"input": "prompt", "output": "answer"}),
+                      tiny_tokenizer())
+
+
 def test_empty_responses_warn_with_their_count_and_all_empty_is_an_error(tmp_path, capsys):
     """An empty answer trains the model to answer with nothing (the assistant header and its
     end token are the labels): a warning counting them over every row; every answer empty is
@@ -308,6 +375,9 @@ def test_empty_responses_warn_with_their_count_and_all_empty_is_an_error(tmp_pat
             "first example 5): they train the model to answer with nothing") in capsys.readouterr().err
     build_dataset(_instruct(tmp_path, rows), tiny_tokenizer(), main=False)
     assert "warning" not in capsys.readouterr().err
+    build_dataset(_instruct(tmp_path, rows), tiny_tokenizer(), key="dataset_val")
+    assert ("dataset_val: 2 of 24 examples have an empty response (column 'output', the first "
+            "example 5): the validation loss scores them as answers of nothing") in capsys.readouterr().err
     for row in rows:
         row["output"] = ""
     with pytest.raises(ConfigError, match=r"^dataset: every example's response \(column 'output'\) "
@@ -318,7 +388,8 @@ def test_empty_responses_warn_with_their_count_and_all_empty_is_an_error(tmp_pat
     text = OmegaConf.create({"_component_": "torchtune.datasets.text_completion_dataset", "source": "json",
                              "data_files": str(path), "split": "train", "column": "body"})
     build_dataset(text, tiny_tokenizer())
-    assert "1 of 20 rows have empty text (column 'body', the first example 3)" in capsys.readouterr().err
+    assert ("1 of 20 rows have empty text (column 'body', the first example 3): they train "
+            "nothing") in capsys.readouterr().err
 
 
 def test_a_text_completion_column_the_data_lacks_names_its_key(tmp_path):
@@ -341,6 +412,10 @@ def test_some_first_examples_without_a_label_token_warn_with_the_cause(tmp_path,
     err = capsys.readouterr().err
     assert ("warning: dataset: 6 of the first 16 examples keep no label token (6 cut before their "
             "response by tokenizer.max_seq_len=256): such examples train nothing") in err, err
+    # Packed, every pack is max_seq_len long: counted as packs, the cause not guessed.
+    build_dataset(_instruct(tmp_path, rows, packed=True), tiny_tokenizer(max_seq_len=256))
+    err = capsys.readouterr().err
+    assert "of the first 16 packs keep no label token: their examples train nothing" in err, err
 
 
 def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path):
