@@ -51,9 +51,8 @@ def _one_copy_a_group(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     # backward, and a view keeps the whole expanded tensor alive: k and v at every query head
     # (4x their size at Llama's 32 / 8 heads; 0.7 GiB at Llama-3.2-1B's 16 layers and 7,600
     # tokens). Compiled, the copy reads the projections' values and the expanded tensor is
-    # never made. Laid out token-major ([b, s, kv_heads, d] in memory, as flash attention
-    # takes it), so the attention's reshape to tokens is a view: one copy at any row count.
-    return t.unflatten(1, (kv_heads, -1))[:, :, 0].transpose(1, 2).contiguous().transpose(1, 2)
+    # never made.
+    return t.unflatten(1, (kv_heads, -1))[:, :, 0].contiguous()
 
 
 def _document_attention_call(fallback: Callable, attention: nn.Module) -> Callable:
