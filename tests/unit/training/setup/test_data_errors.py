@@ -21,6 +21,15 @@ def _instruct(tmp_path, rows=None, **kw):
                              "source": "json", "data_files": str(path), "split": "train", **kw})
 
 
+def _chat(tmp_path, rows, column, style, **kw):
+    """A chat_dataset config reading ``rows`` (written to a JSON file) in ``style``."""
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows))
+    return OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
+                             "data_files": str(path), "split": "train",
+                             "conversation_column": column, "conversation_style": style, **kw})
+
+
 def test_a_max_seq_len_that_cuts_every_response_names_the_key():
     cfg = OmegaConf.create({"_component_": "tune_recipes.data.tiny_alpaca_dataset"})
     with pytest.raises(ConfigError, match=r"tokenizer.max_seq_len=16: none of the first 16 "
@@ -154,11 +163,7 @@ def test_a_chat_message_without_text_past_the_first_examples_is_one_line_at_setu
                              else ("role", "content", "user", "assistant"))
     rows = [{"chat": [{role: user, text: f"q{i}"}, {role: bot, text: f"a{i}"}]} for i in range(24)]
     rows[19]["chat"][1][text] = None
-    path = tmp_path / "chat.json"
-    path.write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(path), "split": "train",
-                            "conversation_column": "chat", "conversation_style": style})
+    cfg = _chat(tmp_path, rows, "chat", style)
     with pytest.raises(ConfigError, match=rf"^dataset: 1 message\(s\) of column 'chat' have no "
                                           rf"'{text}' \(null\), the first in example 19: fix or "
                                           rf"filter those rows$"):
@@ -171,11 +176,7 @@ def test_openai_turns_of_a_role_the_template_does_not_know_warn_with_their_count
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(30)]
     rows[20]["messages"][1]["role"] = rows[25]["messages"][1]["role"] = "bot"
-    path = tmp_path / "chat.json"
-    path.write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(path), "split": "train",
-                            "conversation_column": "messages", "conversation_style": "openai"})
+    cfg = _chat(tmp_path, rows, "messages", "openai")
     assert len(build_dataset(cfg, tiny_tokenizer())) == 30
     assert ("warning: dataset: 2 message(s) of column 'messages' have a role torchtune's messages "
             "do not know (system, user, assistant, ipython), the first 'bot' in example 20: such "
@@ -187,18 +188,14 @@ def test_chat_rows_without_a_conversation_and_system_turns_the_config_replaces(t
     is no error when new_system_prompt replaces the data's system turns (never read)."""
     rows = [{"messages": [{"role": "system", "content": None}, {"role": "user", "content": f"q{i}"},
                           {"role": "assistant", "content": f"a{i}"}]} for i in range(24)]
-    path = tmp_path / "chat.json"
-    path.write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(path), "split": "train",
-                            "conversation_column": "messages", "conversation_style": "openai"})
+    cfg = _chat(tmp_path, rows, "messages", "openai")
     with pytest.raises(ConfigError, match=r"^dataset: 24 message\(s\) of column 'messages' have no "
                                           r"'content' \(null\), the first in example 0"):
         build_dataset(cfg, tiny_tokenizer())
     cfg.new_system_prompt = "Be brief."
     assert len(build_dataset(cfg, tiny_tokenizer())) == 24
     rows[21] = {"messages": None}
-    path.write_text(json.dumps(rows))
+    cfg = _chat(tmp_path, rows, "messages", "openai", new_system_prompt="Be brief.")
     with pytest.raises(ConfigError, match=r"^dataset: column 'messages' has no conversation in 1 of "
                                           r"24 rows \(a row without that field\), the first in "
                                           r"example 21"):
@@ -213,11 +210,7 @@ def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     turns = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
              for i in range(30)]
     turns[25]["conversations"][1]["from"] = "bot"  # a role sharegpt's transform does not know
-    path = tmp_path / "chat.json"
-    path.write_text(json.dumps(turns))
-    chat = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                             "data_files": str(path), "split": "train", "packed": True,
-                             "conversation_column": "conversations", "conversation_style": "sharegpt"})
+    chat = _chat(tmp_path, turns, "conversations", "sharegpt", packed=True)
     with pytest.raises(ConfigError, match=r"^dataset: example 25 holds 'bot' where the template "
                                           r"expects another value"):
         build_dataset(chat, tiny_tokenizer(max_seq_len=64))
@@ -318,13 +311,18 @@ def test_answers_that_are_not_text_are_one_line_at_setup(tmp_path, value, read_a
         build_dataset(_instruct(tmp_path, rows), tiny_tokenizer())
 
 
+def _csv(tmp_path, answers):
+    """An instruct_dataset config reading a CSV of 20 questions with ``answers(i)``."""
+    path = tmp_path / "data.csv"
+    path.write_text("input,output\n" + "".join(f"question {i},{answers(i)}\n" for i in range(20)))
+    return OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "csv",
+                             "data_files": str(path), "split": "train"})
+
+
 def test_a_csv_column_of_numbers_names_the_column_and_the_fix(tmp_path):
     """A CSV's numeric answers are read as numbers (one empty cell: floats); the template
     wanted text. One line names the column and how to give the values as text."""
-    path = tmp_path / "data.csv"
-    path.write_text("input,output\n" + "".join(f"question {i},{i}\n" for i in range(20)))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "csv",
-                            "data_files": str(path), "split": "train"})
+    cfg = _csv(tmp_path, lambda i: i)
     with pytest.raises(ConfigError, match=r"^dataset: column 'output' was read as int64, not text.*"
                                           r"a CSV column of numbers is read as numbers: give the "
                                           r"data as JSON Lines with those values as strings "
@@ -335,10 +333,7 @@ def test_a_csv_column_of_numbers_names_the_column_and_the_fix(tmp_path):
 def test_csv_words_read_as_no_value_and_iso_dates_read_as_times_name_the_way_out(tmp_path):
     """pandas reads a CSV's None/NA cells as no value, and the JSON loader reads ISO dates as
     timestamps: each line says so, and keep_default_na=False keeps the words as text."""
-    path = tmp_path / "data.csv"
-    path.write_text("input,output\n" + "".join(f"question {i},{'NA' if i == 5 else 'yes'}\n" for i in range(20)))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.instruct_dataset", "source": "csv",
-                            "data_files": str(path), "split": "train"})
+    cfg = _csv(tmp_path, lambda i: "NA" if i == 5 else "yes")
     with pytest.raises(ConfigError, match=r"the first in example 5: fix or filter those rows; the "
                                           r"csv loader also reads the words None, NA, NaN and null as "
                                           r"no value: dataset.keep_default_na=False keeps them as text$"):
@@ -423,11 +418,7 @@ def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path
     know, not a missing column; a field the style reads that the turns lack names the style
     whose fields they have."""
     rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yes"}]}] * 4
-    path = tmp_path / "chat.json"
-    path.write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(path), "split": "train",
-                            "conversation_column": "conversations", "conversation_style": "sharegpt"})
+    cfg = _chat(tmp_path, rows, "conversations", "sharegpt")
     with pytest.raises(ConfigError, match=r"^dataset: example 0 holds 'bot' where the template "
                                           r"expects another value .*its columns: conversations"):
         build_dataset(cfg, tiny_tokenizer())
@@ -441,11 +432,7 @@ def test_a_chat_row_with_a_role_the_style_does_not_know_names_the_value(tmp_path
 def test_a_row_the_template_refuses_for_another_reason_gets_no_not_text_hint(tmp_path):
     rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yes"}]}] * 24
     rows[18] = {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}
-    path = tmp_path / "chat.json"
-    path.write_text(json.dumps(rows))
-    cfg = OmegaConf.create({"_component_": "torchtune.datasets.chat_dataset", "source": "json",
-                            "data_files": str(path), "split": "train",
-                            "conversation_column": "conversations", "conversation_style": "sharegpt"})
+    cfg = _chat(tmp_path, rows, "conversations", "sharegpt")
     dataset = build_dataset(cfg, tiny_tokenizer())
     with pytest.raises(ConfigError) as refused:
         dataset[18]
