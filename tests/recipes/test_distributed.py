@@ -90,15 +90,18 @@ def test_one_ranks_data_error_is_its_line_not_a_traceback_of_the_other(tmp_path)
     which it says in one line pointing at the first (not a gloo traceback burying it)."""
     import json
 
-    # Past the 16 examples every rank checks before training: only rank 1 meets it, mid-run.
-    rows = [{"instruction": f"say {i}", "input": "", "output": None if i == 19 else f"ok {i}"}
+    # Past the 16 examples every rank checks before training, and a refusal of the template's
+    # that no column count sees (two user turns in a row): only rank 1 meets it, mid-run.
+    rows = [{"conversations": [{"from": "human", "value": f"say {i}"},
+                               {"from": "human" if i == 19 else "gpt", "value": f"ok {i}"}]}
             for i in range(24)]
     data = tmp_path / "rows.json"
     data.write_text(json.dumps(rows))
     proc = run_dist(2, "lora_finetune_distributed", "tiny/lora_distributed", tmp_path / "out",
                     [f"dataset.data_files={data}", "dataset.source=json",
-                     "dataset._component_=torchtune.datasets.alpaca_dataset", "shuffle=False",
-                     "batch_size=1", "max_steps_per_epoch=null"], check=False)
+                     "dataset._component_=torchtune.datasets.chat_dataset",
+                     "dataset.conversation_column=conversations", "dataset.conversation_style=sharegpt",
+                     "shuffle=False", "batch_size=1", "max_steps_per_epoch=null"], check=False)
     assert proc.returncode != 0
     # printed once, by `tune` after the launch, naming the rank that met it
     assert proc.stderr.count("example 19 cannot be made into tokens") == 1, proc.stderr[-3000:]
