@@ -13,8 +13,9 @@ The arithmetic is autograd's for torchtune's ``FeedForward``, op for op (``F.sil
 ``F.linear``, and in backward ``silu_backward``, the products' and the linear's gradients): the
 same bits eagerly; compiled, Inductor computes ``h`` in backward with the forward's kernel code.
 
-For a full fine-tune under torch.compile (``recompute_down_inputs``), where Inductor fuses the
-recompute into the backward's SwiGLU kernel. Eager steps keep torchtune's module: there autograd
+Used for full fine-tunes under torch.compile (``recompute_down_inputs``, from the single-device
+recipes' compile), where Inductor fuses the recompute into the backward's SwiGLU kernel. Eager
+steps keep torchtune's module: there autograd
 saves four such tensors (``silu(g)`` too) and this module would save two, but the recompute
 would be two more unfused kernels a layer (not measured).
 """
