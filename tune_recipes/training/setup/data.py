@@ -221,6 +221,17 @@ def _check_conversations(dataset, table, key: str, main: bool) -> None:
         raise ConfigError(f"{key}: {count} message(s) of column {column!r} have no "
                           f"{text_field!r} (null), the first in example {first}: fix or filter "
                           "those rows")
+    text = pc.struct_field(messages, text_field)
+    if pa.types.is_string(text.type) or pa.types.is_large_string(text.type):
+        answer = "assistant" if role_field == "role" else "gpt"
+        empty = pc.and_(pc.equal(roles, answer), pc.equal(pc.binary_length(text), 0))
+        count = pc.sum(empty).as_py() or 0
+        if count:
+            first = owner[pc.index(empty, True).as_py()].as_py()
+            what = ("the validation loss scores them as answers of nothing"
+                    if key.startswith("dataset_val") else "they train the model to answer with nothing")
+            _warn(main, f"{key}: {count} {answer} turn(s) of column {column!r} are empty, the "
+                        f"first in example {first}: {what}; filter them out of the data")
     if role_field != "role":
         return
     unknown = pc.invert(pc.is_in(roles, pa.array(_KNOWN_ROLES)))

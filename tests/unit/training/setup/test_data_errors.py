@@ -183,6 +183,19 @@ def test_openai_turns_of_a_role_the_template_does_not_know_warn_with_their_count
             "turns are masked (never trained on)") in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("style", ["sharegpt", "openai"])
+def test_empty_answer_turns_warn_with_their_count(tmp_path, capsys, style):
+    """An empty assistant turn trains the model to answer with nothing, as an empty instruct
+    response does: a warning counting them over every row."""
+    role, text, user, bot = (("from", "value", "human", "gpt") if style == "sharegpt"
+                             else ("role", "content", "user", "assistant"))
+    rows = [{"chat": [{role: user, text: f"q{i}"}, {role: bot, text: "" if i in (4, 9) else f"a{i}"}]}
+            for i in range(24)]
+    assert len(build_dataset(_chat(tmp_path, rows, "chat", style), tiny_tokenizer())) == 24
+    assert (f"warning: dataset: 2 {bot} turn(s) of column 'chat' are empty, the first in example 4: "
+            "they train the model to answer with nothing") in capsys.readouterr().err
+
+
 def test_chat_rows_without_a_conversation_and_system_turns_the_config_replaces(tmp_path):
     """A row without its conversation (null) is one line at setup; a system turn without text
     is no error when new_system_prompt replaces the data's system turns (never read)."""
