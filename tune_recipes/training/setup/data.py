@@ -90,10 +90,12 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
                           f"after the colon, {{{str(unset[0]).replace(':', ': ', 1)}}}")
     source = cfg_dataset.get("source") if hasattr(cfg_dataset, "get") else None
     packed = hasattr(cfg_dataset, "get") and cfg_dataset.get("packed", False) is True
-    if packed:
-        # Packing makes every row into tokens first: the columns are checked before that (one
-        # line naming the column, not the first row packing stops at, minutes in).
-        _check_columns_before_packing(cfg_dataset, tokenizer, key, main, source)
+    # Packing makes every row into tokens first: the columns are checked before that, on the
+    # same rows built unpacked (one line naming the column, not the first row packing stops at,
+    # minutes in); the same build names the example a failed packing stopped at.
+    unpacked = _built_unpacked(cfg_dataset, tokenizer) if packed else None
+    if unpacked is not None:
+        check_columns(unpacked, key, main, source=source)
     try:
         dataset = tt_config.instantiate(cfg_dataset, tokenizer)
     except ConfigError:
@@ -108,7 +110,8 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
         if packed and isinstance(e, _EXAMPLE_ERRORS) and not _raised_in_datasets(e):
             # A packed dataset tokenizes every example as it is built, and its error names
             # none: find the example (raises its one line) ...
-            _name_the_failing_example(cfg_dataset, tokenizer, key)
+            if unpacked is not None:
+                _name_the_failing_example(unpacked, key, chat=_is_chat(cfg_dataset))
             if isinstance(e, KeyError):  # ... or, should none fail alone, the column
                 raise _no_column(key, e, chat=_is_chat(cfg_dataset)) from None
         if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError)):
@@ -136,15 +139,20 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
     return dataset
 
 
-def _check_columns_before_packing(cfg_dataset, tokenizer, key: str, main: bool, source) -> None:
-    """``check_columns`` on the dataset a packed config packs, built unpacked (its rows
-    loaded, none made into tokens). A config the unpacked build refuses is left to the packed
-    build's own error."""
+def _built_unpacked(cfg_dataset, tokenizer) -> Optional[Dataset]:
+    """The dataset a packed config packs, built unpacked (its rows loaded, none made into
+    tokens), or None where that build fails: the packed build reports its own error."""
     try:
-        unpacked = tt_config.instantiate(OmegaConf.merge(cfg_dataset, {"packed": False}), tokenizer)
-    except Exception:  # noqa: BLE001 - the packed build below reports its own error
-        return
-    check_columns(unpacked, key, main, source=source)
+        return tt_config.instantiate(OmegaConf.merge(cfg_dataset, {"packed": False}), tokenizer)
+    except Exception:  # noqa: BLE001 - the packed build reports its own error
+        return None
+
+
+def _empty_answers_effect(key: str) -> str:
+    """What empty answers do to ``key``'s run: train the model to answer with nothing, or (a
+    held-out set) score it as such."""
+    return ("the validation loss scores them as answers of nothing" if key.startswith("dataset_val")
+            else "they train the model to answer with nothing")
 
 
 def _warn(main: bool, text: str) -> None:
@@ -228,10 +236,9 @@ def _check_conversations(dataset, table, key: str, main: bool) -> None:
         count = pc.sum(empty).as_py() or 0
         if count:
             first = owner[pc.index(empty, True).as_py()].as_py()
-            what = ("the validation loss scores them as answers of nothing"
-                    if key.startswith("dataset_val") else "they train the model to answer with nothing")
             _warn(main, f"{key}: {count} {answer} turn(s) of column {column!r} are empty, the "
-                        f"first in example {first}: {what}; filter them out of the data")
+                        f"first in example {first}: {_empty_answers_effect(key)}; filter them "
+                        "out of the data")
     if role_field != "role":
         return
     unknown = pc.invert(pc.is_in(roles, pa.array(_KNOWN_ROLES)))
@@ -315,9 +322,8 @@ def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
                           f"{'the validation loss would score' if held_out else 'training would teach the model'} "
                           f"to answer with nothing; check {key}.column_map")
     _warn(main, f"{key}: {empty} of {rows} examples have an empty response (column "
-                f"{response!r}, the first example {first}): "
-                f"{'the validation loss scores them as answers of nothing' if held_out else 'they train the model to answer with nothing'}"
-                "; filter them out of the data")
+                f"{response!r}, the first example {first}): {_empty_answers_effect(key)}; "
+                "filter them out of the data")
 
 
 # What making one example into tokens raises for a row it cannot take (a missing column, a
@@ -332,16 +338,13 @@ def _empty_data_file(cfg_dataset) -> Optional[str]:
                  if resolved.is_file() and resolved.stat().st_size == 0), None)
 
 
-def _name_the_failing_example(cfg_dataset, tokenizer, key: str) -> None:
-    """Once building a packed dataset failed: build it unpacked and make its examples into
-    tokens in order (the order packing takes them) until one fails, raised as
-    ``ExampleErrorsNamed`` names it (index, what went wrong). Returns when none fails alone.
-    Costs what the packing had done before it failed, and only on this error path."""
-    try:
-        unpacked = tt_config.instantiate(OmegaConf.merge(cfg_dataset, {"packed": False}), tokenizer)
-    except Exception:  # noqa: BLE001 - the packed build's own error is reported instead
-        return
-    named = ExampleErrorsNamed(unpacked, key, chat=_is_chat(cfg_dataset))
+def _name_the_failing_example(unpacked: Dataset, key: str, chat: bool = False) -> None:
+    """Once building a packed dataset failed: make the examples of the same dataset built
+    unpacked (``_built_unpacked``) into tokens in order (the order packing takes them) until
+    one fails, raised as ``ExampleErrorsNamed`` names it (index, what went wrong). Returns when
+    none fails alone. Costs what the packing had done before it failed, and only on this error
+    path."""
+    named = ExampleErrorsNamed(unpacked, key, chat=chat)
     for index in range(len(named)):
         named[index]
 
