@@ -224,7 +224,13 @@ CASES = {
         # Inductor's C++ wrapper (launches without Python). CUDA graphs a length ran slower
         # (docs/benchmarks.md).
         _v("ours_cpp_wrapper", "ours", "ours: padding-free, whole model compiled with Inductor's C++ wrapper",
-           env={"TORCHINDUCTOR_CPP_WRAPPER": "1"}, **OURS_1B_PADDED)],
+           env={"TORCHINDUCTOR_CPP_WRAPPER": "1"}, **OURS_1B_PADDED),
+        # where the host's step goes (the clock's host_samples; sampling slows the host a
+        # little), and the data path moved out of the training process
+        _v("ours_host_samples", "ours", "ours: padding-free, whole model compiled, host stacks sampled",
+           env={"BENCH_HOST_SAMPLES": "1"}, **OURS_1B_PADDED),
+        _v("ours_loader_worker", "ours", "ours: padding-free, whole model compiled, one dataloader worker",
+           env={"BENCH_LOADER_WORKERS": "1"}, **OURS_1B_PADDED)],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     # Unpacked rows, 16 a step: about the examples and tokens of a packed step (4 packs of 2048
     # hold ~16 rows), so a per-token rate against packed's is not a rate of smaller steps.

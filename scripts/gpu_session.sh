@@ -29,8 +29,9 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
-#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, and with Inductor's C++
-#              wrapper, 80 steps                                                          ~5 min
+#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, with its host stacks
+#              sampled (scripts/host_samples.py prints the shares), and with one dataloader
+#              worker, 80 steps (ONLY=...: ours_cpp_wrapper, Inductor's C++ wrapper)   ~7 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products
@@ -139,7 +140,9 @@ for step in "$@"; do
     packs)     bench packs --cases full_1b_packed --reps 1 \
                  --only "${ONLY:-stock_best,ours_best,ours_pack_padding,ours_budget_07}" ;;
     hostbound) bench hostbound --cases full_1b_padded --steps 80 --reps 1 \
-                 --only "${ONLY:-ours_best,ours_cpp_wrapper}" ;;
+                 --only "${ONLY:-ours_best,ours_host_samples,ours_loader_worker}"
+               python3 scripts/host_samples.py "$OUT/hostbound.json" --top 45 > "$OUT/hostbound_samples.md" 2>&1
+               head -c 6000 "$OUT/hostbound_samples.md" ;;
     rows16)    bench rows16 --cases full_1b_packed,full_1b_padded_16 --reps 1 --only "${ONLY:-ours_best}" ;;
     fp8curves) bench fp8curves --cases full_1b_packed --steps 220 --reps 1 \
                  --only "${ONLY:-stock_best,ours_fp8_plain,ours_fp8_rowwise}" ;;

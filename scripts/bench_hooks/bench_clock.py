@@ -21,7 +21,9 @@ optimizer's kernels use on the GPU) as ``paged_gib``, allocated at the first ste
 Where the window's time went, step by step: ``host_step_seconds``, the host's time from each
 batch request of the window to the next (``time.monotonic``, never synchronized, so the GPU
 may still be working on earlier steps; the first interval starts and the last ends at the
-clock's synchronized reads, so they sum to the window's seconds). One long interval among
+clock's synchronized reads, so they sum to the window's seconds). Of each, ``host_fetch_seconds``: the
+time the host spent inside the loader for that step's batch (fetch, collate; in the training
+process, unless the loader has workers). One long interval among
 short ones is a stall (a recompile, a host sync, a collection); a spread of two runs of the
 same config shows whether one step or every step got slower. Beside them, ``batch_tokens`` (each
 window batch's tokens, the work a step's time goes with) and ``graphs_compiled`` (each window
@@ -35,6 +37,9 @@ cudaMalloc or cudaFree, or freed its cache to retry an allocation) and ``sm_cloc
 GPU's SM clock as NVML last sampled it at each step's end, over a 1/6 to 1 s period, through
 pynvml where it is installed: a GPU slowed by its power or temperature limits shows here, else
 null).
+
+With ``BENCH_HOST_SAMPLES=1``, ``host_samples``: every thread's Python stack sampled while the
+window runs (host_sampler.py), the share of the window's time each function held.
 
 A lever on top (``BENCH_GC_FREEZE=1``, ``freeze_gc``): when the warm-up ends, before the
 clock's first read, one full collection, then ``gc.freeze()`` (every object alive then, the
@@ -59,6 +64,9 @@ GC_PAUSE_S = 0.005  # a young-generation collection this long is reported too
 # The collections' own timer, bound once: a gc callback runs inside whatever code allocated, so
 # it must not depend on (or disturb) anything patched or mocked later, nor ever raise.
 _gc_timer = time.perf_counter
+# The loader's timer (``host_fetch_seconds``), bound once for the same reason: it reads apart from
+# the clock's own reads and the host-step intervals.
+_fetch_timer = time.perf_counter
 # torch.cuda.memory_stats() counters that mean the caching allocator went to the driver
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
@@ -109,16 +117,18 @@ def _sm_clock_reader():
 
 
 class Clock:
-    def __init__(self, path: str, warmup: int = 5, window: int = 20, freeze_gc: bool = False):
+    def __init__(self, path: str, warmup: int = 5, window: int = 20, freeze_gc: bool = False,
+                 sampler=None):
         if warmup < 0 or window < 1:
             raise ValueError(f"bench clock: need warmup >= 0 and window >= 1, got {warmup}, {window}")
         self.path, self.warmup, self.window, self.freeze_gc = path, warmup, window, freeze_gc
+        self.sampler = sampler  # host_sampler.HostSampler, run while the window runs
         self.fetched = 0  # batches handed to the recipe so far
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
         self.at_window_end = {}
         self.host_step_seconds, self._last_request, self._requested = [], None, -1
-        self.batch_tokens, self.graphs_compiled = [], []
+        self.batch_tokens, self.graphs_compiled, self.host_fetch_seconds = [], [], []
         self.gc_pauses, self.allocator_events, self.sm_clock_mhz = [], [], []
         self._step = None  # the window step whose interval is running, else None
         self._gc_started = None
@@ -157,8 +167,12 @@ class Clock:
             if _cuda_in_use():  # NVML's init and handle lookup, before the clock starts too
                 self._sm_clock = _sm_clock_reader()
             self.start = _sync_and_read_clock()
+            if self.sampler is not None:
+                self.sampler.start()
         elif self.fetched == self.warmup + self.window:
             self.seconds = _sync_and_read_clock() - self.start
+            if self.sampler is not None:
+                self.sampler.stop()
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
         # the interval starting now: window step fetched - warmup, if inside the window (set
@@ -185,8 +199,10 @@ class Clock:
             self.at_window_end = self._peaks("window_")  # training only: before the final save
             self.write()
 
-    def count(self, batch) -> None:
+    def count(self, batch, fetch_seconds: float = 0.0) -> None:
+        """``batch``, handed out after ``fetch_seconds`` of the host's time in the loader."""
         if self.warmup <= self.fetched < self.warmup + self.window:
+            self.host_fetch_seconds.append(round(fetch_seconds, 5))
             self.tokens += batch["tokens"].numel()
             self.batch_tokens.append(batch["tokens"].numel())
             if "labels" in batch:
@@ -201,9 +217,12 @@ class Clock:
                        tokens_per_s=self.tokens / self.seconds,
                        label_tokens_per_s=self.label_tokens / self.seconds,
                        host_step_seconds=[round(t, 4) for t in self.host_step_seconds],
+                       host_fetch_seconds=self.host_fetch_seconds,
                        batch_tokens=self.batch_tokens, graphs_compiled=self.graphs_compiled,
                        gc_pauses=self.gc_pauses, allocator_events=self.allocator_events,
                        sm_clock_mhz=self.sm_clock_mhz)
+        if self.sampler is not None and self.seconds is not None:
+            out["host_samples"] = self.sampler.result()
         paged = paged_gib()
         return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 
@@ -243,8 +262,9 @@ class ClockedIterator:
 
     def __next__(self):
         self._clock.before_fetch()
+        started = _fetch_timer()
         batch = next(self._inner)
-        self._clock.count(batch)
+        self._clock.count(batch, _fetch_timer() - started)
         return batch
 
     def __len__(self):
@@ -285,10 +305,19 @@ def rank_path(path: str) -> str:
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
+def _sampler_from_env():
+    if os.environ.get("BENCH_HOST_SAMPLES") != "1":
+        return None
+    from host_sampler import HostSampler
+
+    return HostSampler()
+
+
 def install_from_env() -> Clock:
     clock = Clock(rank_path(os.environ["BENCH_CLOCK"]),
                   int(os.environ.get("BENCH_CLOCK_WARMUP", "5")),
                   int(os.environ.get("BENCH_CLOCK_WINDOW", "20")),
-                  freeze_gc=os.environ.get("BENCH_GC_FREEZE") == "1")
+                  freeze_gc=os.environ.get("BENCH_GC_FREEZE") == "1",
+                  sampler=_sampler_from_env())
     install(clock)
     return clock

@@ -7,6 +7,12 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   (bench_clock.py says how it measures).
 - BENCH_GC_FREEZE=1 (with BENCH_CLOCK=PATH): a full collection and ``gc.freeze()`` when the
   clock's warm-up ends (bench_clock.py): are full collections what stalls a window's step?
+- BENCH_HOST_SAMPLES=1 (with BENCH_CLOCK=PATH): every thread's Python stack sampled while the
+  window runs (host_sampler.py), the shares in the clock's JSON as ``host_samples``: where a
+  host-bound step spends the host's time.
+- BENCH_LOADER_WORKERS=N: ours' dataloader fetches and collates in N worker processes, its
+  batches in pinned memory (torch's DataLoader ``num_workers``, ``pin_memory``) instead of in
+  the training process: what the data path costs a host-bound step.
 - BENCH_MEMORY_AT_PEAK=1 (with BENCH_CLOCK=PATH): what is live on the GPU at the run's peak of
   allocated memory, by where it was allocated, in PATH.memory.txt (memory_at_peak.py).
 - BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator capped at G GiB
@@ -70,6 +76,20 @@ if os.environ.get("BENCH_MEMORY_AT_PEAK") == "1" and os.environ.get("BENCH_CLOCK
     import memory_at_peak
 
     memory_at_peak.install_from_env()
+
+if os.environ.get("BENCH_LOADER_WORKERS") and _IS_RECIPE:
+    from torchdata.stateful_dataloader import StatefulDataLoader as _StatefulDataLoader
+
+    _loader_init = _StatefulDataLoader.__init__
+
+    def _init_with_workers(self, *args, **kwargs):
+        import torch
+
+        kwargs.setdefault("num_workers", int(os.environ["BENCH_LOADER_WORKERS"]))
+        kwargs.setdefault("pin_memory", torch.cuda.is_available())
+        _loader_init(self, *args, **kwargs)
+
+    _StatefulDataLoader.__init__ = _init_with_workers
 
 if os.environ.get("BENCH_MEMORY_CAP_GIB") and _IS_TRAINING:
     import torch

@@ -286,3 +286,62 @@ def test_the_gc_freeze_lever_freezes_once_when_the_warmup_ends(monkeypatch, tmp_
     for _ in bench_clock.ClockedIterator(iter(_batches(6)), timer):
         pass
     assert events == ["clock", "clock"]
+
+
+def test_the_loader_time_of_each_window_step_is_its_own(tmp_path):
+    """``host_fetch_seconds``: the host's time inside the loader for each window batch, the
+    slow fetch (batch 4, the window's step 2) in its own place."""
+    import time
+
+    def loader():
+        for k, batch in enumerate(_batches(8)):
+            if k == 4:
+                time.sleep(0.05)
+            yield batch
+
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5)
+    for _ in bench_clock.ClockedIterator(loader(), timer):
+        pass
+    fetch = json.loads((tmp_path / "c.json").read_text())["host_fetch_seconds"]
+    assert len(fetch) == 5
+    assert fetch[2] >= 0.05 and max(fetch[:2] + fetch[3:]) < 0.05
+
+
+def test_the_host_sampler_names_where_the_main_thread_spent_the_window(tmp_path):
+    """BENCH_HOST_SAMPLES=1: stacks sampled only while the window runs; a window step that
+    spends most of its time in one function shows that function's share of the time, inclusive
+    of what it calls, and the innermost function as the leaf. The busy function holds the GIL,
+    so it is sampled less often than the sleep beside it: only the samples' weights (the time
+    each stands for) give it its ~85% share."""
+    import time
+
+    from host_sampler import HostSampler
+
+    def busy_inner(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def heavy_step():
+        busy_inner(0.04)
+
+    sampler = HostSampler(interval=0.001)
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5, sampler=sampler)
+    for k, _ in enumerate(bench_clock.ClockedIterator(iter(_batches(8)), timer)):
+        if k == 1:  # before the window: not sampled
+            assert sampler.samples == 0
+            continue
+        if 2 <= k < 7:
+            heavy_step()
+            time.sleep(0.005)
+    samples = json.loads((tmp_path / "c.json").read_text())["host_samples"]
+    main = samples["threads"]["main"]
+    shares = dict(main["inclusive"])
+    step_share = next(v for k, v in shares.items() if k.endswith(" heavy_step"))
+    leaf_share = next(v for k, v in main["leaf"] if k.endswith(" busy_inner"))
+    assert step_share > 0.7 and leaf_share > 0.7
+    assert main["seconds"] >= 0.15 and samples["samples"] >= 10
+    assert not sampler._thread.is_alive()  # stopped when the window closed
+    taken = sampler.samples
+    time.sleep(0.01)
+    assert sampler.samples == taken
