@@ -124,6 +124,7 @@ class FullFinetuneRecipeSingleDevice:
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
             ignore_index=self._loss_fn.ignore_index,
             eval_loss=self._lm_loss.validation_loss,
+            save_checkpoint=self.save_checkpoint,  # keeps the steps if a bad example stops the run
         )
 
     # ------------------------------------------------------------------ checkpoint

@@ -295,6 +295,38 @@ def test_mid_epoch_resume_with_accumulation_dropout_and_an_adapter(tmp_path):
         assert_same_weights(weights(killed, 0, name), weights(out, 0, name), rtol=0, atol=0)
 
 
+def test_a_bad_example_mid_epoch_keeps_the_steps_before_it_and_resumes_exactly_once_fixed(tmp_path):
+    """Example 19 of a chat file is refused by the template (two user turns in a row): past the
+    examples checked before training, so it stops the run at step 20. The 19 steps before it
+    are saved first and the line says so; with the row fixed in place, the same command with
+    resume_from_checkpoint=True ends where an uninterrupted run on the fixed file ends."""
+    rows = [{"conversations": [{"from": "human", "value": f"say {i}"},
+                               {"from": "human" if i == 19 else "gpt", "value": f"ok {i}"}]}
+            for i in range(24)]
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps(rows))
+    args = [f"dataset.data_files={data}", "dataset.source=json",
+            "dataset._component_=torchtune.datasets.chat_dataset",
+            "dataset.conversation_column=conversations", "dataset.conversation_style=sharegpt",
+            "shuffle=False", "batch_size=1", "max_steps_per_epoch=null", "epochs=1"]
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    proc = run_recipe(*FULL, out, args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "example 19 cannot be made into tokens" in last, last
+    assert "The 19 steps trained before it are saved (step_19/ in output_dir)" in last, last
+    assert "Traceback" not in proc.stderr
+    state = torch.load(out / "step_19" / "recipe_state.pt", weights_only=True)
+    assert state["global_step"] == 19 and state["rank_states"][0]["dataloader"]["_num_yielded"] == 19
+    rows[19]["conversations"][1]["from"] = "gpt"
+    data.write_text(json.dumps(rows))
+    run_recipe(*FULL, out, [*args, "resume_from_checkpoint=True"])
+    run_recipe(*FULL, ref, args)
+    assert read_metrics(out / "metrics.jsonl", "step") == list(range(1, 25))
+    assert losses(out) == losses(ref)
+    assert_same_weights(weights(out, 0), weights(ref, 0), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("saved_with,resumed_with,named", [
     (["optimizer._component_=tune_recipes.optim.AdamW8bit"], [],
      "made by optimizer._component_=tune_recipes.optim.AdamW8bit, this run's is torch.optim.AdamW"),

@@ -8,7 +8,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from tune_recipes.training.step.driver import (
     DATA_SHAPE,
     DATALOADER_STATE,
     DATASET_EXAMPLES,
+    Position,
     StepDriver,
     StepHook,
     data_shape,
@@ -487,12 +488,15 @@ def setup_step_driver(
     cfg: DictConfig, *, path: NormalizationPath, runtime: Runtime, state: RecipeState,
     resume: Optional[SavedState], model: nn.Module, tokenizer, optimizer, ignore_index: int,
     hooks: Sequence[StepHook] = (), eval_loss=None, also_fed: Sequence[nn.Module] = (),
+    save_checkpoint: Optional[Callable[[int, Position], None]] = None,
 ) -> StepDriver:
     """The last setup step of every recipe: apply a resumed state, build the data and the LR
     schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
     ``path`` over the model's trainable parameters, with the ``profiler`` key's hook (if on)
     after the recipe's ``hooks``. ``also_fed``: other models given the same batches (a
     distillation teacher): padded and padding-free rows stay within what each of them takes.
+    ``save_checkpoint``: the recipe's ``save_checkpoint(epoch, position)``, which a
+    single-device run calls to keep its steps when a data error stops it mid-epoch.
 
     NOTE: data, token counts and the gradient average go by the *data-parallel* size and rank
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
@@ -540,4 +544,7 @@ def setup_step_driver(
         on_nonfinite=cfg.get("on_nonfinite", "raise"),
         save_every_n_steps=cfg.get("save_every_n_steps", None),
         first_step_in_epoch=plan.first_step_in_epoch,
+        # NOTE: single-device only. A distributed rank meeting a bad example is alone in that
+        # (the others are inside the step's collectives), and a save is a collective.
+        save_on_data_error=None if runtime.distributed else save_checkpoint,
     )

@@ -25,12 +25,18 @@ Mid-epoch checkpoints (``save_every_n_steps``): ``step.checkpoint_due`` says whe
 ``driver.position()`` gathers where the run stands (the global step; each rank's RNG and
 dataloader state). A driver built with ``first_step_in_epoch`` (a run resumed from such a
 checkpoint, its dataloader already loaded) starts its first epoch at that step.
+
+A data error that stops a single-device run mid-epoch (an example the template refuses, a step
+without a label token: a ``ConfigError`` while a step runs) first saves the steps trained since
+the last checkpoint, through ``save_on_data_error`` (the recipe's ``save_checkpoint``), as the
+mid-epoch checkpoint of the last finished step; its line then says so. A distributed run only
+stops: its other ranks are elsewhere in the step, and a save is a collective.
 """
 
 import contextlib
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +45,12 @@ from torchtune.utils import get_logger
 from tune_recipes.config import ConfigError, positive_int_or_none
 from tune_recipes.training.reporting import run_status
 from tune_recipes.training.step.batch import count_valid_tokens, to_device
-from tune_recipes.training.step.nonfinite import NonFiniteGuard, check_clip_grad_norm, check_mode
+from tune_recipes.training.step.nonfinite import (
+    NonFiniteError,
+    NonFiniteGuard,
+    check_clip_grad_norm,
+    check_mode,
+)
 from tune_recipes.training.step.normalization import (
     StepLossNormalizer,
     grad_norm_and_clip_,
@@ -93,13 +104,14 @@ def mid_epoch_save_due(global_step: int, index_in_epoch: int, steps_per_epoch: i
             and index_in_epoch + 1 < steps_per_epoch)
 
 
-def data_shape(dataloader, gradient_accumulation_steps: int) -> Dict[str, Any]:
+def data_shape(dataloader, gradient_accumulation_steps: int, examples: bool = True) -> Dict[str, Any]:
     """What a mid-epoch checkpoint's data position depends on, recorded with it and compared on
-    resume (a key an older checkpoint lacks is not compared)."""
+    resume (a key an older checkpoint lacks, or a None, is not compared). ``examples=False``:
+    no fingerprint of the examples (one of them cannot be made into tokens)."""
     return {"batch_size": dataloader.batch_size, "dataset_size": len(dataloader.dataset),
             "gradient_accumulation_steps": gradient_accumulation_steps,
             "shuffle": bool(getattr(dataloader.sampler, "shuffle", False)),
-            DATASET_EXAMPLES: dataset_examples_fingerprint(dataloader.dataset)}
+            DATASET_EXAMPLES: dataset_examples_fingerprint(dataloader.dataset) if examples else None}
 
 
 class StepHook(Protocol):
@@ -151,7 +163,8 @@ class StepDriver:
                  state, reporter, device: torch.device, ignore_index: int,
                  clip_grad_norm: Optional[float] = None, hooks: Sequence[StepHook] = (),
                  validator=None, on_nonfinite: str = "raise",
-                 save_every_n_steps: Optional[int] = None, first_step_in_epoch: int = 0) -> None:
+                 save_every_n_steps: Optional[int] = None, first_step_in_epoch: int = 0,
+                 save_on_data_error: Optional[Callable[[int, "Position"], None]] = None) -> None:
         self.normalizer = normalizer
         self.parameters = list(parameters)
         self.optimizer = optimizer
@@ -176,6 +189,11 @@ class StepDriver:
         self._validated_at: Optional[int] = None
         self.save_every_n_steps = positive_int_or_none("save_every_n_steps", save_every_n_steps)
         self._data_shape: Optional[Dict[str, Any]] = None  # position()'s, built at its first call
+        # save_checkpoint(epoch, position) of a single-device recipe, for a data error mid-epoch;
+        # the last step boundary (global step, this rank's entry) and the newest step saved.
+        self._save_on_data_error = save_on_data_error
+        self._boundary: Optional[Tuple[int, Dict[str, Any]]] = None
+        self._saved_step = global_step
         if not 0 <= first_step_in_epoch < steps_per_epoch:
             raise ValueError(f"first_step_in_epoch={first_step_in_epoch} is outside an epoch of "
                              f"{steps_per_epoch} steps")
@@ -252,15 +270,55 @@ class StepDriver:
         self.reporter.flush()
         if self._data_shape is None:  # reads a few examples (their fingerprint): once a run
             self._data_shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
-        mine = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict(),
-                DATA_SHAPE: self._data_shape}
-        if self.device.type == "cuda":
-            mine[CUDA_RNG_STATE] = torch.cuda.get_rng_state(self.device)
+        mine = {**self._rank_entry(), DATA_SHAPE: self._data_shape}
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
         return Position(self.global_step, ranks)
+
+    def _rank_entry(self) -> Dict[str, Any]:
+        """This rank's RNG and dataloader state, now."""
+        entry = {RNG_STATE: torch.get_rng_state(), DATALOADER_STATE: self.dataloader.state_dict()}
+        if self.device.type == "cuda":
+            entry[CUDA_RNG_STATE] = torch.cuda.get_rng_state(self.device)
+        return entry
+
+    def _mark_boundary(self) -> None:
+        """After a step (before the next fetches a batch): where a save at a data error would
+        resume from. Host state only (a few small copies), no device sync."""
+        if self._save_on_data_error is not None:
+            self._boundary = (self.global_step, self._rank_entry())
+
+    def save_before_data_error(self, epoch: int, error: ConfigError) -> None:
+        """A data error stops the run: first save the steps finished since the last checkpoint
+        as a mid-epoch checkpoint at the last step boundary (the weights and optimizer are
+        still those of that step: only ``finish`` changes them), then raise ``error`` saying
+        so. Nothing is saved for a non-finite run, a distributed one, or no new step."""
+        if (self._save_on_data_error is None or self._boundary is None
+                or isinstance(error, NonFiniteError)
+                or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
+            return
+        step, entry = self._boundary
+        if step <= self._saved_step:
+            return
+        try:
+            self.guard.check()  # never a checkpoint of weights a non-finite step made
+        except NonFiniteError:
+            return
+        shape = self._data_shape
+        if shape is None:
+            try:
+                shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
+            except ConfigError:  # the bad example is one the fingerprint reads
+                shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps,
+                                   examples=False)
+        self._save_on_data_error(epoch, Position(step, [{**entry, DATA_SHAPE: shape}]))
+        self._saved_step = step
+        raise ConfigError(
+            f"{error}. The {step} steps trained before it are saved (step_{step}/ in output_dir): "
+            "fix the example in place (as many examples, in the same order) and run the same "
+            "command with resume_from_checkpoint=True to continue from there") from None
 
     def close(self) -> None:
         for hook in self.hooks:
@@ -292,11 +350,16 @@ class Epoch:
         else:
             iterator = iter(d.dataloader)
         batches = enumerate(iterator, start=first * d.gradient_accumulation_steps)
+        # Saved by now: the run's start, the checkpoint resumed, or the previous epoch's.
+        d._saved_step, d._boundary = d.global_step, None
         for index in range(first, d.steps_per_epoch):
             step = Step(d, self.index, batches, index)
             yield step
             if not step.finished:
                 raise RuntimeError("a training step ended without step.finish()")
+            if step.checkpoint_due:  # the recipe saved it
+                d._saved_step = d.global_step
+            d._mark_boundary()
         for hook in d.hooks:
             if hasattr(hook, "end_epoch"):
                 hook.end_epoch()
@@ -327,7 +390,8 @@ class Step:
         for hook in d.hooks:
             hook.before_step(d.global_step)
         for _ in range(d.gradient_accumulation_steps):
-            idx, batch = next(self._batches)
+            with self._bar_closed_on_config_error():  # an example that cannot be made into tokens
+                idx, batch = next(self._batches)
             if self._first_batch is None:
                 self._first_batch = idx
             # Counted on the CPU labels: a Python int, no device sync.
@@ -349,12 +413,15 @@ class Step:
 
     @contextlib.contextmanager
     def _bar_closed_on_config_error(self):
-        """A data problem found mid-step (no label token) prints one line: the waiting row
-        written and the progress bar closed first, so the line stands on its own."""
+        """A data problem found mid-step (an example that cannot be made into tokens, no label
+        token) prints one line: the waiting row written and the progress bar closed first, so
+        the line stands on its own; the steps since the last checkpoint saved before it
+        (``StepDriver.save_before_data_error``)."""
         try:
             yield
-        except ConfigError:
+        except ConfigError as e:
             self.driver.reporter.stop_for_error()
+            self.driver.save_before_data_error(self.epoch, e)
             raise
 
     @property

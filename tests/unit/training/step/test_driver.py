@@ -375,3 +375,95 @@ def test_a_step_without_label_tokens_closes_the_bar_before_its_one_line(ga):
     with pytest.raises(ConfigError, match="no unmasked label token"):
         _train(d, model)
     assert stopped == [True]
+
+
+class _BadAt(_Rows):
+    """``_Rows`` whose example ``bad`` cannot be made into tokens (as ExampleErrorsNamed says)."""
+
+    def __init__(self, bad):
+        super().__init__()
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ConfigError(f"dataset: example {i} cannot be made into tokens")
+        return super().__getitem__(i)
+
+
+def _saving_driver(bad, ga=1, log_every=1, save_every=None):
+    """A driver over a stateful loader whose example ``bad`` fails, recording each save at a
+    data error: (epoch, global step, batches the saved loader state had yielded, weights)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(D, V)
+    ds = _BadAt(bad)
+    loader = StatefulDataLoader(ds, batch_size=1, sampler=_Sampler(ds), drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    saves = []
+
+    def save(epoch, position):
+        [entry] = position.ranks
+        saves.append((epoch, position.global_step, entry[driver_mod.DATALOADER_STATE]["_num_yielded"],
+                      [p.detach().clone() for p in model.parameters()]))
+
+    d = StepDriver(
+        normalizer=StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
+        lr_schedule=LRSchedule(None, opt, num_training_steps=10, last_epoch=-1),
+        dataloader=loader, steps_per_epoch=len(ds) // ga, global_step=0,
+        state=RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=None, epochs_run=0),
+        reporter=StepReporter(_Logger(), log_every), device=torch.device("cpu"), ignore_index=IGNORE,
+        clip_grad_norm=float("inf"), save_every_n_steps=save_every, save_on_data_error=save)
+    return d, model, saves
+
+
+def _train_saving(d, model, nan_at_step=None):
+    """_train, with the recipe's mid-epoch saves counted as the driver sees them."""
+    for epoch in d.epochs():
+        for step in epoch:
+            for batch in step:
+                loss = _loss(model, batch)
+                if d.global_step + 1 == nan_at_step:
+                    loss = loss * float("nan")
+                step.backward(loss)
+            step.finish()
+
+
+@pytest.mark.parametrize("ga", [1, 2], ids=["skip", "rescale"])
+def test_a_bad_example_mid_epoch_saves_the_steps_before_it_at_their_boundary(ga):
+    """Example 5 fails: the steps finished before it (5 with GA 1; 2 with GA 2, whose third step
+    had drawn example 4 when 5 failed) are saved once, as the last finished step's mid-epoch
+    checkpoint (its loader state, the weights of that step: the half-accumulated step changed
+    none), and the line says so."""
+    d, model, saves = _saving_driver(bad=5, ga=ga)
+    with pytest.raises(ConfigError) as raised:
+        _train_saving(d, model)
+    steps = 5 // ga
+    assert str(raised.value).startswith("dataset: example 5 cannot be made into tokens. ")
+    assert f"The {steps} steps trained before it are saved (step_{steps}/" in str(raised.value)
+    assert [(e, g, n) for e, g, n, _ in saves] == [(0, steps, steps * ga)]
+    ref, ref_model, _ = _saving_driver(bad=None, ga=ga)
+    ref.steps_per_epoch = steps
+    _train_saving(ref, ref_model)
+    for saved, trained in zip(saves[0][3], ref_model.parameters()):
+        torch.testing.assert_close(saved, trained, rtol=0, atol=0)
+
+
+def test_nothing_new_to_keep_saves_nothing_and_leaves_the_line_as_it_was():
+    """No step finished since the run's start, or since the recipe's last mid-epoch save
+    (save_every_n_steps=4, example 4 failing in step 5): no save, the line unchanged."""
+    for bad, save_every in ((0, None), (4, 4)):
+        d, model, saves = _saving_driver(bad=bad, save_every=save_every)
+        with pytest.raises(ConfigError) as raised:
+            _train_saving(d, model)
+        assert str(raised.value) == f"dataset: example {bad} cannot be made into tokens"
+        assert saves == []
+
+
+def test_a_run_with_a_non_finite_step_saves_nothing_at_a_data_error():
+    """Step 2's loss is NaN, not read yet (logged every 10 steps) when example 4 fails: the
+    weights it made are never checkpointed."""
+    d, model, saves = _saving_driver(bad=4, log_every=10)
+    with pytest.raises(ConfigError, match="example 4 cannot be made into tokens$"):
+        _train_saving(d, model, nan_at_step=2)
+    assert saves == []
