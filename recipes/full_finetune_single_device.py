@@ -122,9 +122,9 @@ class FullFinetuneRecipeSingleDevice:
         self._driver = setup_step_driver(
             cfg, path=self._path, runtime=self._runtime, state=self._state, resume=resume,
             model=self._model, tokenizer=self._tokenizer, optimizer=self._optimizer,
+            save_checkpoint=self.save_checkpoint,
             ignore_index=self._loss_fn.ignore_index,
             eval_loss=self._lm_loss.validation_loss,
-            save_checkpoint=self.save_checkpoint,  # keeps the steps if a bad example stops the run
         )
 
     # ------------------------------------------------------------------ checkpoint

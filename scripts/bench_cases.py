@@ -220,13 +220,14 @@ CASES = {
         # short steps: the optimizer step's fixed cost weighs more than packed
         _v("ours_8bit_compiled", "ours", "ours: padding-free, AdamW8bit stepped in compiled batches",
            **OURS_1B_PADDED, optimizer=_ADAMW8BIT),
-        # The 4-row step is host-bound (its GPU idle ~30% of the step, the host never waiting):
+        # The 4-row step: host and GPU about equally long (under the profiler it looked
+        # host-bound, its GPU idle ~30% of the step):
         # Inductor's C++ wrapper (launches without Python). CUDA graphs a length ran slower
         # (docs/benchmarks.md).
         _v("ours_cpp_wrapper", "ours", "ours: padding-free, whole model compiled with Inductor's C++ wrapper",
            env={"TORCHINDUCTOR_CPP_WRAPPER": "1"}, **OURS_1B_PADDED),
-        # where the host's step goes (the clock's host_samples; sampling slows the host a
-        # little), and the data path moved out of the training process
+        # where the host's step goes (the clock's host_samples; no slowdown measured), and the
+        # data path moved out of the training process
         _v("ours_host_samples", "ours", "ours: padding-free, whole model compiled, host stacks sampled",
            env={"BENCH_HOST_SAMPLES": "1"}, **OURS_1B_PADDED),
         _v("ours_loader_worker", "ours", "ours: padding-free, whole model compiled, one dataloader worker",

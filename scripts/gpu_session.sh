@@ -29,7 +29,7 @@
 #   qlora8b    QLoRA's purpose, packed: stock's NF4 QLoRA vs ours' FP8 base              ~5 min
 #   packs      1B packed: stock's best, ours' packed settings (packs without their padding), the
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
-#   hostbound  ours' 4-row unpacked 1B step (host-bound) as shipped, with its host stacks
+#   hostbound  ours' 4-row unpacked 1B step as shipped, with its host stacks
 #              sampled (scripts/host_samples.py prints the shares), and with one dataloader
 #              worker, 80 steps (ONLY=...: ours_cpp_wrapper, Inductor's C++ wrapper)   ~7 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's

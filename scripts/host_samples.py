@@ -8,6 +8,7 @@ everything it called (inclusive), and the innermost functions (leaf).
 
 import argparse
 import json
+import statistics
 import sys
 
 
@@ -15,8 +16,8 @@ def report(row: dict, top: int) -> str:
     samples = row["host_samples"]
     lines = [f"## {row.get('variant', '?')} rep {row.get('rep', 0)}: {samples['samples']} samples over "
              f"{samples['seconds']:.2f} s; median host step "
-             f"{1e3 * sorted(row['host_step_seconds'])[len(row['host_step_seconds']) // 2]:.1f} ms, "
-             f"median fetch {1e3 * sorted(row['host_fetch_seconds'])[len(row['host_fetch_seconds']) // 2]:.2f} ms"]
+             f"{1e3 * statistics.median(row['host_step_seconds']):.1f} ms, "
+             f"median loader time {1e3 * statistics.median(row['host_fetch_seconds']):.2f} ms"]
     for name, thread in samples["threads"].items():
         share = thread["seconds"] / samples["seconds"] if samples["seconds"] else 0.0
         lines.append(f"### thread {name} (seen {share:.0%} of the window)")
@@ -31,10 +32,15 @@ def main(argv=None) -> int:
     parser.add_argument("path")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
-    rows = [r for r in json.load(open(args.path))["rows"] if r.get("host_samples")]
+    bench = json.load(open(args.path))
+    rows = [r for r in bench["rows"] if r.get("host_samples")]
     if not rows:
         print(f"{args.path}: no row sampled its host (BENCH_HOST_SAMPLES=1)", file=sys.stderr)
         return 1
+    meta = bench.get("meta", {})
+    if meta:  # where and with what the window ran
+        print("# " + ", ".join(f"{k} {meta[k]}" for k in ("date", "gpu", "commit", "torch", "command")
+                               if k in meta) + "\n")
     print("\n\n".join(report(r, args.top) for r in rows))
     return 0
 

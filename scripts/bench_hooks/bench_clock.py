@@ -170,9 +170,9 @@ class Clock:
             if self.sampler is not None:
                 self.sampler.start()
         elif self.fetched == self.warmup + self.window:
-            self.seconds = _sync_and_read_clock() - self.start
-            if self.sampler is not None:
+            if self.sampler is not None:  # before the clock's wait for the GPU, not a step's
                 self.sampler.stop()
+            self.seconds = _sync_and_read_clock() - self.start
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
         # the interval starting now: window step fetched - warmup, if inside the window (set

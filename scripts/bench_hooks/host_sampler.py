@@ -1,20 +1,22 @@
-"""Where a host-bound step spends the host's time: a thread that reads every other thread's
-Python stack at a fixed interval while the benchmark clock's window runs (``BENCH_HOST_SAMPLES=1``
-with ``BENCH_CLOCK``; bench_clock.py starts and stops it).
+"""Where a step spends the host's time: a thread that reads every other thread's Python stack at
+a fixed interval while the benchmark clock's window runs (``BENCH_HOST_SAMPLES=1`` with
+``BENCH_CLOCK``; bench_clock.py starts and stops it).
 
 Each sample names, for each thread, the functions on its stack (``inclusive``: the share of
-samples with the function anywhere on the stack, e.g. the recipe's loss step and everything it
-calls) and the innermost Python function (``leaf``: where the thread was, C calls such as a
-kernel launch counted in the Python function that made them). The thread that started the
-sampler is ``main``; the autograd engine's device thread, which runs a CUDA backward while
-``main`` waits in ``torch.autograd.backward``, has no Python name and is listed by its id.
+the window's time with the function anywhere on the stack, e.g. the recipe's loss step and
+everything it calls) and the innermost Python function (``leaf``: where the thread was, C calls
+such as a kernel launch counted in the Python function that made them). The thread that
+started the sampler is ``main``; the others are named with their id (the autograd engine's
+device thread, which runs a CUDA backward while ``main`` waits in ``torch.autograd.backward``,
+has no Python name: ``thread #<id>``).
 
-NOTE: a sample needs the GIL, which a busy main thread hands over only at the interpreter's
-switch interval (5 ms by default), while a thread waiting with the GIL released (a sleep, a
-synchronize, backward's wait) is sampled at every interval: counted alike, samples would
-overweight the waits. Each sample therefore weighs the time since the one before it (the stack
-read is taken to stand for that whole span). Taking samples slows the host a little: shares,
-not the window's tokens/s, are what a sampled run is for.
+NOTE: a sample needs the GIL. A busy thread hands it over at the interpreter's switch
+interval, a waiting one (a sleep, a synchronize, backward's wait) at once: counted alike,
+samples would overweight the waits. Each sample therefore weighs the time since the one before
+it, and while sampling the switch interval is the sampling interval (restored after), so a
+busy span is read about as often as a waiting one. A span ended by a wait is still charged to
+the wait: wait shares are upper bounds. Sampling did not slow the measured window (one run
+each); shares, not a sampled run's tokens/s, are what it is for.
 """
 
 import collections
@@ -47,6 +49,8 @@ class HostSampler:
         if self._thread is not None:
             return
         self._main = threading.get_ident()
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval)
         self._thread = threading.Thread(target=self._run, name="bench-host-sampler", daemon=True)
         self._thread.start()
 
@@ -55,12 +59,14 @@ class HostSampler:
             return
         self._stop.set()
         self._thread.join()
+        sys.setswitchinterval(self._switch)
 
     def _thread_name(self, ident: int) -> str:
         if ident == self._main:
             return "main"
         thread = threading._active.get(ident)  # noqa: SLF001 - names of Python's own threads
-        return thread.name if thread is not None else f"thread-{ident}"
+        # with the id: two threads of one name (two progress-bar monitors) stay apart
+        return f"{thread.name if thread is not None else 'thread'} #{ident}"
 
     def _run(self) -> None:
         me = threading.get_ident()

@@ -9,10 +9,10 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
   clock's warm-up ends (bench_clock.py): are full collections what stalls a window's step?
 - BENCH_HOST_SAMPLES=1 (with BENCH_CLOCK=PATH): every thread's Python stack sampled while the
   window runs (host_sampler.py), the shares in the clock's JSON as ``host_samples``: where a
-  host-bound step spends the host's time.
+  step spends the host's time.
 - BENCH_LOADER_WORKERS=N: ours' dataloader fetches and collates in N worker processes, its
   batches in pinned memory (torch's DataLoader ``num_workers``, ``pin_memory``) instead of in
-  the training process: what the data path costs a host-bound step.
+  the training process: what the data path costs a step whose host is busy.
 - BENCH_MEMORY_AT_PEAK=1 (with BENCH_CLOCK=PATH): what is live on the GPU at the run's peak of
   allocated memory, by where it was allocated, in PATH.memory.txt (memory_at_peak.py).
 - BENCH_MEMORY_CAP_GIB=G: the CUDA caching allocator capped at G GiB

@@ -314,7 +314,8 @@ def test_a_bad_example_mid_epoch_keeps_the_steps_before_it_and_resumes_exactly_o
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "example 19 cannot be made into tokens" in last, last
-    assert "The 19 steps trained before it are saved (step_19/ in output_dir)" in last, last
+    assert "The training up to step 19 is saved as step_19/ in output_dir" in last, last
+    assert "first saving the training up to step 19" in proc.stderr
     assert "Traceback" not in proc.stderr
     state = torch.load(out / "step_19" / "recipe_state.pt", weights_only=True)
     assert state["global_step"] == 19 and state["rank_states"][0]["dataloader"]["_num_yielded"] == 19

@@ -325,6 +325,7 @@ def test_the_host_sampler_names_where_the_main_thread_spent_the_window(tmp_path)
     def heavy_step():
         busy_inner(0.04)
 
+    switch = sys.getswitchinterval()
     sampler = HostSampler(interval=0.001)
     timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5, sampler=sampler)
     for k, _ in enumerate(bench_clock.ClockedIterator(iter(_batches(8)), timer)):
@@ -335,6 +336,7 @@ def test_the_host_sampler_names_where_the_main_thread_spent_the_window(tmp_path)
             heavy_step()
             time.sleep(0.005)
     samples = json.loads((tmp_path / "c.json").read_text())["host_samples"]
+    assert sys.getswitchinterval() == switch  # restored when the window closed
     main = samples["threads"]["main"]
     shares = dict(main["inclusive"])
     step_share = next(v for k, v in shares.items() if k.endswith(" heavy_step"))

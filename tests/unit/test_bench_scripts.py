@@ -657,17 +657,19 @@ def test_the_host_samples_report_lists_each_thread_by_its_shares(tmp_path, capsy
     sys.path.insert(0, str(SCRIPTS))
     import host_samples
 
-    sampled = {"variant": "ours_host_samples", "rep": 0, "host_step_seconds": [0.04, 0.05, 0.03],
-               "host_fetch_seconds": [0.001, 0.002, 0.003],
+    sampled = {"variant": "ours_host_samples", "rep": 0, "host_step_seconds": [0.04, 0.05, 0.03, 0.04],
+               "host_fetch_seconds": [0.001, 0.002, 0.003, 0.002],
                "host_samples": {"samples": 50, "seconds": 0.12, "interval_s": 0.001, "threads": {
                    "main": {"seconds": 0.12, "inclusive": [["step/driver.py:367 backward", 0.5]],
                             "leaf": [["autograd/graph.py:966 _engine_run_backward", 0.5]]}}}}
     path = tmp_path / "b.json"
-    path.write_text(json.dumps({"rows": [{"variant": "ours_best"}, sampled]}))
+    path.write_text(json.dumps({"meta": {"gpu": "H100", "commit": "abc1234"},
+                                "rows": [{"variant": "ours_best"}, sampled]}))
     assert host_samples.main([str(path)]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("# gpu H100, commit abc1234\n")
     assert "ours_host_samples" in out and "ours_best" not in out
-    assert "median host step 40.0 ms, median fetch 2.00 ms" in out
+    assert "median host step 40.0 ms, median loader time 2.00 ms" in out
     assert " 50.0%  step/driver.py:367 backward" in out
     path.write_text(json.dumps({"rows": [{"variant": "ours_best"}]}))
     assert host_samples.main([str(path)]) == 1

@@ -487,8 +487,8 @@ def longest_row_all_take(*models: nn.Module) -> Optional[int]:
 def setup_step_driver(
     cfg: DictConfig, *, path: NormalizationPath, runtime: Runtime, state: RecipeState,
     resume: Optional[SavedState], model: nn.Module, tokenizer, optimizer, ignore_index: int,
+    save_checkpoint: Optional[Callable[[int, Position], None]],
     hooks: Sequence[StepHook] = (), eval_loss=None, also_fed: Sequence[nn.Module] = (),
-    save_checkpoint: Optional[Callable[[int, Position], None]] = None,
 ) -> StepDriver:
     """The last setup step of every recipe: apply a resumed state, build the data and the LR
     schedule (``setup_data_and_schedule``), the progress reporter, and the step driver that runs
@@ -496,7 +496,8 @@ def setup_step_driver(
     after the recipe's ``hooks``. ``also_fed``: other models given the same batches (a
     distillation teacher): padded and padding-free rows stay within what each of them takes.
     ``save_checkpoint``: the recipe's ``save_checkpoint(epoch, position)``, which a
-    single-device run calls to keep its steps when a data error stops it mid-epoch.
+    single-device run calls to keep its steps when a data error stops it mid-epoch (every
+    recipe passes it: a distributed run ignores it).
 
     NOTE: data, token counts and the gradient average go by the *data-parallel* size and rank
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see

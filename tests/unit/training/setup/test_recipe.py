@@ -109,9 +109,10 @@ def test_setup_step_driver_runs_the_path_the_recipe_chose(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs = dict(runtime=Runtime(torch.device("cpu")), resume=None, model=model,
                   tokenizer=tt_config.instantiate(cfg.tokenizer), optimizer=optimizer,
-                  ignore_index=-100)
+                  ignore_index=-100, save_checkpoint=print)
     state = RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=2)
     driver = setup_step_driver(cfg, path=NormalizationPath.RESCALE, state=state, **kwargs)
+    assert driver._save_on_data_error is print  # one device: a data error saves through it
     assert driver.normalizer.path is NormalizationPath.RESCALE
     assert driver.gradient_accumulation_steps == 2 and driver.steps_per_epoch == 2
     assert driver.parameters == [model.weight]  # trainable parameters only
@@ -137,7 +138,7 @@ def test_setup_step_driver_pads_both_loaders_for_the_runtimes_device(tmp_path, m
         cfg, path=NormalizationPath.SKIP, state=RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=2),
         runtime=Runtime(torch.device("cpu")), resume=None, model=model,
         tokenizer=tt_config.instantiate(cfg.tokenizer), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        ignore_index=-100, eval_loss=torch.nn.CrossEntropyLoss())
+        ignore_index=-100, eval_loss=torch.nn.CrossEntropyLoss(), save_checkpoint=None)
     driver.close()
     assert asked == [(recipe, torch.device("cpu")), (data, torch.device("cpu"))], asked
 
@@ -168,7 +169,7 @@ def test_rows_stay_within_what_every_model_fed_takes(tmp_path, monkeypatch):
         cfg, path=NormalizationPath.SKIP, state=RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=2),
         runtime=Runtime(torch.device("cpu")), resume=None, model=student,
         tokenizer=tt_config.instantiate(cfg.tokenizer), optimizer=torch.optim.SGD(student.parameters(), lr=0.1),
-        ignore_index=-100, also_fed=(teacher,)).close()
+        ignore_index=-100, also_fed=(teacher,), save_checkpoint=None).close()
     assert caps == [1024, 1024]
 
 

@@ -387,10 +387,11 @@ class _BadAt(_Rows):
     def __getitem__(self, i):
         if i == self.bad:
             raise ConfigError(f"dataset: example {i} cannot be made into tokens")
-        return super().__getitem__(i)
+        # tokens: what the resume fingerprint hashes
+        return {**super().__getitem__(i), "tokens": self.labels[i]}
 
 
-def _saving_driver(bad, ga=1, log_every=1, save_every=None):
+def _saving_driver(bad, ga=1, log_every=1, save_every=None, epochs=1, save=None):
     """A driver over a stateful loader whose example ``bad`` fails, recording each save at a
     data error: (epoch, global step, batches the saved loader state had yielded, weights)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -402,24 +403,27 @@ def _saving_driver(bad, ga=1, log_every=1, save_every=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     saves = []
 
-    def save(epoch, position):
+    def record(epoch, position):
         [entry] = position.ranks
         saves.append((epoch, position.global_step, entry[driver_mod.DATALOADER_STATE]["_num_yielded"],
-                      [p.detach().clone() for p in model.parameters()]))
+                      [p.detach().clone() for p in model.parameters()], entry[driver_mod.DATA_SHAPE]))
 
     d = StepDriver(
         normalizer=StepLossNormalizer(ga), parameters=list(model.parameters()), optimizer=opt,
         lr_schedule=LRSchedule(None, opt, num_training_steps=10, last_epoch=-1),
         dataloader=loader, steps_per_epoch=len(ds) // ga, global_step=0,
-        state=RecipeState(seed=0, total_epochs=1, max_steps_per_epoch=None, epochs_run=0),
+        state=RecipeState(seed=0, total_epochs=epochs, max_steps_per_epoch=None, epochs_run=0),
         reporter=StepReporter(_Logger(), log_every), device=torch.device("cpu"), ignore_index=IGNORE,
-        clip_grad_norm=float("inf"), save_every_n_steps=save_every, save_on_data_error=save)
+        clip_grad_norm=float("inf"), save_every_n_steps=save_every, save_on_data_error=save or record)
     return d, model, saves
 
 
-def _train_saving(d, model, nan_at_step=None):
-    """_train, with the recipe's mid-epoch saves counted as the driver sees them."""
+def _train_saving(d, model, nan_at_step=None, bad_from_epoch_1=None):
+    """_train, with the recipe's mid-epoch saves counted as the driver sees them;
+    ``bad_from_epoch_1``: the example that fails from the second epoch on."""
     for epoch in d.epochs():
+        if epoch.index == 1 and bad_from_epoch_1 is not None:
+            d.dataloader.dataset.bad = bad_from_epoch_1
         for step in epoch:
             for batch in step:
                 loss = _loss(model, batch)
@@ -440,8 +444,9 @@ def test_a_bad_example_mid_epoch_saves_the_steps_before_it_at_their_boundary(ga)
         _train_saving(d, model)
     steps = 5 // ga
     assert str(raised.value).startswith("dataset: example 5 cannot be made into tokens. ")
-    assert f"The {steps} steps trained before it are saved (step_{steps}/" in str(raised.value)
-    assert [(e, g, n) for e, g, n, _ in saves] == [(0, steps, steps * ga)]
+    assert f"The training up to step {steps} is saved as step_{steps}/" in str(raised.value)
+    assert [(e, g, n) for e, g, n, _, _ in saves] == [(0, steps, steps * ga)]
+    assert saves[0][4][driver_mod.DATASET_EXAMPLES] is not None  # the fingerprint, as position()
     ref, ref_model, _ = _saving_driver(bad=None, ga=ga)
     ref.steps_per_epoch = steps
     _train_saving(ref, ref_model)
@@ -462,8 +467,46 @@ def test_nothing_new_to_keep_saves_nothing_and_leaves_the_line_as_it_was():
 
 def test_a_run_with_a_non_finite_step_saves_nothing_at_a_data_error():
     """Step 2's loss is NaN, not read yet (logged every 10 steps) when example 4 fails: the
-    weights it made are never checkpointed."""
+    weights it made are never checkpointed, and the NaN step is the line (fixing the data
+    alone would meet it again)."""
     d, model, saves = _saving_driver(bad=4, log_every=10)
-    with pytest.raises(ConfigError, match="example 4 cannot be made into tokens$"):
+    with pytest.raises(NonFiniteError, match="step 2"):
         _train_saving(d, model, nan_at_step=2)
     assert saves == []
+
+
+def test_a_bad_example_the_fingerprint_reads_saves_without_the_fingerprint():
+    """The last example (one of those hashed to tell a resume's data from other data) fails:
+    the save records no fingerprint (the fixed file's differs), the other data settings as
+    always."""
+    d, model, saves = _saving_driver(bad=11)
+    with pytest.raises(ConfigError, match="The training up to step 11 is saved"):
+        _train_saving(d, model)
+    [(_, step, _, _, shape)] = saves
+    assert step == 11 and shape[driver_mod.DATASET_EXAMPLES] is None
+    assert shape["dataset_size"] == 12 and shape["batch_size"] == 1
+
+
+def test_a_bad_example_in_a_later_epoch_saves_only_that_epochs_steps():
+    """Example 3 fails in the second epoch: its 3 steps after epoch 0's checkpoint (step 12)
+    are saved as step 15 of epoch 1. Example 0 failing there saves nothing: epoch 0's
+    checkpoint already holds step 12 (its last step's boundary is not this epoch's)."""
+    d, model, saves = _saving_driver(bad=None, epochs=2)
+    with pytest.raises(ConfigError, match="The training up to step 15 is saved as step_15/"):
+        _train_saving(d, model, bad_from_epoch_1=3)
+    assert [(e, g, n) for e, g, n, _, _ in saves] == [(1, 15, 3)]
+    d, model, saves = _saving_driver(bad=None, epochs=2)
+    with pytest.raises(ConfigError, match="example 0 cannot be made into tokens$"):
+        _train_saving(d, model, bad_from_epoch_1=0)
+    assert saves == []
+
+
+def test_a_save_that_fails_leaves_the_data_error_as_the_line():
+    def full_disk(epoch, position):
+        raise OSError(28, "No space left on device")
+
+    d, model, _ = _saving_driver(bad=5, save=full_disk)
+    with pytest.raises(ConfigError) as raised:
+        _train_saving(d, model)
+    assert str(raised.value) == ("dataset: example 5 cannot be made into tokens (saving the training "
+                                 "up to step 5 first failed: [Errno 28] No space left on device)")
