@@ -54,6 +54,7 @@ from tune_recipes.training.step.driver import (
     DATA_SHAPE,
     DATALOADER_STATE,
     DATASET_EXAMPLES,
+    DATASET_EXAMPLES_SKIPPED,
     Position,
     StepDriver,
     StepHook,
@@ -408,9 +409,19 @@ def setup_data_and_schedule(
         first_step = resume.global_step - global_step
         loader_state = resume.rank_states[rank][DATALOADER_STATE]
         saved_shape = resume.rank_states[rank].get(DATA_SHAPE, {})
-        here = data_shape(dataloader, gradient_accumulation_steps)
-        changed = [f"{k}={here[k]} (the checkpoint's: {saved_shape[k]})" for k in here
-                   if k in saved_shape and saved_shape[k] != here[k] and k != DATASET_EXAMPLES]
+        # the fingerprint over the examples the checkpoint's covered (a row it could not read,
+        # fixed in place since, is left out again)
+        here = data_shape(dataloader, gradient_accumulation_steps,
+                          skip=saved_shape.get(DATASET_EXAMPLES_SKIPPED, ()))
+        differ = [k for k in here if k in saved_shape and saved_shape[k] != here[k]
+                  and k not in (DATASET_EXAMPLES, DATASET_EXAMPLES_SKIPPED)]
+        changed = [f"{k}={here[k]} (the checkpoint's: {saved_shape[k]})" for k in differ]
+        if "dataset_size" in differ:  # not a key to set back: the data itself changed
+            raise ConfigError(
+                f"the mid-epoch checkpoint at step {resume.global_step} in {cfg.output_dir} was "
+                f"written on a dataset of {saved_shape['dataset_size']} examples, this run's holds "
+                f"{here['dataset_size']} (a row removed or added): resume on the data it was "
+                "written on (a row fixed in place, not removed), or start a new run from its weights")
         examples = (here[DATASET_EXAMPLES], saved_shape.get(DATASET_EXAMPLES))
         if not changed and None not in examples and examples[0] != examples[1]:
             raise ConfigError(

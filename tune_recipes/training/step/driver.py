@@ -78,22 +78,33 @@ class Position:
 
 
 DATASET_EXAMPLES = "dataset_examples"  # data_shape's fingerprint of the examples
+# The fingerprint's examples left out (they could not be made into tokens): a resume leaves
+# out the same ones, so a row fixed in place still matches.
+DATASET_EXAMPLES_SKIPPED = "dataset_examples_skipped"
 
 
-def dataset_examples_fingerprint(dataset) -> Optional[str]:
+def dataset_examples_fingerprint(dataset, skip: Sequence[int] = ()) -> Tuple[Optional[str], List[int]]:
     """A hash of the token ids of a few examples (the first two, the middle and the last), to
     tell the dataset a mid-epoch checkpoint was written on from another of the same size (a
-    data position means nothing on other examples); None where an example holds no
-    ``tokens``."""
+    data position means nothing on other examples), and the examples left out of it: those in
+    ``skip`` and any that cannot be made into tokens (a ``ConfigError``: the bad row a data
+    error stops at). (None, []) where an example holds no ``tokens``."""
     n = len(dataset)
-    digest = hashlib.sha1()
+    digest, skipped = hashlib.sha1(), []
     for i in sorted({0, 1, n // 2, n - 1} & set(range(n))):
-        example = dataset[i]
+        if i in skip:
+            skipped.append(i)
+            continue
+        try:
+            example = dataset[i]
+        except ConfigError:
+            skipped.append(i)
+            continue
         tokens = example.get("tokens") if isinstance(example, dict) else None
         if tokens is None:
-            return None
+            return None, []
         digest.update(torch.as_tensor(tokens, dtype=torch.int64).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:16], skipped
 
 
 def mid_epoch_save_due(global_step: int, index_in_epoch: int, steps_per_epoch: int,
@@ -105,14 +116,18 @@ def mid_epoch_save_due(global_step: int, index_in_epoch: int, steps_per_epoch: i
             and index_in_epoch + 1 < steps_per_epoch)
 
 
-def data_shape(dataloader, gradient_accumulation_steps: int, examples: bool = True) -> Dict[str, Any]:
+def data_shape(dataloader, gradient_accumulation_steps: int, skip: Sequence[int] = ()) -> Dict[str, Any]:
     """What a mid-epoch checkpoint's data position depends on, recorded with it and compared on
-    resume (a key an older checkpoint lacks, or a None, is not compared). ``examples=False``:
-    no fingerprint of the examples (one of them cannot be made into tokens)."""
-    return {"batch_size": dataloader.batch_size, "dataset_size": len(dataloader.dataset),
-            "gradient_accumulation_steps": gradient_accumulation_steps,
-            "shuffle": bool(getattr(dataloader.sampler, "shuffle", False)),
-            DATASET_EXAMPLES: dataset_examples_fingerprint(dataloader.dataset) if examples else None}
+    resume (a key an older checkpoint lacks, or a None, is not compared). ``skip``: examples
+    to leave out of the fingerprint (a checkpoint's ``DATASET_EXAMPLES_SKIPPED``)."""
+    fingerprint, skipped = dataset_examples_fingerprint(dataloader.dataset, skip)
+    shape = {"batch_size": dataloader.batch_size, "dataset_size": len(dataloader.dataset),
+             "gradient_accumulation_steps": gradient_accumulation_steps,
+             "shuffle": bool(getattr(dataloader.sampler, "shuffle", False)),
+             DATASET_EXAMPLES: fingerprint}
+    if skipped:
+        shape[DATASET_EXAMPLES_SKIPPED] = skipped
+    return shape
 
 
 class StepHook(Protocol):
@@ -297,25 +312,26 @@ class StepDriver:
         still those of that step: only ``finish`` changes them), then raise ``error`` saying
         so. Nothing is saved for a distributed run or with no new step; a non-finite step
         found here is raised instead (its weights are never checkpointed)."""
-        if (self._save_on_data_error is None or self._boundary is None
-                or isinstance(error, NonFiniteError)
+        if (self._save_on_data_error is None or isinstance(error, NonFiniteError)
                 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
             return
-        step, entry = self._boundary
+        # (no boundary yet: no step finished in this epoch)
+        step, entry = self._boundary if self._boundary is not None else (self._saved_step, None)
+        said = str(error).rstrip(".")
+        resume = ("a run on the same examples (a row fixed in place: as many examples, in the same "
+                  "order) continues from there with resume_from_checkpoint=True")
         if step <= self._saved_step:
+            if self._saved_step > 0:  # nothing new since the newest checkpoint: say it is there
+                raise ConfigError(f"{said}. The training up to step {self._saved_step} is in "
+                                  f"output_dir's newest checkpoint: {resume}") from None
             return
         try:
             self.guard.check()
         except NonFiniteError as bad:
             raise bad from None
+        if self._data_shape is None:  # (a bad example it reads is left out of the fingerprint)
+            self._data_shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
         shape = self._data_shape
-        if shape is None:
-            try:
-                shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
-            except ConfigError:  # the bad example is one the fingerprint reads
-                shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps,
-                                   examples=False)
-        said = str(error).rstrip(".")
         if self.reporter.is_main:
             # (a full model's save takes a while: say why the run pauses before its error line)
             print(f"stopping at a data error; first saving the training up to step {step} "
@@ -327,9 +343,8 @@ class StepDriver:
             raise ConfigError(f"{said} (saving the training up to step {step} first failed: {why})") from None
         self._saved_step = step
         raise ConfigError(
-            f"{said}. The training up to step {step} is saved as step_{step}/ in output_dir: a run "
-            "on the same examples (a row fixed in place: as many examples, in the same order) "
-            "continues from there with resume_from_checkpoint=True") from None
+            f"{said}. The training up to step {step} is saved as step_{step}/ in output_dir: "
+            f"{resume}") from None
 
     def close(self) -> None:
         for hook in self.hooks:

@@ -447,6 +447,7 @@ def test_a_bad_example_mid_epoch_saves_the_steps_before_it_at_their_boundary(ga)
     assert f"The training up to step {steps} is saved as step_{steps}/" in str(raised.value)
     assert [(e, g, n) for e, g, n, _, _ in saves] == [(0, steps, steps * ga)]
     assert saves[0][4][driver_mod.DATASET_EXAMPLES] is not None  # the fingerprint, as position()
+    assert driver_mod.DATASET_EXAMPLES_SKIPPED not in saves[0][4]  # example 5 is not hashed
     ref, ref_model, _ = _saving_driver(bad=None, ga=ga)
     ref.steps_per_epoch = steps
     _train_saving(ref, ref_model)
@@ -454,14 +455,16 @@ def test_a_bad_example_mid_epoch_saves_the_steps_before_it_at_their_boundary(ga)
         torch.testing.assert_close(saved, trained, rtol=0, atol=0)
 
 
-def test_nothing_new_to_keep_saves_nothing_and_leaves_the_line_as_it_was():
-    """No step finished since the run's start, or since the recipe's last mid-epoch save
-    (save_every_n_steps=4, example 4 failing in step 5): no save, the line unchanged."""
-    for bad, save_every in ((0, None), (4, 4)):
+def test_nothing_new_to_keep_saves_nothing_and_says_where_the_newest_checkpoint_stands():
+    """No step finished since the run's start (the line unchanged), or since the recipe's last
+    mid-epoch save (save_every_n_steps=4, example 4 failing in step 5: the line says step 4 is
+    in the newest checkpoint): no save."""
+    for bad, save_every, said in ((0, None, ""),
+                                  (4, 4, ". The training up to step 4 is in output_dir's newest checkpoint")):
         d, model, saves = _saving_driver(bad=bad, save_every=save_every)
         with pytest.raises(ConfigError) as raised:
             _train_saving(d, model)
-        assert str(raised.value) == f"dataset: example {bad} cannot be made into tokens"
+        assert str(raised.value).startswith(f"dataset: example {bad} cannot be made into tokens{said}")
         assert saves == []
 
 
@@ -475,16 +478,23 @@ def test_a_run_with_a_non_finite_step_saves_nothing_at_a_data_error():
     assert saves == []
 
 
-def test_a_bad_example_the_fingerprint_reads_saves_without_the_fingerprint():
+def test_a_bad_example_the_fingerprint_reads_is_left_out_of_it_and_named():
     """The last example (one of those hashed to tell a resume's data from other data) fails:
-    the save records no fingerprint (the fixed file's differs), the other data settings as
-    always."""
+    the save's fingerprint leaves it out and names it, so the file with that row fixed in place
+    matches (hashed leaving out the same example) and other examples of the same count do not."""
     d, model, saves = _saving_driver(bad=11)
     with pytest.raises(ConfigError, match="The training up to step 11 is saved"):
         _train_saving(d, model)
     [(_, step, _, _, shape)] = saves
-    assert step == 11 and shape[driver_mod.DATASET_EXAMPLES] is None
+    assert step == 11 and shape[driver_mod.DATASET_EXAMPLES_SKIPPED] == [11]
     assert shape["dataset_size"] == 12 and shape["batch_size"] == 1
+    fixed = _BadAt(None)
+    assert driver_mod.dataset_examples_fingerprint(fixed, skip=[11]) == (
+        shape[driver_mod.DATASET_EXAMPLES], [11])
+    assert driver_mod.dataset_examples_fingerprint(fixed)[0] != shape[driver_mod.DATASET_EXAMPLES]
+    other = _BadAt(None)
+    other.labels = _Rows(seed=1).labels
+    assert driver_mod.dataset_examples_fingerprint(other, skip=[11])[0] != shape[driver_mod.DATASET_EXAMPLES]
 
 
 def test_a_bad_example_in_a_later_epoch_saves_only_that_epochs_steps():
@@ -496,7 +506,8 @@ def test_a_bad_example_in_a_later_epoch_saves_only_that_epochs_steps():
         _train_saving(d, model, bad_from_epoch_1=3)
     assert [(e, g, n) for e, g, n, _, _ in saves] == [(1, 15, 3)]
     d, model, saves = _saving_driver(bad=None, epochs=2)
-    with pytest.raises(ConfigError, match="example 0 cannot be made into tokens$"):
+    with pytest.raises(ConfigError, match="example 0 cannot be made into tokens. The training up "
+                                          "to step 12 is in output_dir's newest checkpoint"):
         _train_saving(d, model, bad_from_epoch_1=0)
     assert saves == []
 
