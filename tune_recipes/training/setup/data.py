@@ -107,7 +107,8 @@ def _instantiate(cfg_dataset, tokenizer, key: str, main: bool = True) -> Dataset
                 f"{key}: {component} needs the network to fetch its data and cannot reach it "
                 f"({_first_line(e)}); fetch it once while online (it is cached), or point "
                 f"{key} at local files ({key}.source=json {key}.data_files=PATH)") from None
-        if packed and isinstance(e, _EXAMPLE_ERRORS) and not _raised_in_datasets(e):
+        if packed and (isinstance(e, _EXAMPLE_ERRORS) or _refused_an_example(e)) \
+                and not _raised_in_datasets(e):
             # A packed dataset tokenizes every example as it is built, and its error names
             # none: find the example (raises its one line) ...
             if unpacked is not None:
@@ -330,6 +331,20 @@ def check_columns(dataset: Dataset, key: str = "dataset", main: bool = True,
 # null or a number where text goes, bytes that are not UTF-8; torchtune's message transforms
 # assert what they are given): not a builder's refusal of its arguments.
 _EXAMPLE_ERRORS = (KeyError, AttributeError, TypeError, AssertionError, UnicodeDecodeError)
+
+
+def _refused_an_example(e: BaseException) -> bool:
+    """Whether ``e`` is a ValueError raised while an example was made into tokens (a dataset's
+    ``__getitem__`` on its traceback: a chat template refusing a turn order), not a builder
+    refusing its own arguments (``packed=True`` without ``max_seq_len``, raised before any)."""
+    if not isinstance(e, ValueError):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "__getitem__":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _empty_data_file(cfg_dataset) -> Optional[str]:

@@ -227,6 +227,12 @@ def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     with pytest.raises(ConfigError, match=r"^dataset: example 25 holds 'bot' where the template "
                                           r"expects another value"):
         build_dataset(chat, tiny_tokenizer(max_seq_len=64))
+    # a turn order the template refuses (its ValueError, not a builder's refusal of arguments)
+    turns[25]["conversations"][1]["from"] = "human"
+    chat = _chat(tmp_path, turns, "conversations", "sharegpt", packed=True)
+    with pytest.raises(ConfigError, match=r"^dataset: example 25 cannot be made into tokens "
+                                          r"\(ValueError: Two consecutive user messages"):
+        build_dataset(chat, tiny_tokenizer(max_seq_len=64))
     rows = [{"input": f"question {i}", "output": f"answer {i}"} for i in range(30)]
     rows = [{"prompt": r["input"], "output": r["output"]} for r in rows]
     with pytest.raises(ConfigError, match=r"^dataset: example 0 has no column 'input' \(its "
