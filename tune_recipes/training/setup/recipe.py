@@ -508,7 +508,7 @@ def setup_step_driver(
     distillation teacher): padded and padding-free rows stay within what each of them takes.
     ``save_checkpoint``: the recipe's ``save_checkpoint(epoch, position)``, which a
     single-device run calls to keep its steps when a data error stops it mid-epoch (every
-    recipe passes it: a distributed run ignores it).
+    recipe passes it: the driver never calls it in a distributed run).
 
     NOTE: data, token counts and the gradient average go by the *data-parallel* size and rank
     (``runtime.dp_*``), not the world's: under tensor parallelism the ranks of one group see
@@ -556,7 +556,5 @@ def setup_step_driver(
         on_nonfinite=cfg.get("on_nonfinite", "raise"),
         save_every_n_steps=cfg.get("save_every_n_steps", None),
         first_step_in_epoch=plan.first_step_in_epoch,
-        # NOTE: single-device only. A distributed rank meeting a bad example is alone in that
-        # (the others are inside the step's collectives), and a save is a collective.
-        save_on_data_error=None if runtime.distributed else save_checkpoint,
+        save_on_data_error=save_checkpoint,  # used by a run on one device only (the driver)
     )

@@ -284,14 +284,19 @@ class StepDriver:
         # The row still waiting for its values (the lagging reporter) is written before the
         # checkpoint: a run killed after the save would otherwise never log the saved step.
         self.reporter.flush()
-        if self._data_shape is None:  # reads a few examples (their fingerprint): once a run
-            self._data_shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
-        mine = {**self._rank_entry(), DATA_SHAPE: self._data_shape}
+        mine = {**self._rank_entry(), DATA_SHAPE: self._shape()}
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
         return Position(self.global_step, ranks)
+
+    def _shape(self) -> Dict[str, Any]:
+        """``data_shape`` of this run, built at the first checkpoint that needs it (it reads a
+        few examples for their fingerprint, leaving out one that cannot be made into tokens)."""
+        if self._data_shape is None:
+            self._data_shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
+        return self._data_shape
 
     def _rank_entry(self) -> Dict[str, Any]:
         """This rank's RNG and dataloader state, now."""
@@ -312,6 +317,8 @@ class StepDriver:
         still those of that step: only ``finish`` changes them), then raise ``error`` saying
         so. Nothing is saved for a distributed run or with no new step; a non-finite step
         found here is raised instead (its weights are never checkpointed)."""
+        # NOTE: one device only. A distributed rank meeting a bad example is alone in that (the
+        # others are inside the step's collectives), and a save is a collective.
         if (self._save_on_data_error is None or isinstance(error, NonFiniteError)
                 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
             return
@@ -329,15 +336,12 @@ class StepDriver:
             self.guard.check()
         except NonFiniteError as bad:
             raise bad from None
-        if self._data_shape is None:  # (a bad example it reads is left out of the fingerprint)
-            self._data_shape = data_shape(self.dataloader, self.normalizer.gradient_accumulation_steps)
-        shape = self._data_shape
         if self.reporter.is_main:
             # (a full model's save takes a while: say why the run pauses before its error line)
             print(f"stopping at a data error; first saving the training up to step {step} "
                   f"(step_{step}/)", file=sys.stderr, flush=True)
         try:
-            self._save_on_data_error(epoch, Position(step, [{**entry, DATA_SHAPE: shape}]))
+            self._save_on_data_error(epoch, Position(step, [{**entry, DATA_SHAPE: self._shape()}]))
         except Exception as failed:  # noqa: BLE001 - the data error stays the run's one line
             why = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
             raise ConfigError(f"{said} (saving the training up to step {step} first failed: {why})") from None
