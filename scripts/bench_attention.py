@@ -28,7 +28,8 @@ from make_instruction_data import instruction_rows  # noqa: E402
 
 from tune_recipes.data.collate import document_block_mask, move_block_mask  # noqa: E402
 from tune_recipes.modules.document_attention import _one_copy_a_group  # noqa: E402
-from tune_recipes.modules.varlen_attention import document_spans, varlen_causal_attention  # noqa: E402
+from tune_recipes.modules.varlen_attention import (  # noqa: E402
+    _flash_forward, document_spans, varlen_causal_attention)
 
 PROMPT_TOKENS = 200
 
@@ -66,6 +67,48 @@ def timed(fn, reps: int, device: torch.device, warmup: int = 3):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def new_layouts(b, s, h, kvh, d, reps, device, q, k, v, grad, flash_eager, cudnn_eager, cudnn_explicit,
+                layouts=8):
+    """Each call on the next of ``layouts`` packings (another document count and longest document,
+    as consecutive training batches): the host's time a forward + backward call (a per-layout plan
+    or graph build shows here) and the GPU's, the first pass over the layouts apart."""
+    import time
+
+    packs = [packed_lengths(b, s, seed=seed) for seed in range(1, layouts + 1)]
+    spans = [document_spans(p, s).to(device) for p in packs]
+    longest = [max(max(r + [s - sum(r)] if sum(r) < s else r) for r in p) for p in packs]
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    rows = []
+    for name, fn, by_longest in (("flash varlen, eager", flash_eager, False),
+                                 ("flash varlen, eager, max = longest document", flash_eager, True),
+                                 ("cuDNN varlen, eager", cudnn_eager, False),
+                                 ("cuDNN varlen, eager, max = longest document", cudnn_eager, True),
+                                 ("cuDNN varlen, aten backward by hand", cudnn_explicit, False),
+                                 ("cuDNN varlen, aten backward by hand, max = longest", cudnn_explicit, True)):
+        try:
+            host, gpu = [], []
+            for rep in range(max(reps, layouts) + layouts):
+                i = rep % layouts
+                max_len = longest[i] if by_longest else s
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                fn(*ins, max_len=max_len, cu=spans[i].cu_seqlens).backward(grad)
+                end.record()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                host.append((t1 - t0) * 1e3)
+                gpu.append(start.elapsed_time(end))
+            rows.append({"impl": name + f", {layouts} layouts in turn", "first_pass_host_ms": host[:layouts],
+                         "host_ms": statistics.median(host[layouts:]),
+                         "forward_backward_ms": statistics.median(gpu[layouts:])})
+        except Exception as e:
+            print(f"{name} on new layouts: {type(e).__name__}: {str(e)[:300]}")
+            rows.append({"impl": name + ", new layouts", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    return rows
 
 
 def main(argv=None):
@@ -122,9 +165,51 @@ def main(argv=None):
     ref_out.backward(grad.double())
     ref_grads = [t.grad for t in ref_in]
 
+    tokens = b * s
+    longest = max(max(r + [s - sum(r)] if sum(r) < s else r) for r in lens)
+
+    def flat(qq, kk, vv):
+        return qq.reshape(tokens, h, d), kk.reshape(tokens, kvh, d), vv.reshape(tokens, kvh, d)
+
+    def flash_eager(qq, kk, vv, max_len=s, cu=None):
+        out, _ = _flash_forward(*flat(qq, kk, vv), spans.cu_seqlens if cu is None else cu, max_len)
+        return out.view(b, s, h, d)
+
+    def cudnn_eager(qq, kk, vv, max_len=s, cu=None):
+        cu = spans.cu_seqlens if cu is None else cu
+        out = torch.ops.aten._cudnn_attention_forward(*flat(qq, kk, vv), None, cu, cu, max_len, max_len,
+                                                      True, 0.0, True, False)[0]
+        return out.view(b, s, h, d)
+
+    class CudnnExplicit(torch.autograd.Function):  # aten's backward called by hand
+        @staticmethod
+        def forward(ctx, qq, kk, vv, cu, max_len):
+            res = torch.ops.aten._cudnn_attention_forward(qq, kk, vv, None, cu, cu, max_len, max_len,
+                                                          True, 0.0, True, False)
+            ctx.save_for_backward(qq, kk, vv, res[0], res[1], cu, res[6], res[7])
+            ctx.max_len = max_len
+            return res[0]
+
+        @staticmethod
+        def backward(ctx, g):
+            qq, kk, vv, out, lse, cu, seed, offset = ctx.saved_tensors
+            dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+                g.contiguous(), qq, kk, vv, out, lse, seed, offset, None, cu, cu, ctx.max_len, ctx.max_len,
+                0.0, True)
+            return dq, dk, dv, None, None
+
+    def cudnn_explicit(qq, kk, vv, max_len=s, cu=None):
+        cu = spans.cu_seqlens if cu is None else cu
+        return CudnnExplicit.apply(*flat(qq, kk, vv), cu, max_len).view(b, s, h, d)
+
     results = []
-    impls = (("flex, k/v expanded (torchtune)", run_flex), ("flash varlen", run_flash))
-    for name, fn in impls if device.type == "cuda" else impls[1:]:
+    impls = (("flex, k/v expanded (torchtune)", run_flex), ("flash varlen", run_flash),
+             ("flash varlen, eager", flash_eager),
+             ("flash varlen, eager, max = longest document", lambda *t: flash_eager(*t, max_len=longest)),
+             ("cuDNN varlen, eager", cudnn_eager),
+             ("cuDNN varlen, eager, max = longest document", lambda *t: cudnn_eager(*t, max_len=longest)),
+             ("cuDNN varlen, eager, aten backward by hand", cudnn_explicit))
+    def measure(name, fn):
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = fn(*ins)
         out.backward(grad)
@@ -139,8 +224,18 @@ def main(argv=None):
         def fwd_bwd():
             fn(*ins).backward(grad)
 
-        results.append({"impl": name, "forward_ms": timed(fwd, args.reps, device),
-                        "forward_backward_ms": timed(fwd_bwd, args.reps, device), **errors})
+        return {"impl": name, "forward_ms": timed(fwd, args.reps, device),
+                "forward_backward_ms": timed(fwd_bwd, args.reps, device), **errors}
+
+    for name, fn in impls if device.type == "cuda" else impls[1:3]:
+        try:
+            results.append(measure(name, fn))
+        except Exception as e:  # an implementation this torch or GPU lacks: say so, go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            results.append({"impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    if device.type == "cuda":
+        results += new_layouts(b, s, h, kvh, d, args.reps, device, q, k, v, grad, flash_eager, cudnn_eager,
+                               cudnn_explicit)
     docs = sum(len(r) for r in lens)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU dry run"
     print(f"{b} rows x {s} tokens, {docs} documents (mean {sum(map(sum, lens)) / docs:.0f} tokens), "
@@ -148,8 +243,13 @@ def main(argv=None):
     print("| attention | forward ms | forward + backward ms | out err | dq err | dk err | dv err |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        ms = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("forward_ms", "forward_backward_ms")]
-        print(f"| {r['impl']} | {ms[0]} | {ms[1]} | {r['out']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |")
+        if "error" in r:
+            print(f"| {r['impl']} | {r['error'][:80]} |")
+            continue
+        ms = [f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("forward_ms", "forward_backward_ms")]
+        errs = [f"{r[k]:.1e}" if k in r else "-" for k in ("out", "dq", "dk", "dv")]
+        host = f" (host {r['host_ms']:.2f} ms; first pass {max(r['first_pass_host_ms']):.1f} at most)" if "host_ms" in r else ""
+        print(f"| {r['impl']}{host} | {ms[0]} | {ms[1]} | {' | '.join(errs)} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "lengths": lens, "results": results},
                                              indent=1))

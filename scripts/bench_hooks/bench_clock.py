@@ -118,11 +118,15 @@ def _sm_clock_reader():
 
 class Clock:
     def __init__(self, path: str, warmup: int = 5, window: int = 20, freeze_gc: bool = False,
-                 sampler=None):
+                 sampler=None, gpu_sleep_ms: float = 0.0):
         if warmup < 0 or window < 1:
             raise ValueError(f"bench clock: need warmup >= 0 and window >= 1, got {warmup}, {window}")
         self.path, self.warmup, self.window, self.freeze_gc = path, warmup, window, freeze_gc
         self.sampler = sampler  # host_sampler.HostSampler, run while the window runs
+        # GPU time a step apart from idle: a sleep kernel of about gpu_sleep_ms queued before each
+        # window step keeps the GPU the slower side, so the window's time is the sleeps plus the
+        # steps' kernels back to back (the sleeps' own time read from events around them).
+        self.gpu_sleep_ms, self._sleep_cycles, self._sleep_events = gpu_sleep_ms, 0, []
         self.fetched = 0  # batches handed to the recipe so far
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
@@ -166,6 +170,8 @@ class Clock:
                 gc.freeze()
             if _cuda_in_use():  # NVML's init and handle lookup, before the clock starts too
                 self._sm_clock = _sm_clock_reader()
+                if self.gpu_sleep_ms:
+                    self._sleep_cycles = _sleep_cycles_for(self.gpu_sleep_ms)
             self.start = _sync_and_read_clock()
             if self.sampler is not None:
                 self.sampler.start()
@@ -173,12 +179,19 @@ class Clock:
             if self.sampler is not None:  # before the clock's wait for the GPU, not a step's
                 self.sampler.stop()
             self.seconds = _sync_and_read_clock() - self.start
+            self.gpu_sleep_seconds = sum(a.elapsed_time(b) for a, b in self._sleep_events) / 1e3
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
         # the interval starting now: window step fetched - warmup, if inside the window (set
         # first: a collection during the reads below is this interval's)
         ending, step = self._step, self.fetched - self.warmup
         self._step = step if 0 <= step < self.window else None
+        if self._sleep_cycles and self._step is not None:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+            torch.cuda._sleep(self._sleep_cycles)
+            events[1].record()
+            self._sleep_events.append(events)
         graphs = _graphs_compiled()
         allocator = _allocator_counts()
         if self.warmup < self.fetched <= self.warmup + self.window:
@@ -223,6 +236,9 @@ class Clock:
                        sm_clock_mhz=self.sm_clock_mhz)
         if self.sampler is not None and self.seconds is not None:
             out["host_samples"] = self.sampler.result()
+        if self._sleep_events and self.seconds is not None:
+            out.update(gpu_sleep_seconds=self.gpu_sleep_seconds,
+                       gpu_busy_ms_per_step=(self.seconds - self.gpu_sleep_seconds) / self.window * 1e3)
         paged = paged_gib()
         return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 
@@ -313,11 +329,25 @@ def _sampler_from_env():
     return HostSampler()
 
 
+def _sleep_cycles_for(ms: float) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds, timed
+    once on this GPU (the clock varies with load: the sleeps are timed again where they run)."""
+    cycles = 10_000_000
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * ms / start.elapsed_time(end))
+
+
 def install_from_env() -> Clock:
     clock = Clock(rank_path(os.environ["BENCH_CLOCK"]),
                   int(os.environ.get("BENCH_CLOCK_WARMUP", "5")),
                   int(os.environ.get("BENCH_CLOCK_WINDOW", "20")),
                   freeze_gc=os.environ.get("BENCH_GC_FREEZE") == "1",
-                  sampler=_sampler_from_env())
+                  sampler=_sampler_from_env(),
+                  gpu_sleep_ms=float(os.environ.get("BENCH_GPU_SLEEP_MS", "0")))
     install(clock)
     return clock
