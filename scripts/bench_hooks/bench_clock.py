@@ -171,7 +171,7 @@ class Clock:
             if _cuda_in_use():  # NVML's init and handle lookup, before the clock starts too
                 self._sm_clock = _sm_clock_reader()
                 if self.gpu_sleep_ms:
-                    self._sleep_cycles = _sleep_cycles_for(self.gpu_sleep_ms)
+                    self._sleep_cycles = _sleep_cycles_for(self.gpu_sleep_ms, self._sm_clock)
             self.start = _sync_and_read_clock()
             if self.sampler is not None:
                 self.sampler.start()
@@ -329,9 +329,16 @@ def _sampler_from_env():
     return HostSampler()
 
 
-def _sleep_cycles_for(ms: float) -> int:
-    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds, timed
-    once on this GPU (the clock varies with load: the sleeps are timed again where they run)."""
+def _sleep_cycles_for(ms: float, sm_clock=None) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds at the SM
+    clock NVML reads now (the training's clock, at the warm-up's end); without NVML, timed once
+    here. The sleeps are timed again where they run (events around each).
+
+    NOTE: not timed alone when NVML reads the clock: a lone one-thread sleep kernel lets the GPU
+    clock down, so cycles timed that way ran ~4x shorter inside the training's window."""
+    mhz = sm_clock() if sm_clock is not None else None
+    if mhz:
+        return int(ms * mhz * 1e3)
     cycles = 10_000_000
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
