@@ -381,4 +381,17 @@ def report_config_error(e: ConfigError) -> None:
                 return
         except (OSError, ValueError):
             pass  # the line is printed here instead
+    _end_progress_bars()
     print(f"tune: error: {e}", file=sys.stderr)
+
+
+def _end_progress_bars() -> None:
+    """Close every open tqdm bar (torchtune's "Packing dataset", the training bar), each ending
+    its line: an error met while a bar is drawn (a packed dataset's bad example) would otherwise
+    print on the bar's unfinished line."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    for bar in list(getattr(tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - a bar whose stream is gone: the error line matters more
+            pass

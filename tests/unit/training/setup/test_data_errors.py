@@ -215,6 +215,24 @@ def test_chat_rows_without_a_conversation_and_system_turns_the_config_replaces(t
         build_dataset(cfg, tiny_tokenizer())
 
 
+def test_an_error_met_while_packing_prints_on_a_line_of_its_own(tmp_path, capsys):
+    """torchtune's "Packing dataset" bar is mid-line when a bad example stops the packing: the
+    error line closes the bar first instead of continuing its unfinished line."""
+    from tune_recipes.config import report_config_error
+
+    turns = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+             for i in range(30)]
+    turns[25]["conversations"][1]["from"] = "bot"
+    chat = _chat(tmp_path, turns, "conversations", "sharegpt", packed=True)
+    with pytest.raises(ConfigError) as e:
+        build_dataset(chat, tiny_tokenizer(max_seq_len=64))
+    report_config_error(e.value)
+    err = capsys.readouterr().err
+    assert "Packing dataset" in err, err  # the bar was drawn
+    line = next(ln for ln in err.replace("\r", "\n").splitlines() if "tune: error:" in ln)
+    assert line.startswith("tune: error: dataset: example 25"), repr(err[-400:])
+
+
 def test_a_packed_dataset_names_the_example_its_packing_stopped_at(tmp_path):
     """A packed dataset makes every example into tokens as it is built, and torchtune's error
     names none (a role the template does not know is a traceback mid-packing; a missing
