@@ -2,7 +2,12 @@
 it (``modules.document_attention``; k and v copied out to every query head first, as torchtune's
 attention passes them; compiled): flex attention with the collate's document ``BlockMask``
 against flash attention over the documents' spans (``modules.varlen_attention``, one k/v head a
-group taken back), at Llama-3.2-1B's attention shape by default.
+group taken back), at Llama-3.2-1B's attention shape by default. Beside them, uncompiled: flash's
+kernel on the spans directly, with 2048 or the longest document as its length bound, and torch's
+cuDNN path for variable lengths (``aten._cudnn_attention_forward`` with sequence offsets, the one
+nested tensors take; its backward through autograd and by hand). Then each of those on eight
+packings in turn, as consecutive batches: the host's time a call shows a plan or graph built per
+packing.
 
     python3 scripts/bench_attention.py --rows 4 --seq-len 2048 --heads 32 --kv-heads 8 --head-dim 64
 
