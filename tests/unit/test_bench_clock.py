@@ -347,3 +347,44 @@ def test_the_host_sampler_names_where_the_main_thread_spent_the_window(tmp_path)
     taken = sampler.samples
     time.sleep(0.01)
     assert sampler.samples == taken
+
+
+def test_the_gpu_sleep_lever_queues_one_timed_sleep_a_window_step(monkeypatch, tmp_path):
+    """BENCH_GPU_SLEEP_MS: before each window step a sleep kernel of the asked length at the SM
+    clock NVML reads when the warm-up ends, with events around it; the clock reports the sleeps'
+    own time and the window less them, per step."""
+    sleeps, now = [], iter([10.0, 10.5])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    monkeypatch.setattr(bench_clock.time, "perf_counter", lambda: next(now))
+    monkeypatch.setattr(bench_clock, "_sm_clock_reader", lambda: (lambda: 1500))
+
+    class Event:  # each sleep takes 30 ms on the device's timeline
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream=None):
+            pass
+
+        def elapsed_time(self, end):
+            return 30.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = bench_clock.Clock(str(tmp_path / "c.json"), warmup=2, window=5, gpu_sleep_ms=30)
+    for _ in bench_clock.ClockedIterator(iter(_batches(8)), timer):
+        pass
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert sleeps == [30 * 1500 * 1000] * 5  # window steps only: 30 ms at 1,500 MHz
+    assert result["gpu_sleep_seconds"] == pytest.approx(0.15)
+    assert result["gpu_busy_ms_per_step"] == pytest.approx((0.5 - 0.15) / 5 * 1e3)
+
+    sleeps.clear()  # without the lever: no sleep, no such fields
+    now = iter([10.0, 10.5])
+    timer = bench_clock.Clock(str(tmp_path / "d.json"), warmup=2, window=5)
+    for _ in bench_clock.ClockedIterator(iter(_batches(8)), timer):
+        pass
+    assert sleeps == [] and "gpu_busy_ms_per_step" not in json.loads((tmp_path / "d.json").read_text())
