@@ -232,9 +232,9 @@ CASES = {
            env={"BENCH_HOST_SAMPLES": "1"}, **OURS_1B_PADDED),
         _v("ours_loader_worker", "ours", "ours: padding-free, whole model compiled, one dataloader worker",
            env={"BENCH_LOADER_WORKERS": "1"}, **OURS_1B_PADDED),
-        # the GPU's own time a step (kernels back to back): a 30 ms sleep kernel before each
-        # window step makes the GPU the slower side (the clock's gpu_busy_ms_per_step); not a
-        # speed row
+        # a 30 ms sleep kernel queued before each window step (BENCH_GPU_SLEEP_MS): does the
+        # step lengthen by the sleep (the GPU's timeline sets it) or less (the host's does)?
+        # Not a speed row
         _v("ours_gpu_busy", "ours", "ours: padding-free, whole model compiled, GPU time a step (sleeps queued)",
            env={"BENCH_GPU_SLEEP_MS": "30"}, **OURS_1B_PADDED)],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too

@@ -31,7 +31,8 @@
 #              same computing each pack's padding, and saving 70% of activations         ~6 min
 #   hostbound  ours' 4-row unpacked 1B step as shipped, with its host stacks
 #              sampled (scripts/host_samples.py prints the shares), and with one dataloader
-#              worker, 80 steps (ONLY=...: ours_cpp_wrapper, Inductor's C++ wrapper)   ~7 min
+#              worker, 80 steps (ONLY=...: ours_cpp_wrapper, Inductor's C++ wrapper;
+#              ours_gpu_busy, a 30 ms sleep kernel queued before each step)             ~7 min
 #   rows16     ours' 1B step on packed rows and on unpacked rows 16 a step (about a packed step's
 #              examples and tokens): the per-token rate with the step's fixed cost spread alike ~5 min
 #   fp8curves  1B packed, 220 steps: stock's best against the packed settings with FP8 products

@@ -386,9 +386,10 @@ def report_config_error(e: ConfigError) -> None:
 
 
 def _end_progress_bars() -> None:
-    """Close every open tqdm bar (torchtune's "Packing dataset", the training bar), each ending
-    its line: an error met while a bar is drawn (a packed dataset's bad example) would otherwise
-    print on the bar's unfinished line."""
+    """Close every open tqdm bar (torchtune's "Packing dataset", the training bar, any other
+    library's), each ending its line: an error met while a bar is drawn (a packed dataset's bad
+    example) would otherwise print on the bar's unfinished line. Only for a process about to
+    end on that error: a bar closed here draws no more."""
     tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
     for bar in list(getattr(tqdm, "_instances", ())):
         try:

@@ -123,10 +123,14 @@ class Clock:
             raise ValueError(f"bench clock: need warmup >= 0 and window >= 1, got {warmup}, {window}")
         self.path, self.warmup, self.window, self.freeze_gc = path, warmup, window, freeze_gc
         self.sampler = sampler  # host_sampler.HostSampler, run while the window runs
-        # GPU time a step apart from idle: a sleep kernel of about gpu_sleep_ms queued before each
-        # window step keeps the GPU the slower side, so the window's time is the sleeps plus the
-        # steps' kernels back to back (the sleeps' own time read from events around them).
+        # A sleep kernel of about gpu_sleep_ms queued before each window step, timed by events
+        # around it: does more GPU work a step lengthen the step by as much (the GPU's timeline
+        # sets it) or less (the host's does)? With a sleep long enough to keep the GPU the slower
+        # side, the window less its sleeps is the steps' GPU time; shorter, it also holds idle.
+        if gpu_sleep_ms < 0:
+            raise ValueError(f"bench clock: gpu_sleep_ms must be >= 0, got {gpu_sleep_ms}")
         self.gpu_sleep_ms, self._sleep_cycles, self._sleep_events = gpu_sleep_ms, 0, []
+        self.gpu_sleep_seconds, self.gpu_sleep_note = None, None
         self.fetched = 0  # batches handed to the recipe so far
         self.tokens = self.label_tokens = 0  # of batches warmup .. warmup + window - 1
         self.start = self.seconds = None
@@ -172,6 +176,8 @@ class Clock:
                 self._sm_clock = _sm_clock_reader()
                 if self.gpu_sleep_ms:
                     self._sleep_cycles = _sleep_cycles_for(self.gpu_sleep_ms, self._sm_clock)
+                    if not self._sleep_cycles:
+                        self.gpu_sleep_note = "no SM clock from NVML: no sleep queued"
             self.start = _sync_and_read_clock()
             if self.sampler is not None:
                 self.sampler.start()
@@ -179,6 +185,7 @@ class Clock:
             if self.sampler is not None:  # before the clock's wait for the GPU, not a step's
                 self.sampler.stop()
             self.seconds = _sync_and_read_clock() - self.start
+            # the events are complete: read after the synchronize above
             self.gpu_sleep_seconds = sum(a.elapsed_time(b) for a, b in self._sleep_events) / 1e3
         # After the synchronized reads: the intervals span the clock's window exactly.
         now = time.monotonic()
@@ -237,8 +244,11 @@ class Clock:
         if self.sampler is not None and self.seconds is not None:
             out["host_samples"] = self.sampler.result()
         if self._sleep_events and self.seconds is not None:
-            out.update(gpu_sleep_seconds=self.gpu_sleep_seconds,
-                       gpu_busy_ms_per_step=(self.seconds - self.gpu_sleep_seconds) / self.window * 1e3)
+            out.update(gpu_sleep_asked_ms=self.gpu_sleep_ms, gpu_sleep_seconds=self.gpu_sleep_seconds,
+                       gpu_sleep_ms_per_step=self.gpu_sleep_seconds / self.window * 1e3,
+                       window_less_sleeps_ms_per_step=(self.seconds - self.gpu_sleep_seconds) / self.window * 1e3)
+        if self.gpu_sleep_note:
+            out["gpu_sleep_note"] = self.gpu_sleep_note
         paged = paged_gib()
         return {**out, **self.at_window_end, **self._peaks(""), **({"paged_gib": paged} if paged else {})}
 
@@ -331,22 +341,13 @@ def _sampler_from_env():
 
 def _sleep_cycles_for(ms: float, sm_clock=None) -> int:
     """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``ms`` milliseconds at the SM
-    clock NVML reads now (the training's clock, at the warm-up's end); without NVML, timed once
-    here. The sleeps are timed again where they run (events around each).
+    clock NVML reads now (the training's clock, at the warm-up's end); 0 without NVML. The
+    sleeps are timed again where they run (events around each).
 
-    NOTE: not timed alone when NVML reads the clock: a lone one-thread sleep kernel lets the GPU
-    clock down, so cycles timed that way ran ~4x shorter inside the training's window."""
+    NOTE: never timed alone instead: a lone one-thread sleep kernel lets the GPU clock down, so
+    cycles timed that way ran ~4x shorter than asked inside the training's window."""
     mhz = sm_clock() if sm_clock is not None else None
-    if mhz:
-        return int(ms * mhz * 1e3)
-    cycles = 10_000_000
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return int(cycles * ms / start.elapsed_time(end))
+    return int(ms * mhz * 1e3) if mhz else 0
 
 
 def install_from_env() -> Clock:

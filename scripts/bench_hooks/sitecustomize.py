@@ -10,10 +10,12 @@ never to inductor's compile workers: the clock and the memory cap to both sides'
 - BENCH_HOST_SAMPLES=1 (with BENCH_CLOCK=PATH): every thread's Python stack sampled while the
   window runs (host_sampler.py), the shares in the clock's JSON as ``host_samples``: where a
   step spends the host's time.
-- BENCH_GPU_SLEEP_MS=MS (with BENCH_CLOCK=PATH): a sleep kernel of about MS ms queued before
-  each window step, timed by events (the clock's ``gpu_sleep_seconds`` and
-  ``gpu_busy_ms_per_step``, the window less its sleeps): does more GPU work a step lengthen the
-  step by as much (the GPU's timeline sets it) or less (the host's does)? Not a speed row.
+- BENCH_GPU_SLEEP_MS=MS (with BENCH_CLOCK=PATH): a sleep kernel of about MS ms (cycles at the
+  SM clock NVML reads; no sleep without NVML) queued before each window step, timed by events
+  (the clock's ``gpu_sleep_ms_per_step`` and ``window_less_sleeps_ms_per_step``): does more GPU
+  work a step lengthen the step by as much (the GPU's timeline sets it) or less (the host's
+  does)? A sleep long enough to keep the GPU the slower side leaves the steps' GPU time as the
+  window less its sleeps. Not a speed row.
 - BENCH_LOADER_WORKERS=N: ours' dataloader fetches and collates in N worker processes, its
   batches in pinned memory (torch's DataLoader ``num_workers``, ``pin_memory``) instead of in
   the training process: what the data path costs a step whose host is busy.

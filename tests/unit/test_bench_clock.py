@@ -379,12 +379,26 @@ def test_the_gpu_sleep_lever_queues_one_timed_sleep_a_window_step(monkeypatch, t
         pass
     result = json.loads((tmp_path / "c.json").read_text())
     assert sleeps == [30 * 1500 * 1000] * 5  # window steps only: 30 ms at 1,500 MHz
-    assert result["gpu_sleep_seconds"] == pytest.approx(0.15)
-    assert result["gpu_busy_ms_per_step"] == pytest.approx((0.5 - 0.15) / 5 * 1e3)
+    assert result["gpu_sleep_seconds"] == pytest.approx(0.15) and result["gpu_sleep_asked_ms"] == 30
+    assert result["gpu_sleep_ms_per_step"] == pytest.approx(30.0)
+    assert result["window_less_sleeps_ms_per_step"] == pytest.approx((0.5 - 0.15) / 5 * 1e3)
+
+    sleeps.clear()  # no SM clock from NVML: no sleep (cycles timed alone run short), said so
+    now = iter([10.0, 10.5])
+    monkeypatch.setattr(bench_clock, "_sm_clock_reader", lambda: None)
+    timer = bench_clock.Clock(str(tmp_path / "e.json"), warmup=2, window=5, gpu_sleep_ms=30)
+    for _ in bench_clock.ClockedIterator(iter(_batches(8)), timer):
+        pass
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert sleeps == [] and "no SM clock" in result["gpu_sleep_note"]
+    assert "window_less_sleeps_ms_per_step" not in result
+    with pytest.raises(ValueError, match="gpu_sleep_ms must be >= 0"):
+        bench_clock.Clock(str(tmp_path / "f.json"), gpu_sleep_ms=-1)
 
     sleeps.clear()  # without the lever: no sleep, no such fields
     now = iter([10.0, 10.5])
     timer = bench_clock.Clock(str(tmp_path / "d.json"), warmup=2, window=5)
     for _ in bench_clock.ClockedIterator(iter(_batches(8)), timer):
         pass
-    assert sleeps == [] and "gpu_busy_ms_per_step" not in json.loads((tmp_path / "d.json").read_text())
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert sleeps == [] and not any(k.startswith(("gpu_sleep", "window_less")) for k in result)

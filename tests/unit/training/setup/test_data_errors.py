@@ -215,11 +215,12 @@ def test_chat_rows_without_a_conversation_and_system_turns_the_config_replaces(t
         build_dataset(cfg, tiny_tokenizer())
 
 
-def test_an_error_met_while_packing_prints_on_a_line_of_its_own(tmp_path, capsys):
+def test_an_error_met_while_packing_prints_on_a_line_of_its_own(tmp_path, capsys, monkeypatch):
     """torchtune's "Packing dataset" bar is mid-line when a bad example stops the packing: the
     error line closes the bar first instead of continuing its unfinished line."""
     from tune_recipes.config import report_config_error
 
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # the bar drawn, whatever the environment
     turns = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
              for i in range(30)]
     turns[25]["conversations"][1]["from"] = "bot"
