@@ -263,28 +263,42 @@ CASES = {
 }
 
 
+# Our single-device configs whose torchtune 0.6.1 twin has another name (the same models,
+# method and data): ours -> stock's.
+STOCK_TWINS = {"llama3_2/8B_to_1B_kd_single_device": "llama3_2/8B_to_1B_KD_lora_single_device"}
+SHIPPED_RECIPES = ("full_finetune_single_device", "lora_finetune_single_device",
+                   "knowledge_distillation_single_device")
+
+
+def _base_builder(component: str) -> str:
+    module, fn = component.rsplit(".", 1)
+    return f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}"
+
+
 def shipped_cases() -> dict:
-    """``shipped:<config>`` for each of our single-device fine-tune configs that torchtune 0.6.1
-    ships under the same name: both as shipped, on the padded or packed instruction data as
-    each config's ``dataset.packed`` says."""
+    """``shipped:<config>`` for each of our single-device fine-tune and distillation configs
+    that torchtune 0.6.1 ships under the same name (or the twin STOCK_TWINS names): both as
+    shipped, on the padded or packed instruction data as each config's ``dataset.packed``
+    says. A distillation case also builds its teacher's checkpoint (``teacher_builder``)."""
     from tune_recipes._cli import registry
 
     out, stock_root = {}, registry._stock()[1] / "configs"
     for name in registry.list_configs():
         recipe = registry.recipe_for_config(name)
-        if recipe in ("full_finetune_single_device", "lora_finetune_single_device") and \
-                (stock_root / f"{name}.yaml").is_file():
+        stock = stock_root / f"{STOCK_TWINS.get(name, name)}.yaml"
+        if recipe in SHIPPED_RECIPES and stock.is_file():
             ours = registry.resolve_config(name).path
             ours_cfg = yaml.safe_load(ours.read_text())
-            module, fn = ours_cfg["model"]["_component_"].rsplit(".", 1)
             out[f"shipped:{name}"] = dict(
-                recipe=recipe, shipped={"stock": stock_root / f"{name}.yaml", "ours": ours},
-                builder=f"{module}.{fn.removeprefix('qlora_').removeprefix('lora_')}", seq_len=2048,
+                recipe=recipe, shipped={"stock": stock, "ours": ours},
+                builder=_base_builder(ours_cfg["model"]["_component_"]), seq_len=2048,
                 median_words=40, data={"kind": "instruct"},
                 variants=[_v("stock", "stock", "torchtune 0.6.1's config as shipped", head=True),
                           _v("ours", "ours", "our config as shipped", head=True),
                           _v("ours_padded", "ours", "our config as shipped, padding_free=False",
                              padding_free=False), *_shipped_levers(recipe, ours_cfg)])
+            if "teacher_model" in ours_cfg:
+                out[f"shipped:{name}"]["teacher_builder"] = _base_builder(ours_cfg["teacher_model"]["_component_"])
     return out
 
 
@@ -312,6 +326,10 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
                          optimizer={"_component_": "tune_recipes.optim.AdamW8bit", "lr": ours["optimizer"]["lr"]},
                          optimizer_in_bwd=True, clip_grad_norm=None))
     if ours.get("enable_activation_checkpointing", False):
+        # Does the config's model fit without the recompute (the default a config should take
+        # where it does), and how much faster is it then?
+        levers.append(_v("ours_no_ac", "ours", "our config, no activation checkpointing",
+                         enable_activation_checkpointing=False))
         # Half the recompute for the activation memory of half the layers: where a config's
         # peak is below stock's, the headroom may buy speed.
         levers.append(_v("ours_ac_every_2", "ours", "our config, every second layer checkpointed",

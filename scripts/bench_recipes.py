@@ -51,9 +51,11 @@ from bench_cases import CASES, CLAIM, PRESET_REPS, PRESETS  # noqa: E402,F401 - 
 
 # ---------------------------------------------------------------------------- configs
 def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Path,
-                 data_file: Optional[Path] = None, steps: int = 30, overrides: Optional[dict] = None) -> dict:
+                 data_file: Optional[Path] = None, steps: int = 30, overrides: Optional[dict] = None,
+                 teacher_ckpt: Optional[Path] = None) -> dict:
     """One run's YAML: the case's config (or the shipped config as shipped) with the variant's
-    overrides, then ``overrides`` (dotted keys, ``--set``). Returns the config written."""
+    overrides, then ``overrides`` (dotted keys, ``--set``). Returns the config written.
+    ``teacher_ckpt``: a distillation config's teacher checkpoint (its ``teacher_checkpointer``)."""
     dataset = {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
                "data_files": str(data_file or "instruct.json"), "split": "train"}
     tokenizer = {"_component_": "tune_recipes.data.tiny_tokenizer", "max_seq_len": case["seq_len"]}
@@ -63,6 +65,11 @@ def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Pat
         cfg["dataset"] = {**dataset, "packed": bool(cfg.get("dataset", {}).get("packed", False))}
         cfg["checkpointer"].update(checkpoint_dir=str(ckpt), checkpoint_files=["model.safetensors"],
                                    output_dir=str(out_dir), recipe_checkpoint=None)
+        if "teacher_checkpointer" in cfg:
+            if teacher_ckpt is None:
+                raise ValueError(f"{case['shipped'][variant['side']]}: a teacher_checkpointer, and no teacher checkpoint")
+            cfg["teacher_checkpointer"].update(checkpoint_dir=str(teacher_ckpt), checkpoint_files=["model.safetensors"],
+                                               output_dir=str(out_dir), recipe_checkpoint=None)
         cfg.update(output_dir=str(out_dir), resume_from_checkpoint=False, epochs=1, max_steps_per_epoch=steps)
         for key, value in variant["cfg"].items():  # a variant of a shipped config
             # a section's keys merge into the shipped section; one naming a component replaces it
@@ -111,6 +118,23 @@ def write_config(path: Path, case: dict, variant: dict, ckpt: Path, out_dir: Pat
 
 
 # ---------------------------------------------------------------------------- runner
+def random_checkpoint(work: Path, builder: str, dtype: str, timeout: float) -> Path:
+    """``work``/ckpt_<builder>_<dtype>: random-init weights of ``builder``'s shapes, built once."""
+    ckpt = work / f"ckpt_{builder.rsplit('.', 1)[-1]}_{dtype}"
+    if not (ckpt / "model.safetensors").exists():
+        # NOTE: built aside and renamed into place (atomic): a bench on another GPU may be
+        # looking for the same checkpoint meanwhile, and must never read half of one.
+        t0, tmp = time.time(), ckpt.with_name(f"{ckpt.name}.{os.getpid()}")
+        run([sys.executable, "scripts/make_random_checkpoint.py", "--builder", builder,
+             "--out", str(tmp), "--dtype", dtype], work / f"{ckpt.name}.log", timeout, {})
+        try:
+            tmp.rename(ckpt)
+        except OSError:  # the other bench's copy came first
+            subprocess.run(["rm", "-rf", str(tmp)])
+        print(f"checkpoint {ckpt.name}: {time.time() - t0:.0f} s", flush=True)
+    return ckpt
+
+
 def run(cmd, log: Path, timeout: float, env: dict) -> float:
     """``cmd`` in its own process, scripts/bench_hooks first on its path; its wall seconds. A
     failure raises with the log's error lines, the reason last (a row keeps the tail)."""
@@ -203,7 +227,7 @@ def run_shape(case: dict, variant: dict, min_steps: Optional[int],
 
 
 def run_variant(name: str, case: dict, rep: int, variant: dict, shape: tuple, ckpt: Path,
-                data_file: Optional[Path], args, overrides: dict) -> dict:
+                data_file: Optional[Path], args, overrides: dict, teacher_ckpt: Optional[Path] = None) -> dict:
     """One run, config to row."""
     batch, ga, warmup, window, steps = shape
     work, tag = Path(args.work), f"{name}_{variant['name']}_rep{rep}".replace("/", "_").replace(":", "_")
@@ -215,7 +239,7 @@ def run_variant(name: str, case: dict, rep: int, variant: dict, shape: tuple, ck
             "_component_": "torchtune.training.setup_torch_profiler", "enabled": True, "output_dir": str(
                 work / f"prof_{tag}"), "cpu": True, "cuda": True, "wait_steps": max(5, warmup), "warmup_steps": 2,
             "active_steps": 3, "num_cycles": 1}}
-    cfg = write_config(cfg_path, case, variant, ckpt, out_dir, data_file, steps, overrides)
+    cfg = write_config(cfg_path, case, variant, ckpt, out_dir, data_file, steps, overrides, teacher_ckpt)
     row = {"case": name, "variant": variant["name"], "label": variant["label"], "rep": rep,
            "side": variant["side"], "overrides": {**variant["cfg"], **overrides}, "env": {**variant["env"], **args.env},
            "params": (ckpt / "model.safetensors").stat().st_size / (4 if "fp32" in ckpt.name else 2),
@@ -477,18 +501,9 @@ def main():
     for name, runs in plan.items():
         case = CASES[name]
         dtype = case.get("dtype", "bf16")
-        ckpt = work / f"ckpt_{case['builder'].rsplit('.', 1)[-1]}_{dtype}"
-        if not (ckpt / "model.safetensors").exists():
-            # NOTE: built aside and renamed into place (atomic): a bench on another GPU may be
-            # looking for the same checkpoint meanwhile, and must never read half of one.
-            t0, tmp = time.time(), ckpt.with_name(f"{ckpt.name}.{os.getpid()}")
-            run([sys.executable, "scripts/make_random_checkpoint.py", "--builder", case["builder"],
-                 "--out", str(tmp), "--dtype", dtype], work / f"{ckpt.name}.log", args.run_timeout, {})
-            try:
-                tmp.rename(ckpt)
-            except OSError:  # the other bench's copy came first
-                subprocess.run(["rm", "-rf", str(tmp)])
-            print(f"checkpoint {ckpt.name}: {time.time() - t0:.0f} s", flush=True)
+        ckpt = random_checkpoint(work, case["builder"], dtype, args.run_timeout)
+        teacher_ckpt = random_checkpoint(work, case["teacher_builder"], dtype, args.run_timeout) \
+            if case.get("teacher_builder") else None
         shapes = {v["name"]: run_shape(case, v, args.steps, args.window) for _, v in runs}
         data_file = None
         if case["data"]["kind"] == "instruct":  # one file for the case: the same rows on both sides
@@ -502,7 +517,8 @@ def main():
                 run([sys.executable, "scripts/make_instruction_data.py", "--rows", str(rows), "--median-words",
                      str(case["median_words"]), "--out", str(data_file)], work / "data.log", 120, {})
         for rep, v in runs:
-            row = run_variant(name, case, rep, v, shapes[v["name"]], ckpt, data_file, args, overrides)
+            row = run_variant(name, case, rep, v, shapes[v["name"]], ckpt, data_file, args, overrides,
+                              teacher_ckpt)
             result["rows"].append(row)
             print(json.dumps({k: x for k, x in row.items() if k not in ("losses", "overrides", "env")}), flush=True)
             out.write_text(json.dumps(result, indent=1))  # after every run: a timeout keeps the rows

@@ -43,7 +43,10 @@
 #   shipped8b  the Llama-3.1-8B LoRA config as shipped                                   ~5 min
 #   shippedq8b the Llama-3.1-8B QLoRA config as shipped                                  ~5 min
 #   shipped    CASES=shipped:<config>,... as shipped, ours vs torchtune's (default: the 3B full
-#              config; a run of a small model ~1 min, an 8B/7B one ~2, plus its checkpoint once);
+#              config; a run of a small model ~1 min, an 8B/7B one ~2, plus its checkpoint once;
+#              shipped:llama3_2/8B_to_1B_kd_single_device against torchtune's
+#              8B_to_1B_KD_lora_single_device also builds the 8B teacher's checkpoint, ~2.5 min);
+#              ours_no_ac: activation checkpointing off, where a config turns it on;
 #              ONLY=stock,ours,ours_compiled,ours_packed: what compile and packing buy each config;
 #              ours_ac_every_2: checkpointing every second layer (where ours checkpoints every one);
 #              ours_ac_non_reentrant, ours_torchtune_rope, ours_torchtune_rms_norm,

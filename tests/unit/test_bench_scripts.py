@@ -29,7 +29,8 @@ def test_every_bench_variant_of_ours_is_a_valid_config(tmp_path, capsys):
             if variant["side"] != "ours":  # stock runs torchtune's own recipe file
                 continue
             path = tmp_path / f"{case_name}_{variant['name']}.yaml".replace("/", "_").replace(":", "_")
-            bench.write_config(path, case, variant, tmp_path / "ckpt", tmp_path / path.stem, tmp_path / "d.json")
+            bench.write_config(path, case, variant, tmp_path / "ckpt", tmp_path / path.stem, tmp_path / "d.json",
+                               teacher_ckpt=tmp_path / "teacher_ckpt")
             # --recipe: the top-level keys are checked against the recipe the case runs;
             # --portable: not the paths or the device (a CPU machine, no checkpoint). It also
             # skips a component whose package is not installed, so that is asserted apart.
@@ -42,20 +43,32 @@ def test_every_bench_variant_of_ours_is_a_valid_config(tmp_path, capsys):
     assert checked >= 25  # the headline cases and every shipped single-device config with a twin
 
 
+@pytest.mark.parametrize("config", ["llama3_1/8B_lora_single_device", "llama3_2/8B_to_1B_kd_single_device"])
 @pytest.mark.parametrize("side", ["stock", "ours"])
-def test_a_shipped_config_runs_as_shipped_but_for_the_benchs_files(side, tmp_path):
-    """Shipped mode changes only what points at files (checkpoint, tokenizer, data, output) and
-    the step limit; everything that sets the speed (batch, GA, compile, AC, loss, optimizer,
-    dtype, packing) stays as the config ships it, on either side."""
+def test_a_shipped_config_runs_as_shipped_but_for_the_benchs_files(side, config, tmp_path):
+    """Shipped mode changes only what points at files (checkpoint, teacher checkpoint, tokenizer,
+    data, output) and the step limit; everything that sets the speed (batch, GA, compile, AC,
+    loss, optimizer, dtype, packing) stays as the config ships it, on either side. The
+    distillation config's twin in torchtune has another name, and its teacher a checkpoint of its
+    own."""
     bench = _bench()
-    case = bench.CASES["shipped:llama3_1/8B_lora_single_device"]
+    case = bench.CASES[f"shipped:{config}"]
     assert "site-packages" in str(case["shipped"]["stock"]) or "recipes/configs" in str(case["shipped"]["stock"])
     shipped = yaml.safe_load(case["shipped"][side].read_text())
     variant = next(v for v in case["variants"] if v["side"] == side)
     cfg = bench.write_config(tmp_path / "c.yaml", case, variant, tmp_path / "ckpt", tmp_path / "out",
-                             tmp_path / "rows.json", steps=7)
-    pointers = {"output_dir", "checkpointer", "tokenizer", "dataset", "max_steps_per_epoch", "epochs",
-                "resume_from_checkpoint"}
+                             tmp_path / "rows.json", steps=7, teacher_ckpt=tmp_path / "teacher")
+    pointers = {"output_dir", "checkpointer", "teacher_checkpointer", "tokenizer", "dataset",
+                "max_steps_per_epoch", "epochs", "resume_from_checkpoint"}
+    if "teacher_model" in shipped:
+        assert case["teacher_builder"] == "torchtune.models.llama3_1.llama3_1_8b"
+        assert case["builder"] == "torchtune.models.llama3_2.llama3_2_1b"
+        assert cfg["teacher_checkpointer"]["checkpoint_dir"] == str(tmp_path / "teacher")
+        assert cfg["teacher_checkpointer"]["checkpoint_files"] == ["model.safetensors"]
+        with pytest.raises(ValueError, match="no teacher checkpoint"):
+            bench.write_config(tmp_path / "d.yaml", case, variant, tmp_path / "ckpt", tmp_path / "out")
+    else:
+        assert "teacher_builder" not in case
     assert {k: v for k, v in cfg.items() if k not in pointers} == {k: v for k, v in shipped.items() if k not in pointers}
     assert cfg["max_steps_per_epoch"] == 7 and cfg["output_dir"] == str(tmp_path / "out")
     assert cfg["checkpointer"]["model_type"] == shipped["checkpointer"]["model_type"]
