@@ -305,8 +305,8 @@ def shipped_cases() -> dict:
 def _shipped_levers(recipe: str, ours: dict) -> list:
     """What a shipped config of ours trades: the allocator's default (no expandable segments),
     compile, packing (what each config's header quotes), the optimizer's memory against speed
-    (full fine-tunes), activation checkpointing on every second layer instead of every layer, or
-    through torch's non-reentrant checkpoint instead of the reentrant one, torchtune's Llama RoPE
+    (full fine-tunes), no activation checkpointing, or on every second layer instead of every
+    layer, or through torch's non-reentrant checkpoint instead of the reentrant one, torchtune's Llama RoPE
     instead of ours (eager), QLoRA's NF4 weights dequantized by torchao instead of ours,
     a micro-batch twice as large over half the accumulation (the same examples a step), alone and
     compiled."""

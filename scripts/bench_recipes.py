@@ -23,7 +23,8 @@ packed with document masks or padded per batch; both sides use the byte-level
 Clock (scripts/bench_hooks/bench_clock.py, the same for both sides): the GPU synchronized when
 batch W and W+N are fetched; tokens/s = every token of those N batches over the time between;
 label tokens/s; the run's true peak memory. MFU: model FLOPs (6 x params a token for a full
-fine-tune, 4 for LoRA, + 2 with activation checkpointing) over the H200's dense bf16 rate.
+fine-tune, 4 for LoRA, + 2 with activation checkpointing; a distillation teacher's forward,
+2 x its params, added) over the H200's dense bf16 rate.
 Writes the JSON as rows finish, then a Markdown table (.md) and a chart (.png) beside ``--out``.
 """
 
@@ -226,6 +227,11 @@ def run_shape(case: dict, variant: dict, min_steps: Optional[int],
     return batch, ga, w, n, max(min_steps or 0, case.get("steps", 0), (w + n) // ga + 1)
 
 
+def _params(ckpt: Path) -> float:
+    """Parameters in a random checkpoint (its one safetensors file, bf16 or fp32)."""
+    return (ckpt / "model.safetensors").stat().st_size / (4 if "fp32" in ckpt.name else 2)
+
+
 def run_variant(name: str, case: dict, rep: int, variant: dict, shape: tuple, ckpt: Path,
                 data_file: Optional[Path], args, overrides: dict, teacher_ckpt: Optional[Path] = None) -> dict:
     """One run, config to row."""
@@ -242,8 +248,10 @@ def run_variant(name: str, case: dict, rep: int, variant: dict, shape: tuple, ck
     cfg = write_config(cfg_path, case, variant, ckpt, out_dir, data_file, steps, overrides, teacher_ckpt)
     row = {"case": name, "variant": variant["name"], "label": variant["label"], "rep": rep,
            "side": variant["side"], "overrides": {**variant["cfg"], **overrides}, "env": {**variant["env"], **args.env},
-           "params": (ckpt / "model.safetensors").stat().st_size / (4 if "fp32" in ckpt.name else 2),
-           "lora": "lora" in case["recipe"], "ac": bool(cfg.get("enable_activation_checkpointing")),
+           "params": _params(ckpt), "teacher_params": _params(teacher_ckpt) if teacher_ckpt else 0,
+           # LoRA by the recipe or, for a distillation student, by its model builder
+           "lora": "lora" in case["recipe"] or "lora_" in str(cfg.get("model", {}).get("_component_", "")),
+           "ac": bool(cfg.get("enable_activation_checkpointing")),
            "batch_size": batch, "ga": ga}
     env = {**row["env"], "BENCH_CLOCK": str(clock_file), "BENCH_CLOCK_WARMUP": str(warmup),
            "BENCH_CLOCK_WINDOW": str(window)}
@@ -281,7 +289,8 @@ def aggregate(case_name: str, case: dict, rows: list) -> list:
             # paged_gib: bitsandbytes' paged optimizer states, on the GPU but outside torch's counts
             peaks = [max(((r.get(k) or 0) + (r.get("paged_gib") or 0) if r.get(k) else 0) for r in ok) or None
                      for k in ("peak_alloc_gib", "peak_reserved_gib")]
-            flops = flops_per_token_factor(ok[0]["lora"], ok[0]["ac"]) * ok[0]["params"] * tps
+            flops = (flops_per_token_factor(ok[0]["lora"], ok[0]["ac"]) * ok[0]["params"]
+                     + 2 * ok[0].get("teacher_params", 0)) * tps
             lines.append({**line, "tokens_per_s": round(tps), "each": [round(r["tokens_per_s"]) for r in ok],
                           "label_tokens_per_s": round(statistics.mean(r["label_tokens_per_s"] for r in ok)),
                           "peak_alloc_gib": peaks[0] and round(peaks[0], 2),

@@ -161,6 +161,9 @@ def test_the_summary_averages_reps_takes_ratios_to_stock_and_the_mfu(tmp_path, c
     assert ours["mfu"] == round(6 * 1e9 * 260 / 790e12, 3)  # 6 x params x tokens/s over 790 TFLOP/s
     lora = dict(rows[2], lora=True, ac=True)
     assert bench.aggregate("full_1b", bench.CASES["full_1b"], [lora])[0]["mfu"] == round(6 * 1e9 * 260 / 790e12, 3)
+    student = dict(lora, teacher_params=8e9)  # a distillation step: the teacher's forward added
+    assert bench.aggregate("full_1b", bench.CASES["full_1b"], [student])[0]["mfu"] == \
+        round((6 * 1e9 + 2 * 8e9) * 260 / 790e12, 3)
     (gap,) = bench.loss_gaps(rows)
     assert gap["variant"] == "ours_best" and gap["max_rel_diff"] == 0.1 and gap["last50_gap_rel"] == round(1.55 / 1.5 - 1, 5)
 
