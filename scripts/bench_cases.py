@@ -235,7 +235,7 @@ CASES = {
         # a 30 ms sleep kernel queued before each window step (BENCH_GPU_SLEEP_MS): does the
         # step lengthen by the sleep (the GPU's timeline sets it) or less (the host's does)?
         # Not a speed row
-        _v("ours_gpu_busy", "ours", "ours: padding-free, whole model compiled, GPU time a step (sleeps queued)",
+        _v("ours_gpu_busy", "ours", "ours: padding-free, whole model compiled, a 30 ms sleep kernel before each step",
            env={"BENCH_GPU_SLEEP_MS": "30"}, **OURS_1B_PADDED)],
         warmup=20, window=40, steps=220),  # padded steps are short: a 220-step loss curve too
     # Unpacked rows, 16 a step: about the examples and tokens of a packed step (4 packs of 2048
@@ -306,8 +306,8 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
     """What a shipped config of ours trades: the allocator's default (no expandable segments),
     compile, packing (what each config's header quotes), the optimizer's memory against speed
     (full fine-tunes), no activation checkpointing, or on every second layer instead of every
-    layer, or through torch's non-reentrant checkpoint instead of the reentrant one, torchtune's Llama RoPE
-    instead of ours (eager), QLoRA's NF4 weights dequantized by torchao instead of ours,
+    layer, or through torch's non-reentrant checkpoint instead of the reentrant one, torchtune's
+    Llama RoPE instead of ours (eager), QLoRA's NF4 weights dequantized by torchao instead of ours,
     a micro-batch twice as large over half the accumulation (the same examples a step), alone and
     compiled."""
     levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
