@@ -207,7 +207,11 @@ class StepDriver:
         self._data_shape: Optional[Dict[str, Any]] = None  # position()'s, built at its first call
         # save_checkpoint(epoch, position) of a single-device recipe, for a data error mid-epoch;
         # the last step boundary (global step, this rank's entry) and the newest step saved.
-        self._save_on_data_error = save_on_data_error
+        # NOTE: one device only, decided here: a distributed rank meeting a bad example is alone
+        # in that (the others are inside the step's collectives) and a save is a collective, so
+        # a distributed run neither saves nor snapshots its host state at every step.
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._save_on_data_error = None if distributed else save_on_data_error
         self._boundary: Optional[Tuple[int, Dict[str, Any]]] = None
         self._saved_step = global_step
         if not 0 <= first_step_in_epoch < steps_per_epoch:
@@ -317,11 +321,8 @@ class StepDriver:
         still those of that step: only ``finish`` changes them), then raise ``error`` saying
         so. Nothing is saved for a distributed run or with no new step; a non-finite step
         found here is raised instead (its weights are never checkpointed)."""
-        # NOTE: one device only. A distributed rank meeting a bad example is alone in that (the
-        # others are inside the step's collectives), and a save is a collective.
-        if (self._save_on_data_error is None or isinstance(error, NonFiniteError)
-                or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
-            return
+        if self._save_on_data_error is None or isinstance(error, NonFiniteError):
+            return  # (None: a distributed run, see __init__)
         # (no boundary yet: no step finished in this epoch)
         step, entry = self._boundary if self._boundary is not None else (self._saved_step, None)
         said = str(error).rstrip(".")

@@ -455,6 +455,22 @@ def test_a_bad_example_mid_epoch_saves_the_steps_before_it_at_their_boundary(ga)
         torch.testing.assert_close(saved, trained, rtol=0, atol=0)
 
 
+def test_a_distributed_run_neither_saves_at_a_data_error_nor_snapshots_each_step(monkeypatch):
+    """On several ranks a bad example stops the run without a save (the others are inside the
+    step's collectives; a save is one), and no step pays for the host snapshot a save needs."""
+    with monkeypatch.context() as m:  # two ranks when the driver is built (where it decides)
+        m.setattr(driver_mod.dist, "is_available", lambda: True)
+        m.setattr(driver_mod.dist, "is_initialized", lambda: True)
+        m.setattr(driver_mod.dist, "get_world_size", lambda *a: 2)
+        d, model, saves = _saving_driver(bad=5)
+    snapshots = []
+    monkeypatch.setattr(d, "_rank_entry", lambda: snapshots.append(1) or {})
+    with pytest.raises(ConfigError) as raised:
+        _train_saving(d, model)
+    assert str(raised.value).startswith("dataset: example 5 cannot be made into tokens")
+    assert "saved" not in str(raised.value) and saves == [] and snapshots == []
+
+
 def test_nothing_new_to_keep_saves_nothing_and_says_where_the_newest_checkpoint_stands():
     """No step finished since the run's start (the line unchanged), or since the recipe's last
     mid-epoch save (save_every_n_steps=4, example 4 failing in step 5: the line says step 4 is
