@@ -59,6 +59,11 @@ def packed_lengths(rows: int, seq_len: int, seed: int = 0) -> list:
     return packs
 
 
+def longest_document(packs: list, seq_len: int) -> int:
+    """The longest document of ``packs`` (lengths a row), a row's padding counted as one."""
+    return max(max(row + [seq_len - sum(row)] if sum(row) < seq_len else row) for row in packs)
+
+
 def timed(fn, reps: int, device: torch.device, warmup: int = 3):
     for _ in range(warmup):
         fn()
@@ -84,7 +89,7 @@ def new_layouts(b, s, h, kvh, d, reps, device, q, k, v, grad, flash_eager, cudnn
 
     packs = [packed_lengths(b, s, seed=seed) for seed in range(1, layouts + 1)]
     spans = [document_spans(p, s).to(device) for p in packs]
-    longest = [max(max(r + [s - sum(r)] if sum(r) < s else r) for r in p) for p in packs]
+    longest = [longest_document(p, s) for p in packs]
     ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     rows = []
     for name, fn, by_longest in (("flash varlen, eager", flash_eager, False),
@@ -172,7 +177,7 @@ def main(argv=None):
     ref_grads = [t.grad for t in ref_in]
 
     tokens = b * s
-    longest = max(max(r + [s - sum(r)] if sum(r) < s else r) for r in lens)
+    longest = longest_document(lens, s)
 
     def flat(qq, kk, vv):
         return qq.reshape(tokens, h, d), kk.reshape(tokens, kvh, d), vv.reshape(tokens, kvh, d)
