@@ -50,3 +50,11 @@ def test_a_header_command_validates(config, command, capsys):
     # --portable: the configs point at /tmp/<model> downloads and a CUDA device, absent here
     rc = main(["validate", "--portable", *rest[1:], "--recipe", recipe])
     assert rc == 0, f"{config}: `tune run {command}`: {capsys.readouterr().err[-500:]}"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*/*distributed.yaml")), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_a_distributed_config_does_not_promise_the_single_device_skip(path):
+    # NOTE: distributed recipes normalize by the all-reduced token count at every accumulation
+    # (tune_recipes/training/step/normalization.py): a comment promising the skip misleads
+    text = path.read_text()
+    assert "skips the multiply" not in text, f"{path}: distributed recipes never skip the normalization"
