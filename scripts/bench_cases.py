@@ -313,8 +313,10 @@ def _shipped_levers(recipe: str, ours: dict) -> list:
     levers = [_v("ours_default_allocator", "ours", "our config, the CUDA allocator's default settings",
                  env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}),
               _v("ours_compiled", "ours", "our config, compile=True", compile=True),
+              # the key a header names, alone: with the shipped padding_free=True the packs
+              # leave their padding out
               _v("ours_packed", "ours", "our config, dataset.packed=True (other steps: compare label tokens/s)",
-                 dataset={"packed": True}, padding_free=False)]
+                 dataset={"packed": True})]
     eight_bit = "8bit" in ours["optimizer"]["_component_"]
     ga = ours.get("gradient_accumulation_steps", 1)
     if recipe.startswith("full") and eight_bit:
