@@ -106,8 +106,8 @@ class QuantizationRecipe:
         return self._mode.replace("-qat", "")
 
     def setup(self, cfg: DictConfig) -> None:
-        if "qat" in self._mode:
-            check_quantizer_against_the_qat_run(cfg.quantizer, cfg.checkpointer.checkpoint_dir)
+        # any quantizer: a post-training one converts a QAT checkpoint too (torchtune's way)
+        check_quantizer_against_the_qat_run(cfg.quantizer, self._mode, cfg.checkpointer.checkpoint_dir)
         self._checkpointer = tt_config.instantiate(cfg.checkpointer)
         ckpt = read_checkpoint(self._checkpointer, cfg.checkpointer)
         with training.set_default_dtype(self._dtype), self._device:

@@ -190,6 +190,41 @@ def test_quantize_matches_fake_quantized_model(tmp_path, qat_reference):
     assert (out / "model-8da4w.pt").read_bytes() != saved["model-8da4w.pt"]
 
 
+def test_a_post_training_quantizer_converts_a_qat_checkpoint_only_as_trained(tmp_path, qat_reference):
+    """torchtune's way to convert a QAT checkpoint, its post-training counterpart at the run's
+    group size, gives the QAT conversion's model; another group size or another scheme is an
+    error naming the QAT run's, before anything is written."""
+    from torchtune.training.quantization import (Int8DynActInt4WeightQATQuantizer,
+                                                 Int8DynActInt4WeightQuantizer)
+
+    from tune_recipes.models import tiny_llama3
+
+    ptq = "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
+    source = f"checkpointer.checkpoint_dir={qat_reference / 'epoch_0'}"
+    tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path / 'qat'}", source)
+    tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={tmp_path / 'ptq'}", source, ptq)
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        converted = Int8DynActInt4WeightQuantizer(groupsize=32).quantize(tiny_llama3())
+        converted.load_state_dict(torch.load(tmp_path / "ptq" / "model-8da4w.pt", weights_only=False),
+                                  assign=True)
+        qat = Int8DynActInt4WeightQATQuantizer(groupsize=32)
+        reference = qat.convert(qat.prepare(tiny_llama3()))
+        reference.load_state_dict(torch.load(tmp_path / "qat" / "model-8da4w.pt", weights_only=False))
+        torch.testing.assert_close(converted(tokens), reference(tokens), rtol=1e-4, atol=1e-4)
+    for overrides, fragment in (
+            ([ptq, "quantizer.groupsize=64"], "trained with quantizer.groupsize=32"),
+            (["quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQATQuantizer",
+              "quantizer.groupsize=32", "dtype=bf16"],
+             "trained with quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer")):
+        out = tmp_path / "refused"
+        proc = tune("run", "quantize", "--config", "tiny/quantize", f"output_dir={out}", source, *overrides,
+                    check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert fragment in proc.stderr, proc.stderr[-2000:]
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("override, fragment", [
     ("quantizer._component_=torchtune.training.quantization.NoSuchQuantizer",
      "quantizer._component_: 'torchtune.training.quantization.NoSuchQuantizer' does not resolve"),

@@ -85,12 +85,22 @@ def _is_fake_quantizer(module: nn.Module) -> bool:
     return isinstance(module, FakeQuantizerBase)
 
 
-def check_quantizer_against_the_qat_run(cfg_quantizer, checkpoint_dir) -> None:
-    """Converting a QAT checkpoint: the quantizer must be the one its run trained with (the
-    int4 groups are the ones fake quantization trained). The run's ``config.yaml`` beside the
-    checkpoint folder (``<output_dir>/epoch_<n>/``'s parent) records it; a different class or
-    ``groupsize`` is a ConfigError naming both. No record (another layout): nothing to check."""
+def _scheme(mode: str) -> str:
+    """The quantization a quantizer mode converts to: a QAT quantizer's ("8da4w-qat",
+    "8da4w-qat-module-swap") is its post-training counterpart's ("8da4w")."""
+    return mode.split("-qat")[0]
+
+
+def check_quantizer_against_the_qat_run(cfg_quantizer, mode: str, checkpoint_dir) -> None:
+    """Converting a QAT checkpoint: the quantizer (``mode``: its torchtune mode) must quantize as
+    the run's trained: the same scheme (the QAT quantizer itself, or its post-training
+    counterpart, torchtune's documented way to convert a QAT checkpoint) and the same
+    ``groupsize`` (the int4 groups fake quantization trained). The run's ``config.yaml`` beside
+    the checkpoint folder (``<output_dir>/epoch_<n>/``'s parent) records its quantizer; another
+    scheme or group size is a ConfigError naming both. No record, or a run without a quantizer
+    (not QAT): nothing to check."""
     import yaml
+    from omegaconf import OmegaConf
 
     record = Path(str(checkpoint_dir)).parent / "config.yaml"
     if not record.is_file():
@@ -101,10 +111,22 @@ def check_quantizer_against_the_qat_run(cfg_quantizer, checkpoint_dir) -> None:
         return
     if not isinstance(trained, dict) or not trained.get("_component_"):
         return
-    for key in ("_component_", "groupsize"):
-        theirs, ours = trained.get(key), cfg_quantizer.get(key)
-        if theirs is not None and ours != theirs:
+    try:
+        trained_mode = tt_quant.get_quantizer_mode(tt_config.instantiate(OmegaConf.create(trained)))
+    except Exception:  # a record this torchtune cannot build: compare the names below
+        trained_mode = None
+    ours_name = cfg_quantizer.get("_component_")
+    if trained_mode is None or _scheme(trained_mode) != _scheme(mode):
+        if ours_name != trained["_component_"]:
             raise ConfigError(
-                f"quantizer.{key}={ours}, but the QAT run that wrote {checkpoint_dir} trained with "
-                f"quantizer.{key}={theirs} ({record}): set quantizer.{key}={theirs}, the "
-                "quantization its fake quantization trained")
+                f"quantizer._component_={ours_name} ({mode}), but the QAT run that wrote "
+                f"{checkpoint_dir} trained with quantizer._component_={trained['_component_']}"
+                f"{f' ({trained_mode})' if trained_mode else ''} ({record}): set "
+                f"quantizer._component_={trained['_component_']}, the quantization its fake "
+                "quantization trained")
+    theirs, ours = trained.get("groupsize"), cfg_quantizer.get("groupsize")
+    if theirs is not None and ours != theirs:
+        raise ConfigError(
+            f"quantizer.groupsize={ours}, but the QAT run that wrote {checkpoint_dir} trained with "
+            f"quantizer.groupsize={theirs} ({record}): set quantizer.groupsize={theirs}, the "
+            "quantization its fake quantization trained")
