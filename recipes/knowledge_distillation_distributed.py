@@ -6,7 +6,8 @@
 Student (LoRA) and frozen teacher are both sharded with FSDP2. The student minimizes
 ``(1 - kd_ratio) * loss(student, labels) + kd_ratio * kd_loss(teacher, student)`` (forward KL
 per token over the same unmasked tokens), normalized by the global token count like the other
-distributed recipes. ``class_loss`` and ``kd_loss`` are logged as global token means.
+distributed recipes. ``class_loss`` and ``kd_loss`` are logged as global token means (the
+shipped ``kd_loss`` logs the KL plus the teacher's entropy, which takes no gradient).
 
 The step's loss is the mean over the unmasked tokens of all micro-batches on all ranks (the NOTE
 in ``__init__``), so 1-rank and N-rank runs log the same numbers.

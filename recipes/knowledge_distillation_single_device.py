@@ -8,7 +8,9 @@ see the same batch. The student minimizes
 ``(1 - kd_ratio) * loss(student, labels) + kd_ratio * kd_loss(teacher, student)``, where
 ``kd_loss`` is the forward KL divergence of the student's next-token distribution from the
 teacher's, over the same unmasked tokens (so the mix is a per-token mean and is normalized
-exactly like every other recipe's loss). ``class_loss`` and ``kd_loss`` are logged per step.
+exactly like every other recipe's loss). ``class_loss`` and ``kd_loss`` are logged per step;
+the shipped ``kd_loss`` (torchtune's) is the teacher's cross-entropy against the student, the KL
+plus the teacher's entropy (no gradient), so its logged value stays above the KL.
 Teacher and student must share the tokenizer (vocabulary).
 
 Loss normalization is shared with every recipe (tune_recipes.training.step):

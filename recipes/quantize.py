@@ -107,7 +107,7 @@ class QuantizationRecipe:
 
     def setup(self, cfg: DictConfig) -> None:
         # any quantizer: a post-training one converts a QAT checkpoint too (torchtune's way)
-        check_quantizer_against_the_qat_run(cfg.quantizer, self._mode, cfg.checkpointer.checkpoint_dir)
+        check_quantizer_against_the_qat_run(self._quantizer, cfg.quantizer, cfg.checkpointer.checkpoint_dir)
         self._checkpointer = tt_config.instantiate(cfg.checkpointer)
         ckpt = read_checkpoint(self._checkpointer, cfg.checkpointer)
         with training.set_default_dtype(self._dtype), self._device:

@@ -214,7 +214,7 @@ def test_a_post_training_quantizer_converts_a_qat_checkpoint_only_as_trained(tmp
         torch.testing.assert_close(converted(tokens), reference(tokens), rtol=1e-4, atol=1e-4)
     for overrides, fragment in (
             ([ptq, "quantizer.groupsize=64"], "trained with quantizer.groupsize=32"),
-            (["quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQATQuantizer",
+            (["quantizer._component_=torchtune.training.quantization.Int4WeightOnlyQuantizer",
               "quantizer.groupsize=32", "dtype=bf16"],
              "trained with quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer")):
         out = tmp_path / "refused"

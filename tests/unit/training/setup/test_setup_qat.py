@@ -68,3 +68,49 @@ def test_fake_quant_turns_off_and_on_in_every_qat_layer(component):
     assert not any(m.enabled for m in fakes)
     hook.before_step(1)
     assert all(m.enabled for m in fakes)
+
+
+TT = "torchtune.training.quantization."
+
+
+@pytest.mark.parametrize("trained, converting, refused", [
+    # the QAT quantizer itself, its module swap, or 8da4w's post-training counterpart, at the
+    # trained group size: accepted
+    ({"_component_": QAT, "groupsize": 32}, {"_component_": QAT, "groupsize": 32}, None),
+    ({"_component_": QAT, "groupsize": 32}, {"_component_": TT + "Int8DynActInt4WeightQATQuantizerModuleSwap", "groupsize": 32}, None),
+    ({"_component_": QAT, "groupsize": 32}, {"_component_": TT + "Int8DynActInt4WeightQuantizer", "groupsize": 32}, None),
+    # a default counts as its value: the record's 256 is the QAT quantizer's default
+    ({"_component_": QAT, "groupsize": 256}, {"_component_": QAT}, None),
+    ({"_component_": QAT}, {"_component_": QAT, "groupsize": 64}, "quantizer.groupsize=64, but the QAT run"),
+    ({"_component_": QAT, "groupsize": 32}, {"_component_": TT + "Int8DynActInt4WeightQuantizer", "groupsize": 64},
+     "trained with quantizer.groupsize=32"),
+    # another scheme, or int4 weight-only's post-training quantizer (not shown equal): refused
+    ({"_component_": QAT, "groupsize": 32}, {"_component_": TT + "Int4WeightOnlyQATQuantizer", "groupsize": 32},
+     f"trained with quantizer._component_={QAT}"),
+    ({"_component_": TT + "Int4WeightOnlyQATQuantizer", "groupsize": 32},
+     {"_component_": TT + "Int4WeightOnlyQuantizer", "groupsize": 32}, "set quantizer._component_="),
+    ({"_component_": TT + "Int4WeightOnlyQATQuantizer", "groupsize": 32, "inner_k_tiles": 2},
+     {"_component_": TT + "Int4WeightOnlyQATQuantizer", "groupsize": 32}, "quantizer.inner_k_tiles=8, but"),
+])
+def test_a_conversion_must_quantize_as_the_qat_run_trained(tmp_path, trained, converting, refused):
+    from tune_recipes.training.setup.qat import check_quantizer_against_the_qat_run
+
+    (tmp_path / "epoch_0").mkdir()
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"quantizer": trained})))
+    cfg = OmegaConf.create(converting)
+    quantizer, _ = build_quantizer(cfg, torch.bfloat16, require_qat=False)
+    if refused is None:
+        check_quantizer_against_the_qat_run(quantizer, cfg, tmp_path / "epoch_0")
+    else:
+        with pytest.raises(ConfigError, match=refused.replace("(", r"\(").replace(".", r"\.")):
+            check_quantizer_against_the_qat_run(quantizer, cfg, tmp_path / "epoch_0")
+
+
+def test_a_checkpoint_of_a_run_without_a_quantizer_is_not_checked(tmp_path):
+    from tune_recipes.training.setup.qat import check_quantizer_against_the_qat_run
+
+    (tmp_path / "epoch_0").mkdir()
+    (tmp_path / "config.yaml").write_text("model:\n  _component_: tune_recipes.models.tiny_llama3\n")
+    cfg = OmegaConf.create({"_component_": TT + "Int4WeightOnlyQuantizer", "groupsize": 32})
+    quantizer, _ = build_quantizer(cfg, torch.bfloat16, require_qat=False)
+    check_quantizer_against_the_qat_run(quantizer, cfg, tmp_path / "epoch_0")  # no error
