@@ -689,3 +689,17 @@ def test_the_host_samples_report_lists_each_thread_by_its_shares(tmp_path, capsy
     assert " 50.0%  step/driver.py:367 backward" in out
     path.write_text(json.dumps({"rows": [{"variant": "ours_best"}]}))
     assert host_samples.main([str(path)]) == 1
+
+
+def test_lora_update_seen_reports_fp32_seeing_the_whole_step():
+    """scripts/lora_update_seen.py's reference: fp32's forward sees the fp64 step's loss change
+    (a path that loses nothing reads 1.000), so a bf16 path's fraction is measured against it."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "lora_update_seen.py"), "--small", "--no-compile",
+                           "--layers", "1", "--seq-len", "64", "--vocab", "512", "--lr", "3e-4"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r.split("|")[1].strip(): r.split("|")[3].strip() for r in proc.stdout.splitlines()
+            if r.startswith("| ") and "---" not in r and "path" not in r}
+    assert set(rows) == {"fp64", "fp32 eager", "bf16 eager"}
+    assert abs(float(rows["fp32 eager"]) - 1) < 0.01
+    assert float(rows["bf16 eager"]) != float(rows["fp32 eager"])  # measured, not copied
