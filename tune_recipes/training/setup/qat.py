@@ -139,10 +139,10 @@ def check_quantizer_against_the_qat_run(quantizer, cfg_quantizer, checkpoint_dir
                 f"quantizer._component_={ours_name}, but {where} quantizer._component_="
                 f"{theirs_name} ({record}): set quantizer._component_={theirs_name}, the "
                 "quantization its fake quantization trained")
-    if trained is None:
-        return
     for key in _GROUPING:
-        theirs, ours = getattr(trained, key, None), getattr(quantizer, key, None)
+        # a record this torchtune cannot build: its written values against the config's
+        theirs = getattr(trained, key, None) if trained is not None else trained_cfg.get(key)
+        ours = getattr(quantizer, key, None) if trained is not None else cfg_quantizer.get(key)
         if theirs is not None and ours is not None and ours != theirs:
             raise ConfigError(
                 f"quantizer.{key}={ours}, but {where} quantizer.{key}={theirs} ({record}): set "
