@@ -127,8 +127,7 @@ def check_quantizer_against_the_qat_run(quantizer, cfg_quantizer, checkpoint_dir
     theirs_name, ours_name = trained_cfg["_component_"], cfg_quantizer.get("_component_")
     where = f"the QAT run that wrote {checkpoint_dir} trained with"
     try:
-        trained = tt_config.instantiate(OmegaConf.create(trained_cfg))
-        trained_mode = tt_quant.get_quantizer_mode(trained)
+        trained, trained_mode = build_quantizer(OmegaConf.create(trained_cfg), require_qat=False)
     except Exception:  # a record this torchtune cannot build: only the class can be compared
         trained, trained_mode = None, None
     mode = tt_quant.get_quantizer_mode(quantizer)

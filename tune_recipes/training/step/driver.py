@@ -166,6 +166,11 @@ def complete_optimizer_step(normalizer: StepLossNormalizer, parameters: Iterable
     return loss_to_log, grad_norm, lr
 
 
+def _several_ranks() -> bool:
+    """Whether this process is one rank of several (a process group of more than one)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class StepDriver:
     """Runs the epochs of a training run; see the module docstring.
 
@@ -210,8 +215,7 @@ class StepDriver:
         # NOTE: one device only, decided here: a distributed rank meeting a bad example is alone
         # in that (the others are inside the step's collectives) and a save is a collective, so
         # a distributed run neither saves nor snapshots its host state at every step.
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._save_on_data_error = None if distributed else save_on_data_error
+        self._save_on_data_error = None if _several_ranks() else save_on_data_error
         self._boundary: Optional[Tuple[int, Dict[str, Any]]] = None
         self._saved_step = global_step
         if not 0 <= first_step_in_epoch < steps_per_epoch:
@@ -290,7 +294,7 @@ class StepDriver:
         self.reporter.flush()
         mine = {**self._rank_entry(), DATA_SHAPE: self._shape()}
         ranks = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _several_ranks():
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
         return Position(self.global_step, ranks)
